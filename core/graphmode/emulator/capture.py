@@ -1,0 +1,335 @@
+"""Capture: record every operator below autograd, as a device graph would.
+
+Two modes run while an emulated graph captures:
+
+- a dispatch mode records each aten operator (and each custom operator, as one
+  opaque call), runs it so that Python sees real values, and remembers the
+  memory it wrote that existed before the capture, to restore it afterwards:
+  a device capture runs nothing, so nothing outside the graph may change;
+- a function mode refuses host reads of device memory (``.item()``,
+  ``.tolist()``, printing, ...), which a device capture cannot contain.
+
+Data-dependent output shapes (``nonzero``, boolean masks) are refused too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from graphmode.emulator.host import is_host
+from graphmode.emulator.recording import (
+    EventReset,
+    EventWait,
+    OpRecord,
+    TaskGroup,
+    frozen_view,
+    is_mutating,
+    is_view,
+)
+from graphmode.errors import CaptureError, ReplayError
+
+if TYPE_CHECKING:
+    from graphmode.emulator.graph import EmulatedGraph
+
+__all__ = ["CaptureSession", "current_session", "register_updatable"]
+
+aten = torch.ops.aten
+_local = threading.local()
+_updatable: set[Any] = set()
+
+# Operators whose output shape depends on tensor values: the host must read
+# the device to size the result, which a graph capture cannot do.
+_DATA_DEPENDENT = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.argwhere.default,
+    aten._unique.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+}
+_BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+# Tensor methods that read device memory on the host.
+_HOST_READS = {
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.item,
+    torch.Tensor.cpu,
+    torch.Tensor.__repr__,
+    torch.Tensor.__str__,
+    torch.Tensor.__format__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
+
+_SKIP_FRAMES = (os.sep + "torch" + os.sep, os.path.join("graphmode", "emulator"), "contextlib.py")
+
+
+def register_updatable(op: Any) -> None:
+    """Declare an operator whose host arguments a graph captured with
+    ``auto_dispatch_capture`` may replace with ``graph.update`` (the emulator's
+    counterpart of torch_npu's ``npu_fused_infer_attention_score``)."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    _updatable.add(op)
+
+
+def current_session() -> CaptureSession | None:
+    """The capture under way in this thread, if any."""
+    return getattr(_local, "session", None)
+
+
+def call_site() -> str:
+    """``file:line in function`` of the innermost caller outside torch and
+    the emulator: where the user's code asked for the operation."""
+    for frame in reversed(traceback.extract_stack()):
+        if not any(part in frame.filename for part in _SKIP_FRAMES):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "<unknown>"
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an operator writes into, per its schema."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = kwargs.get(argument.name) if argument.name in kwargs else (
+            args[index] if index < len(args) else None
+        )
+        written.extend(_tensors(value))
+    return written
+
+
+def _normalise(func: Any, args: tuple, kwargs: dict) -> dict:
+    """All arguments by name, so that ``update`` can replace them by name."""
+    named = dict(kwargs)
+    for argument, value in zip(func._schema.arguments, args):
+        named[argument.name] = value
+    return named
+
+
+class CaptureSession:
+    """The state of one emulated capture: where records go, which memory the
+    capture allocated, and snapshots of pre-existing memory it wrote."""
+
+    def __init__(self, graph: EmulatedGraph) -> None:
+        self.graph = graph
+        self.steps: list = []
+        self.targets: list[list] = [self.steps]
+        self.open_groups: list[TaskGroup] = []
+        self.dispatch_records: list[DispatchRecord] = []
+        self.allocated: set[int] = set()
+        self.snapshots: dict[int, tuple[Any, Any]] = {}
+        self.in_operator = False
+        self.error: BaseException | None = None
+        self._modes = (_HostReadGuard(self), _Recorder(self))
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def start(self) -> None:
+        if current_session() is not None:
+            raise CaptureError(
+                "another graph is capturing in this thread; end that capture first "
+                "(captures do not nest, on a device either)"
+            )
+        _local.session = self
+        for mode in self._modes:
+            mode.__enter__()
+
+    def stop(self) -> None:
+        try:
+            for mode in reversed(self._modes):
+                mode.__exit__(None, None, None)
+        finally:
+            _local.session = None
+            # A device capture runs nothing: undo every write the warm
+            # capture made to memory that existed before it.
+            for storage, saved in self.snapshots.values():
+                storage.copy_(saved)
+            self.snapshots.clear()
+
+    def fail(self, error: BaseException) -> BaseException:
+        self.error = error
+        return error
+
+    # -- recording ----------------------------------------------------------
+
+    def append(self, step: Any) -> None:
+        self.targets[-1].append(step)
+
+    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        input_keys = {_storage_key(t) for t in _tensors((args, kwargs))}
+        if is_mutating(func):
+            for tensor in _written(func, args, kwargs):
+                key = _storage_key(tensor)
+                if key not in self.allocated and key not in self.snapshots:
+                    storage = tensor.untyped_storage()
+                    self.snapshots[key] = (storage, storage.clone())
+        self.in_operator = True
+        try:
+            outputs = func(*args, **kwargs)
+        finally:
+            self.in_operator = False
+        # Keep our own containers: the caller may reuse its lists.
+        args, kwargs = tree_map(lambda x: x, (args, kwargs))
+        targets = tree_map(lambda x: frozen_view(x) if isinstance(x, torch.Tensor) else x, outputs)
+        self.append(OpRecord(func, args, kwargs, outputs, targets))
+        if not is_mutating(func):
+            for tensor in _tensors(outputs):
+                key = _storage_key(tensor)
+                if key not in input_keys:
+                    self.allocated.add(key)
+        return outputs
+
+    def record_updatable(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """As torch_npu's dispatch capture does: the operator waits on an
+        external event, runs inside its own task group, and is remembered so
+        that ``update`` can re-issue it with new host arguments."""
+        from graphmode.emulator.npu import ExternalEvent
+
+        event = ExternalEvent()
+        where = call_site()
+        self.append(EventWait(event, where))
+        self.append(EventReset(event))
+        group = TaskGroup()
+        self.append(group)
+        self.targets.append(group.steps)
+        try:
+            named = _normalise(func, args, kwargs)
+            outputs = self.record(func, (), named)
+        finally:
+            self.targets.pop()
+        self.dispatch_records.append(DispatchRecord(func, named, outputs, event, group))
+        return outputs
+
+    # -- refusing host synchronisation -------------------------------------
+
+    def refuse(self, what: str, reason: str) -> CaptureError:
+        return self.fail(
+            CaptureError(
+                f"{what} inside graph capture ({reason}): a device graph cannot "
+                f"capture a host read of device memory. Called at {call_site()}. "
+                "Keep host reads out of the captured forward: compute on the device, "
+                "or read a host copy prepared before the step."
+            )
+        )
+
+
+class DispatchRecord:
+    """One updatable operator captured with ``auto_dispatch_capture``."""
+
+    def __init__(self, func: Any, kwargs: dict, outputs: Any, event: Any, group: TaskGroup) -> None:
+        self.func, self.kwargs, self.outputs, self.event, self.group = func, kwargs, outputs, event, group
+        self.targets = group.steps[-1].targets
+
+    def update(self, changes: dict[str, Any]) -> None:
+        unknown = sorted(set(changes) - set(self.kwargs))
+        if unknown:
+            raise ReplayError(
+                f"update names {unknown}, which {self.func} does not take; "
+                f"its arguments are {sorted(self.kwargs)}"
+            )
+        for name, value in changes.items():
+            # The update is issued now: a host tensor is read now.
+            self.kwargs[name] = value.tolist() if isinstance(value, torch.Tensor) else value
+        self.group.replace([OpRecord(self.func, (), dict(self.kwargs), self.outputs, self.targets)])
+        self.event.recorded = True
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, session: CaptureSession) -> None:
+        super().__init__()
+        self.session = session
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        session = self.session
+        if func is aten._local_scalar_dense.default:
+            if is_host(args[0]):
+                return func(*args, **kwargs)
+            raise session.refuse(f"{func} (.item())", "a device-to-host read")
+        if func in _DATA_DEPENDENT:
+            raise session.refuse(str(func), "its output size depends on tensor values")
+        indices = args[1] if len(args) > 1 else kwargs.get("indices")
+        if func in _BOOL_INDEXED and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(indices)):
+            raise session.refuse(f"{func} with a boolean mask", "its output size depends on tensor values")
+        if func in _updatable and session.graph.auto_dispatch_capture:
+            return session.record_updatable(func, args, kwargs)
+        return session.record(func, args, kwargs)
+
+
+class _HostReadGuard(TorchFunctionMode):
+    def __init__(self, session: CaptureSession) -> None:
+        super().__init__()
+        self.session = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.session.in_operator and args and isinstance(args[0], torch.Tensor):
+            reads_host = func in _HOST_READS or (func is torch.Tensor.to and _targets_cpu(args[1:], kwargs))
+            if reads_host and not is_host(args[0]):
+                name = getattr(func, "__name__", str(func))
+                raise self.session.refuse(f"Tensor.{name}()", "a device-to-host read")
+        return func(*args, **kwargs)
+
+
+def _targets_cpu(args: tuple, kwargs: dict) -> bool:
+    for value in (*args, kwargs.get("device")):
+        if isinstance(value, (str, torch.device)):
+            try:
+                if torch.device(value).type == "cpu":
+                    return True
+            except RuntimeError:
+                continue
+    return False
+
+
+class UpdateSession(TorchDispatchMode):
+    """Between ``graph_task_update_begin`` and ``_end``: operators are not run
+    but recorded, to replace a captured task group's records, as an ACL task
+    update rewrites the captured tasks' parameters."""
+
+    def __init__(self, group: TaskGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.steps: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_view(func):
+            return func(*args, **kwargs)
+        if not is_mutating(func):
+            raise ReplayError(
+                f"{func} was issued inside a task update but allocates its result, "
+                "which the captured graph never reads. Re-issue the captured operator "
+                "in its out= form, writing into the captured output."
+            )
+        self.steps.append(OpRecord(func, args, dict(kwargs), None))
+        written = _written(func, args, kwargs)
+        return written[0] if len(written) == 1 else tuple(written)
+
+    def finish(self) -> None:
+        self.group.replace(self.steps)

@@ -1,0 +1,219 @@
+"""EmulatedGraph: a device graph for the CPU, with a device graph's semantics.
+
+Capture records the operator stream (see ``capture.py``); replay re-runs it on
+the very same tensors. What a captured forward read at fixed addresses is read
+live at replay, host values are frozen at capture, outputs keep their identity,
+random operators draw fresh numbers, and a capture leaves no side effect.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from graphmode.emulator.capture import CaptureSession
+from graphmode.emulator.recording import EventReset, EventWait, OpRecord, TaskGroup, compile_steps
+from graphmode.errors import CaptureError, ReplayError
+from graphmode.graphs.base import DeviceGraph
+
+__all__ = ["EmulatedGraph", "EmulatedPool"]
+
+
+class EmulatedPool:
+    """A memory-pool token. Graphs captured into one pool share ownership of
+    the memory their captures allocated: it lives while any of them holds it."""
+
+    def __init__(self) -> None:
+        self._graphs: weakref.WeakSet[EmulatedGraph] = weakref.WeakSet()
+
+    def add(self, graph: EmulatedGraph) -> None:
+        self._graphs.add(graph)
+
+    def discard(self, graph: EmulatedGraph) -> None:
+        self._graphs.discard(graph)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def nbytes(self) -> int:
+        """Bytes of the memory the pool's captures allocated and still hold."""
+        storages = {}
+        for graph in list(self._graphs):
+            for storage in graph.allocated_storages():
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def __repr__(self) -> str:
+        return f"<EmulatedPool {id(self):#x}: {self.num_graphs} graphs>"
+
+
+class EmulatedGraph(DeviceGraph):
+    """A CPU stand-in for ``torch.cuda.CUDAGraph`` / ``torch.npu.NPUGraph``.
+
+    ``auto_dispatch_capture`` mirrors torch_npu's switch of the same name:
+    when set before capture, operators registered with
+    :func:`graphmode.emulator.register_updatable` can later have host
+    arguments replaced by :meth:`update`.
+    """
+
+    def __init__(self) -> None:
+        self.auto_dispatch_capture = False
+        self._session: CaptureSession | None = None
+        self._steps: list = []
+        self._compiled: list = []
+        self._dispatch_records: list = []
+        self._allocated: list[torch.Tensor] = []
+        self._pool: EmulatedPool | None = None
+        self._state = "empty"
+        self.replays = 0
+
+    # -- capture ------------------------------------------------------------
+
+    def capture_begin(self, pool: Any = None) -> None:
+        if self._state != "empty":
+            raise CaptureError(
+                f"this graph is {self._state}; call reset() before capturing it again"
+            )
+        if pool is not None and not isinstance(pool, EmulatedPool):
+            raise CaptureError(f"pool={pool!r} is not a token from EmulatedGraph.pool()")
+        session = CaptureSession(self)
+        session.start()
+        self._session = session
+        self._pool = pool or EmulatedPool()
+        self._pool.add(self)
+        self._state = "capturing"
+
+    def capture_end(self) -> None:
+        session = self._session
+        if session is None:
+            raise CaptureError("capture_end without capture_begin")
+        self._session = None
+        session.stop()
+        if session.error is not None:
+            self._state = "invalidated"
+            raise CaptureError(
+                "the capture was invalidated by an earlier error "
+                f"({session.error.__class__.__name__}); reset() and capture again"
+            ) from session.error
+        self._steps = session.steps
+        self._dispatch_records = session.dispatch_records
+        self._allocated = [
+            tensor
+            for step in _walk(self._steps)
+            if isinstance(step, OpRecord)
+            for tensor in _output_tensors(step.outputs)
+            if tensor.untyped_storage().data_ptr() in session.allocated
+        ]
+        self._compiled = compile_steps(self._steps)
+        self._state = "captured"
+
+    # -- replay and updates -------------------------------------------------
+
+    def replay(self) -> None:
+        if self._state != "captured":
+            raise ReplayError(f"replay of a graph that is {self._state}; capture it first")
+        with torch.inference_mode():
+            for step in self._compiled:
+                step()
+        self.replays += 1
+
+    def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
+        """Replace host arguments of the updatable operators captured with
+        ``auto_dispatch_capture``: one dict per operator in capture order, or
+        one dict for all, as torch_npu's ``NPUGraph.update``."""
+        if self._state != "captured":
+            raise ReplayError(f"update of a graph that is {self._state}; capture it first")
+        records = self._dispatch_records
+        if not records:
+            raise ReplayError(
+                "this graph captured no updatable operator (capture with "
+                "auto_dispatch_capture=True and call an operator registered with "
+                "register_updatable), so there is nothing to update"
+            )
+        if len(cpu_update_input) == 1:
+            cpu_update_input = [cpu_update_input[0]] * len(records)
+        if len(cpu_update_input) != len(records):
+            raise ReplayError(
+                f"update got {len(cpu_update_input)} dicts for {len(records)} captured "
+                "updatable operators; pass one dict for all, or one per operator in "
+                "capture order"
+            )
+        for record, changes in zip(records, cpu_update_input):
+            record.update(changes)
+
+    @property
+    def num_updatable(self) -> int:
+        return len(self._dispatch_records)
+
+    # -- lifetime -----------------------------------------------------------
+
+    def reset(self) -> None:
+        if self._session is not None:
+            raise CaptureError("reset() during capture; end the capture first")
+        if self._pool is not None:
+            self._pool.discard(self)
+        self._steps, self._compiled, self._dispatch_records, self._allocated = [], [], [], []
+        self._pool = None
+        self._state = "empty"
+        self.replays = 0
+
+    def pool(self) -> EmulatedPool:
+        if self._pool is None:
+            raise CaptureError("pool() of a graph that was never captured")
+        return self._pool
+
+    def allocated_storages(self) -> list[Any]:
+        return [tensor.untyped_storage() for tensor in self._allocated]
+
+    @property
+    def num_ops(self) -> int:
+        """Operators recorded (views and host answers included)."""
+        return sum(1 for step in _walk(self._steps) if isinstance(step, OpRecord))
+
+    def debug_dump(self, path: str) -> None:
+        """Write the recorded operators, one per line, with how each replays."""
+        replayed = {id(s) for s in _walk(self._steps) if s.replay_step() is not None}
+        with open(path, "w") as out:
+            for index, step in enumerate(_walk(self._steps)):
+                how = "replay" if id(step) in replayed else "skip"
+                out.write(f"{index:5d} {how:6s} {_describe(step)}\n")
+
+
+def _output_tensors(outputs: Any) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)):
+        return [t for t in outputs if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _walk(steps: list):
+    for step in steps:
+        if isinstance(step, TaskGroup):
+            yield step
+            yield from _walk(step.steps)
+        else:
+            yield step
+
+
+def _describe(step: Any) -> str:
+    if isinstance(step, OpRecord):
+        def show(value: Any) -> str:
+            if isinstance(value, torch.Tensor):
+                return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+            if isinstance(value, (list, tuple)):
+                return "[" + ", ".join(show(v) for v in value) + "]"
+            return repr(value)
+
+        args = ", ".join([show(a) for a in step.args] + [f"{k}={show(v)}" for k, v in step.kwargs.items()])
+        return f"{step.func}({args}) -> {show(step.outputs)}"
+    if isinstance(step, EventWait):
+        return f"wait external event {id(step.event):#x}"
+    if isinstance(step, EventReset):
+        return f"reset external event {id(step.event):#x}"
+    if isinstance(step, TaskGroup):
+        return f"task group ({len(step.steps)} operators)"
+    return repr(step)

@@ -1,0 +1,203 @@
+"""What an emulated graph records, and how each record replays.
+
+A recording is a list of steps. Each operator record knows how it replays:
+
+- views (and ops whose result shares its input's memory) are skipped: their
+  result keeps aliasing the same fixed memory, as on a device;
+- operators that write into their arguments run again as recorded;
+- other operators write their result into the tensors the capture returned,
+  through their ``out=`` overload when there is one, else by a copy.
+
+Event steps and task groups model Ascend's ACL task updates (see ``npu.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from graphmode.errors import ReplayError
+
+__all__ = ["EventReset", "EventWait", "OpRecord", "TaskGroup", "compile_steps"]
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+_out_variants: dict[Any, tuple[Any, list[str]] | None] = {}
+
+
+def out_variant(func: torch._ops.OpOverload) -> tuple[Any, list[str]] | None:
+    """The ``out=`` overload of a functional operator and its out-argument
+    names, or None. Matched by argument names and types, since overload names
+    vary (``add.Tensor`` -> ``add.out``, ``mul.Scalar`` -> ``mul.Scalar_out``)."""
+    if func in _out_variants:
+        return _out_variants[func]
+    schema = func._schema
+    wanted = [(a.name, str(a.type)) for a in schema.arguments]
+    found = None
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        arguments = candidate._schema.arguments
+        outs = [a.name for a in arguments if a.is_out]
+        if not outs or len(outs) != len(schema.returns):
+            continue
+        if [(a.name, str(a.type)) for a in arguments if not a.is_out] == wanted:
+            found = (candidate, outs)
+            break
+    _out_variants[func] = found
+    return found
+
+
+def changes_metadata_only(func: torch._ops.OpOverload) -> bool:
+    """In-place view operators (``squeeze_``, ``t_``) change a tensor's shape,
+    not its memory: done once at capture, never again."""
+    return torch.Tag.inplace_view in getattr(func, "tags", ())
+
+
+def frozen_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A view with ``tensor``'s current shape and strides, unaffected by later
+    in-place view operators on ``tensor`` itself."""
+    return tensor.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def is_mutating(func: torch._ops.OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def is_view(func: torch._ops.OpOverload) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+@dataclass
+class OpRecord:
+    """One operator call: ``func(*args, **kwargs)`` returned ``outputs``.
+
+    ``targets`` are views of the outputs as they were returned, which replay
+    writes into (the outputs themselves may be reshaped in place later)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    outputs: Any
+    targets: Any = None
+
+    def replay_step(self) -> Callable[[], None] | None:
+        """A no-argument callable that redoes this call, or None to skip it."""
+        func, args, kwargs = self.func, self.args, self.kwargs
+        if changes_metadata_only(func):
+            return None
+        if is_mutating(func):
+            return _bind(func, args, kwargs)
+        outputs = _tensors(self.outputs)
+        if not outputs:
+            return None  # a host-side answer (sizes, strides): frozen
+        # Views keep aliasing the same fixed memory: nothing to recompute. The
+        # memory decides, not the schema: ``to`` or ``reshape`` may alias or copy.
+        inputs = {_storage_key(t) for t in _tensors((args, kwargs))}
+        if all(_storage_key(t) in inputs for t in outputs):
+            return None
+        targets = self.targets if self.targets is not None else self.outputs
+        variant = out_variant(func)
+        if variant is not None:
+            out_func, out_names = variant
+            out_kwargs = dict(kwargs)
+            results = targets if isinstance(targets, (tuple, list)) else (targets,)
+            out_kwargs.update(zip(out_names, results))
+            return _bind(out_func, args, out_kwargs)
+        return _copy_back(func, args, kwargs, targets)
+
+
+def _bind(func: Any, args: tuple, kwargs: dict) -> Callable[[], None]:
+    call = getattr(func, "_op", func)  # skip OpOverload's Python frame
+    return lambda: call(*args, **kwargs)
+
+
+def _copy_back(func: Any, args: tuple, kwargs: dict, outputs: Any) -> Callable[[], None]:
+    call = getattr(func, "_op", func)
+    if isinstance(outputs, torch.Tensor):
+        return lambda: outputs.copy_(call(*args, **kwargs))
+    targets = list(outputs)
+
+    def step() -> None:
+        for target, result in zip(targets, call(*args, **kwargs)):
+            if isinstance(target, torch.Tensor):
+                target.copy_(result)
+
+    return step
+
+
+@dataclass
+class EventWait:
+    """The graph waits until the event is recorded (by a parameter update)."""
+
+    event: Any
+    where: str = ""
+
+    def replay_step(self) -> Callable[[], None]:
+        event = self.event
+
+        def wait() -> None:
+            if not event.recorded:
+                raise ReplayError(
+                    "replay reached an ExternalEvent wait that no parameter update "
+                    "recorded since the last replay; on the device this replay would "
+                    "hang. Update the graph's captured parameters (graph.update or a "
+                    f"task update ending in event.record) before every replay. Captured at {self.where}"
+                )
+
+        return wait
+
+
+@dataclass
+class EventReset:
+    event: Any
+
+    def replay_step(self) -> Callable[[], None]:
+        event = self.event
+
+        def reset() -> None:
+            event.recorded = False
+
+        return reset
+
+
+@dataclass(eq=False)
+class TaskGroup:
+    """Records captured between ``graph_task_group_begin`` and ``_end``; a task
+    update replaces them with the records issued during the update."""
+
+    steps: list = field(default_factory=list)
+    compiled: list = field(default_factory=list)
+
+    def replace(self, steps: list) -> None:
+        self.steps = steps
+        self.compiled = compile_steps(steps)
+
+    def replay_step(self) -> Callable[[], None]:
+        def run_group() -> None:
+            for step in self.compiled:
+                step()
+
+        return run_group
+
+
+def compile_steps(steps: list) -> list[Callable[[], None]]:
+    """The callables a replay runs, in order, skipping what needs no work."""
+    compiled = []
+    for step in steps:
+        if isinstance(step, TaskGroup):
+            step.compiled = compile_steps(step.steps)
+        call = step.replay_step()
+        if call is not None:
+            compiled.append(call)
+    return compiled
