@@ -1,0 +1,95 @@
+"""RunnerConfig: what an engine asks of graph mode, checked once at start-up.
+
+The vendor's ``graphmode_check_config`` hooks see it before anything is
+allocated and may refuse it or fill in vendor options.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphmode.errors import ConfigError
+
+__all__ = ["EXECUTE_MODES", "ENV_EXECUTE_MODE", "RunnerConfig", "resolve_execute_mode"]
+
+EXECUTE_MODES = ("graph", "eager")
+ENV_EXECUTE_MODE = "GRAPHMODE_EXECUTE_MODE"
+
+
+def resolve_execute_mode(requested: str | None) -> str:
+    """The execute mode: the environment variable wins over the argument.
+
+    The variable exists so an operator can switch a deployed engine to eager
+    mode (the reference path) without touching its code.
+    """
+    mode = os.environ.get(ENV_EXECUTE_MODE) or requested or "graph"
+    mode = mode.strip().lower()
+    if mode not in EXECUTE_MODES:
+        source = f"${ENV_EXECUTE_MODE}" if os.environ.get(ENV_EXECUTE_MODE) else "execute_mode"
+        raise ConfigError(
+            f"{source}={mode!r} is not an execute mode; use one of {', '.join(EXECUTE_MODES)}"
+        )
+    return mode
+
+
+@dataclass
+class RunnerConfig:
+    """Graph-mode settings of one runner.
+
+    max_batches: the most sequences the engine ever puts in one decode step.
+    num_blocks: the widest block table a sequence may have.
+    block_size: tokens per KV-cache block.
+    device: the model's device; "cpu" runs the graph emulator.
+    execute_mode: "graph" or "eager" (``$GRAPHMODE_EXECUTE_MODE`` overrides).
+    capture_batch_sizes: the user's bucket list; None lets the vendor choose.
+    num_layers: decoder layers of the model, for vendors that budget graph
+        resources per layer; None when unknown.
+    vendor_options: free-form settings for the vendor plugin.
+    """
+
+    max_batches: int
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    execute_mode: str = "graph"
+    capture_batch_sizes: tuple[int, ...] | None = None
+    num_layers: int | None = None
+    vendor_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        for name in ("max_batches", "num_blocks", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        self.execute_mode = resolve_execute_mode(self.execute_mode)
+        if self.capture_batch_sizes is not None:
+            self.capture_batch_sizes = _clean_capture_sizes(
+                self.capture_batch_sizes, self.max_batches
+            )
+
+
+def _clean_capture_sizes(sizes: Any, max_batches: int) -> tuple[int, ...]:
+    """Sorted, unique, each within 1..max_batches; anything else is an error."""
+    try:
+        values = [int(s) for s in sizes]
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"capture_batch_sizes={sizes!r}: must be a list of integers"
+        ) from None
+    if not values:
+        raise ConfigError(
+            "capture_batch_sizes is empty: give at least one size, or None to "
+            "let the vendor choose, or execute_mode='eager' to capture nothing"
+        )
+    bad = [v for v in values if not 1 <= v <= max_batches]
+    if bad:
+        raise ConfigError(
+            f"capture_batch_sizes has {bad}, outside 1..max_batches={max_batches}; "
+            "drop those sizes or raise max_batches"
+        )
+    return tuple(sorted(set(values)))

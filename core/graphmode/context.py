@@ -1,0 +1,97 @@
+"""The step context: what one forward step tells the model's attention.
+
+An engine builds an :class:`AttnMetadata` for every step and passes it to the
+model as ``attn_metadata``; graphmode's runner hands the model a copy whose
+tensors are the graph's fixed buffers. :class:`StepInputs` bundles all the
+arguments of one model call, which is what the hooks receive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["AttnMetadata", "StepInputs"]
+
+
+@dataclass
+class AttnMetadata:
+    """Attention inputs of one step, for ``batch`` sequences and ``T`` new tokens.
+
+    Tensors live on the model's device unless said otherwise. Integer tensors
+    may be int32 or int64.
+
+    is_decoding: every sequence adds exactly one token (``T == batch``).
+    block_offsets: (batch, width) the KV-cache block ids of each sequence, in
+        order. Block 0 is reserved for padding: an engine never gives it to a
+        sequence.
+    q_start_loc: (batch,) index of each sequence's first new token.
+    q_seqlens: (batch,) new tokens per sequence.
+    kv_seqlens: (batch,) tokens in the cache per sequence, this step's included.
+    kv_start_indices: (T,) the cache slot (``block * block_size + offset``)
+        each new token's key and value are written to; -1 writes nothing.
+    max_q_seq_len, max_kv_seq_len: host maxima of the lengths. A graph freezes
+        host values, so in graph mode graphmode sets them to -1, meaning
+        "derive on the device from the length tensors".
+    kv_seqlens_cpu: optional host copy of ``kv_seqlens`` for kernels that take
+        lengths as host values (Ascend). Engines know the lengths on the host;
+        passing them avoids a device-to-host copy per step.
+    x_active_mask: (T,) bool, False for padding tokens, for MoE dispatch. Set by
+        the vendors that need it; None otherwise.
+    """
+
+    is_decoding: bool
+    block_offsets: torch.Tensor
+    q_start_loc: torch.Tensor
+    q_seqlens: torch.Tensor
+    kv_seqlens: torch.Tensor
+    kv_start_indices: torch.Tensor
+    max_q_seq_len: int
+    max_kv_seq_len: int
+    kv_seqlens_cpu: torch.Tensor | None = None
+    x_active_mask: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.q_seqlens.shape[0]
+
+    def replace(self, **changes: Any) -> AttnMetadata:
+        """A copy with some fields changed (the original is left as is)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class StepInputs:
+    """The arguments of one model forward call.
+
+    ``input_ids`` and ``position_ids`` have shape (1, T): one row holding the
+    tokens of every sequence back to back. ``extras`` are further keyword
+    arguments passed to the model unchanged.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    past_key_values: Any
+    attn_metadata: AttnMetadata
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.attn_metadata.batch_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[-1]
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``model(**kwargs)``."""
+        return dict(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            past_key_values=self.past_key_values,
+            attn_metadata=self.attn_metadata,
+            **self.extras,
+        )

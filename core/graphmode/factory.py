@@ -1,0 +1,73 @@
+"""build_graph_runner: the one call an engine makes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphmode.config import RunnerConfig
+from graphmode.plugins import select_vendor
+from graphmode.runner import GraphRunner
+
+__all__ = ["build_graph_runner", "model_device"]
+
+
+def model_device(model: Any) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU if none)."""
+    for tensor in (*model.parameters(), *model.buffers()) if hasattr(model, "parameters") else ():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def build_graph_runner(
+    model: Any,
+    *,
+    max_batches: int,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device | str | None = None,
+    vendor: str | None = None,
+    execute_mode: str = "graph",
+    capture_batch_sizes: Sequence[int] | None = None,
+    num_layers: int | None = None,
+    vendor_options: dict[str, Any] | None = None,
+) -> GraphRunner:
+    """A runner that serves ``model``'s decode steps from device graphs.
+
+    model: any callable taking ``input_ids, position_ids, past_key_values,
+        attn_metadata`` (plus extras) and returning tensors whose second
+        dimension is the token (hidden states or logits).
+    max_batches: the most sequences per step; num_blocks: the widest block
+        table; block_size: tokens per KV block.
+    device: the model's device by default; "cpu" captures emulated graphs.
+    vendor: a vendor name; else ``$GRAPHMODE_VENDOR``; else detection.
+    execute_mode: "graph", or "eager" to run everything eagerly
+        (``$GRAPHMODE_EXECUTE_MODE`` overrides either).
+    capture_batch_sizes: the buckets to capture; batches above the largest run
+        eagerly. None lets the vendor choose.
+    num_layers: decoder layers, for vendors that budget graph resources;
+        read from ``model.config`` when None.
+    vendor_options: settings for the vendor plugin (see its docs).
+    """
+    device = torch.device(device) if device is not None else model_device(model)
+    if device.type != "cpu" and device.index is None:
+        module = getattr(torch, device.type, None)
+        if module is not None and hasattr(module, "current_device") and module.is_available():
+            device = torch.device(device.type, module.current_device())
+    chosen = select_vendor(vendor, device)
+    if num_layers is None:
+        config = getattr(model, "config", None)
+        num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "num_layers", None)
+    config = RunnerConfig(
+        max_batches=max_batches,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        device=device,
+        execute_mode=execute_mode,
+        capture_batch_sizes=tuple(capture_batch_sizes) if capture_batch_sizes is not None else None,
+        num_layers=num_layers,
+        vendor_options=dict(vendor_options or {}),
+    )
+    return GraphRunner(model, config, chosen)

@@ -1,0 +1,202 @@
+"""Hook specifications: everything a vendor plugin can provide.
+
+A vendor plugin is a module (or object) with functions decorated by
+``graphmode.hookimpl`` whose names match the functions below. The built-in
+CUDA plugin (``graphmode.default``) implements every hook; a vendor registers
+after it and therefore answers first, so it overrides only what it must.
+
+Call semantics are stated per hook: "first result" hooks stop at the first
+implementation that returns something other than None; the others call every
+implementation, the vendor's first. A plugin extends a default instead of
+replacing it with ``@hookimpl(wrapper=True)``: ``result = yield`` runs the
+rest, then the wrapper may change the result.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from graphmode.config import RunnerConfig
+    from graphmode.context import StepInputs
+    from graphmode.graphs import DeviceGraph
+    from graphmode.meta import GraphMeta
+    from graphmode.model.ops import AttentionOps
+    from graphmode.plugins import VendorInfo
+
+hookspec = pluggy.HookspecMarker("graphmode")
+
+
+# -------------------------------------------------------------------------
+# Identity and configuration
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def graphmode_vendor_info() -> VendorInfo:
+    """Describe this vendor: its name, the device types it runs on, its
+    runtime and version, and whether its hardware is present here (with the
+    reason when not). Called to list and auto-detect vendors; it must be cheap
+    and must not fail when the runtime is missing.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec
+def graphmode_check_config(config: RunnerConfig) -> None:
+    """Check and normalise the runner configuration before anything is
+    allocated. Raise :class:`graphmode.ConfigError` to refuse a setting, with
+    the value and the fix in the message; fill in defaults by changing
+    ``config.vendor_options`` in place.
+
+    Every implementation is called, the vendor's first.
+    """
+
+
+# -------------------------------------------------------------------------
+# Buckets
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def graphmode_capture_sizes(config: RunnerConfig) -> list[int]:
+    """The batch sizes to capture a graph for: ascending, unique, within
+    ``1..config.max_batches``. ``config.capture_batch_sizes`` is the user's
+    list when given; a plugin may trim it (a stream budget, say) but must not
+    add sizes to it.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def graphmode_compatible_size(batch_size: int, capture_sizes: tuple[int, ...]) -> int | None:
+    """The bucket a batch of ``batch_size`` sequences runs in: a member of
+    ``capture_sizes`` that is >= batch_size, or None when no graph can hold
+    it (the step then runs eagerly). The runner calls it once per batch size
+    at start-up and checks every answer.
+
+    Stops at the first non-None result.
+    """
+
+
+# -------------------------------------------------------------------------
+# Buffers and the step context
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def graphmode_make_buffers(meta: GraphMeta) -> dict[str, torch.Tensor]:
+    """Allocate the fixed input buffers, sized by ``meta`` (``max_batchs``
+    rows per sequence, ``max_tokens`` per token). Called once per runner.
+
+    Each buffer must hold its padding value when returned: the runner
+    snapshots them into ``meta.padding_buffers`` and fills unused rows from
+    that snapshot. Padding must be neutral: slot -1 (no KV write), block rows
+    on reserved block 0, lengths that make valid, harmless work.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def graphmode_fill_buffers(
+    meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int
+) -> bool:
+    """Copy the live rows of ``inputs`` into ``meta.input_buffers`` and reset
+    rows ``batch_size..bucket`` to their padding values. Called before every
+    capture and every replay; must not read device values on the host (that
+    would synchronise every step), and filling twice with the same inputs
+    must leave the same buffers.
+
+    Return True once done. Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def graphmode_update_context(
+    meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int
+) -> StepInputs:
+    """The step inputs the captured forward sees: every per-step tensor
+    replaced by a view of its buffer holding ``bucket`` rows, host values a
+    graph would freeze replaced by their dynamic form (-1 maxima).
+
+    Called before each capture; the graph keeps reading the same buffers at
+    every replay, so the result must contain no tensor that a later step
+    replaces. Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def graphmode_get_outputs(meta: GraphMeta, batch_size: int, num_tokens: int) -> Any:
+    """The step's result from ``meta.output_buffers["output"]`` (what the
+    captured forward returned), cut to the ``num_tokens`` live tokens. The
+    result may be a view of the output buffer, valid until the next replay.
+
+    Stops at the first non-None result.
+    """
+
+
+# -------------------------------------------------------------------------
+# The device graph
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def graphmode_make_graph(meta: GraphMeta) -> DeviceGraph:
+    """A new, empty :class:`graphmode.graphs.DeviceGraph` for ``meta.device``
+    (the CPU emulator on "cpu"). Return None for devices this plugin does not
+    drive so that the default answers.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec
+def graphmode_update_graph_params(
+    graph: DeviceGraph, meta: GraphMeta, batch_size: int, bucket: int
+) -> None:
+    """Push this step's host-side kernel arguments into a captured graph,
+    after its buffers were filled and before it replays (Ascend's kv lengths).
+    The replay must not start before the update is complete.
+
+    Every implementation is called; the runner skips the call entirely when
+    no plugin implements it.
+    """
+
+
+@hookspec(firstresult=True)
+def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int) -> BaseException | None:
+    """Turn a capture failure with a known vendor signature into an error
+    that says what to do. The runner raises the result ``from`` the original.
+
+    Stops at the first non-None result; None keeps the original error.
+    """
+
+
+# -------------------------------------------------------------------------
+# The vendor's kernels, for the reference model and the conformance suite
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def graphmode_attention_ops() -> AttentionOps:
+    """The vendor's attention kernels (fill KV cache, paged decode attention,
+    prefill attention) behind graphmode's :class:`AttentionOps` contract.
+
+    Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def graphmode_dist_backend(device: torch.device) -> str:
+    """The ``torch.distributed`` backend for a process group on ``device``
+    (nccl, hccl, cncl, gloo).
+
+    Stops at the first non-None result.
+    """

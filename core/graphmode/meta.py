@@ -1,0 +1,88 @@
+"""GraphMeta: the sizes every graph buffer is allocated at, and the buffers.
+
+One GraphMeta holds the input buffers shared by every batch bucket; each
+captured graph gets a copy of it with its own ``output_buffers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphmode.errors import ConfigError
+
+__all__ = ["GraphMeta"]
+
+
+@dataclass
+class GraphMeta:
+    """Static facts of graph mode for one model, plus its fixed buffers.
+
+    max_batchs: (sic, as upstream) the most sequences a graph step can hold;
+        per-sequence buffers have this many rows.
+    max_tokens: the most new tokens in a graph step (``max_batchs`` when
+        decoding one token per sequence); per-token buffers have this length.
+    num_blocks: columns of the block-table buffer, the most KV blocks one
+        sequence may own; a step's block table may be narrower, never wider.
+    block_size: tokens per KV-cache block.
+    device: where the device buffers live.
+    is_decoding: graphs are captured for decode steps.
+    vocab_size: the model's vocabulary size, when the plugin needs it.
+    input_buffers: name -> fixed tensor the captured graphs read every replay.
+        Right after ``graphmode_make_buffers`` they hold their padding values.
+    padding_buffers: a snapshot of ``input_buffers`` taken right after they
+        were made: the neutral value of every element, copied back into the
+        rows a step does not use.
+    output_buffers: name -> the tensors one captured graph writes its result to.
+    vendor_flags: free-form switches a vendor plugin keeps with the graphs.
+    """
+
+    max_batchs: int
+    max_tokens: int
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    is_decoding: bool = True
+    vocab_size: int | None = None
+    input_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    padding_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    output_buffers: dict[str, Any] = field(default_factory=dict)
+    vendor_flags: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        for name in ("max_batchs", "max_tokens", "num_blocks", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(
+                    f"GraphMeta.{name}={value!r}: must be a positive integer; "
+                    f"pass the engine's {name.replace('batchs', 'batches')} as an int >= 1"
+                )
+        if self.max_tokens < self.max_batchs:
+            raise ConfigError(
+                f"GraphMeta.max_tokens={self.max_tokens} is below max_batchs="
+                f"{self.max_batchs}: a decode step has at least one token per "
+                "sequence; set max_tokens >= max_batchs"
+            )
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ConfigError(
+                f"GraphMeta.vocab_size={self.vocab_size}: must be a positive "
+                "integer or None"
+            )
+
+    @property
+    def max_batches(self) -> int:
+        """``max_batchs`` spelt in English."""
+        return self.max_batchs
+
+    @property
+    def kv_capacity(self) -> int:
+        """The most tokens one sequence's block table can address."""
+        return self.num_blocks * self.block_size
+
+    def for_graph(self) -> GraphMeta:
+        """A copy sharing the input buffers, with empty output buffers."""
+        return dataclasses.replace(self, output_buffers={})

@@ -1,0 +1,127 @@
+"""ReferenceEngine: schedules sequences over a paged KV cache and builds each
+step's inputs, the way a serving engine does.
+
+It drives the reference model in tests, the conformance suite and the
+benchmark: it allocates blocks (never block 0, which is reserved for padding),
+frees them when a sequence finishes so that others reuse them, and knows which
+cache slots each step writes and which slots live sequences own.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from graphmode.context import AttnMetadata, StepInputs
+
+__all__ = ["ReferenceEngine", "Sequence"]
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    blocks: list[int] = field(default_factory=list)
+    kv_len: int = 0
+
+
+class ReferenceEngine:
+    """num_cache_blocks: blocks in the KV cache, block 0 included (reserved).
+    table_width: columns of every block table (the runner's num_blocks);
+    None sizes each step's table to its longest sequence."""
+
+    def __init__(
+        self,
+        num_cache_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        *,
+        vocab_size: int,
+        table_width: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.vocab_size = vocab_size
+        self.table_width = table_width
+        self.rng = random.Random(seed)
+        self.free_blocks = list(range(num_cache_blocks - 1, 0, -1))
+        self.sequences: dict[int, Sequence] = {}
+        self._next_id = 0
+        self.step_slots: list[int] = []
+
+    # -- sequences ----------------------------------------------------------
+
+    def add(self) -> int:
+        seq = Sequence(self._next_id)
+        self._next_id += 1
+        self.sequences[seq.seq_id] = seq
+        return seq.seq_id
+
+    def finish(self, seq_id: int) -> None:
+        """Drop a sequence; its blocks go back to the front of the free list,
+        so the next sequence reuses them."""
+        seq = self.sequences.pop(seq_id)
+        self.free_blocks.extend(reversed(seq.blocks))
+
+    def live(self) -> list[int]:
+        return list(self.sequences)
+
+    def owned_slots(self) -> list[int]:
+        """Every cache slot holding a token of a live sequence."""
+        return [
+            seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+            for seq in self.sequences.values()
+            for pos in range(seq.kv_len)
+        ]
+
+    def _slot_for_next_token(self, seq: Sequence) -> int:
+        if seq.kv_len == len(seq.blocks) * self.block_size:
+            if not self.free_blocks:
+                raise RuntimeError("the reference engine ran out of KV-cache blocks")
+            seq.blocks.append(self.free_blocks.pop())
+        slot = seq.blocks[seq.kv_len // self.block_size] * self.block_size + seq.kv_len % self.block_size
+        seq.kv_len += 1
+        return slot
+
+    # -- steps --------------------------------------------------------------
+
+    def prefill(self, seq_ids: list[int], lengths: list[int]) -> StepInputs:
+        """A prefill (or chunked-prefill) step adding ``lengths[i]`` tokens to
+        each sequence."""
+        return self._step(seq_ids, lengths, is_decoding=False)
+
+    def decode(self, seq_ids: list[int]) -> StepInputs:
+        """A decode step: one new token per sequence."""
+        return self._step(seq_ids, [1] * len(seq_ids), is_decoding=True)
+
+    def _step(self, seq_ids: list[int], lengths: list[int], is_decoding: bool) -> StepInputs:
+        tokens, positions, slots, starts = [], [], [], []
+        for seq_id, length in zip(seq_ids, lengths):
+            seq = self.sequences[seq_id]
+            starts.append(len(tokens))
+            for _ in range(length):
+                positions.append(seq.kv_len)
+                slots.append(self._slot_for_next_token(seq))
+                tokens.append(self.rng.randrange(self.vocab_size))
+        seqs = [self.sequences[s] for s in seq_ids]
+        width = self.table_width or max(len(s.blocks) for s in seqs)
+        table = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
+        kv_lens = [s.kv_len for s in seqs]
+        self.step_slots = slots
+        device, int32 = self.device, torch.int32
+        attn = AttnMetadata(
+            is_decoding=is_decoding,
+            block_offsets=torch.tensor(table, dtype=int32, device=device),
+            q_start_loc=torch.tensor(starts, dtype=int32, device=device),
+            q_seqlens=torch.tensor(lengths, dtype=int32, device=device),
+            kv_seqlens=torch.tensor(kv_lens, dtype=int32, device=device),
+            kv_start_indices=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_q_seq_len=max(lengths),
+            max_kv_seq_len=max(kv_lens),
+            kv_seqlens_cpu=torch.tensor(kv_lens, dtype=int32),
+        )
+        ids = torch.tensor([tokens], dtype=torch.int64, device=device)
+        pos = torch.tensor([positions], dtype=torch.int64, device=device)
+        return StepInputs(ids, pos, None, attn)

@@ -1,0 +1,154 @@
+"""Attention ops: the contract the reference model calls, and its reference
+implementation in pure PyTorch.
+
+Every op is graph-capturable: no host synchronisation and static shapes in
+decode. The KV-cache contract, common to every vendor:
+
+- slot ``-1`` writes nothing (the cache stays byte-for-byte unchanged);
+- a padded row's block table points at the reserved block 0, and its length
+  (>= 1 unless a vendor says otherwise) makes it read only that block.
+
+Vendors differ in cache layout and in how lengths reach the kernel; they
+subclass :class:`ReferenceAttentionOps` and override ``block_view`` and the
+small ``_slots`` / ``_decode_limit`` hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from graphmode.context import AttnMetadata
+
+__all__ = ["AttentionOps", "ReferenceAttentionOps", "attend", "write_slots"]
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class AttentionOps(Protocol):
+    """What the reference model needs from a vendor's attention kernels.
+
+    Shapes: ``T`` new tokens, ``B`` sequences, ``H`` query heads, ``K`` KV
+    heads, ``D`` head dim. In decode ``T == B``.
+    """
+
+    def make_kv_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+        head_dim: int, dtype: torch.dtype, device: torch.device,
+    ) -> KVCache:
+        """One (key, value) cache pair per layer, in the vendor's layout."""
+
+    def fill_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, attn: AttnMetadata,
+    ) -> None:
+        """Write key/value (T, K, D) to the slots ``attn.kv_start_indices``."""
+
+    def paged_decode_attention(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        attn: AttnMetadata, scale: float,
+    ) -> torch.Tensor:
+        """(B, H, D) queries over each sequence's first ``kv_seqlens`` cached
+        tokens -> (B, H, D)."""
+
+    def prefill_attention(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        attn: AttnMetadata, scale: float,
+    ) -> torch.Tensor:
+        """(T, H, D) queries, causal over each sequence's cached tokens
+        (earlier context and this step's) -> (T, H, D). Eager only."""
+
+
+def write_slots(blocks: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``blocks[slot // bs, slot % bs] = values`` for every slot >= 0, where
+    ``blocks`` is a (num_blocks, block_size, K, D) view of a cache.
+
+    Slots < 0 are redirected to slot 0 and write back what slot 0 holds, so
+    the cache stays byte-for-byte unchanged, with no host synchronisation.
+    """
+    block_size = blocks.shape[1]
+    valid = slots >= 0
+    safe = torch.where(valid, slots, 0)
+    block, offset = safe // block_size, safe % block_size
+    current = blocks[block, offset]
+    blocks[block, offset] = torch.where(valid[:, None, None], values.to(blocks.dtype), current)
+
+
+def attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention in float32.
+
+    query (N, H, D); keys, values (N, L, K, D); visible (N, L) bool.
+    A row with nothing visible gets zeros."""
+    n, heads, dim = query.shape
+    kv_heads = keys.shape[2]
+    q = query.float().view(n, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("nkgd,nlkd->nkgl", q, keys.float()) * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("nkgl,nlkd->nkgd", probs, values.float())
+    return out.reshape(n, heads, dim).to(query.dtype)
+
+
+class ReferenceAttentionOps:
+    """Pure-PyTorch kernels on a (num_blocks, block_size, K, D) cache: the
+    CUDA default, and the base of the vendors' reference kernels."""
+
+    layout = "[num_blocks, block_size, kv_heads, head_dim]"
+
+    def make_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+
+    def block_view(self, cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """The cache as (num_blocks, block_size, K, D), sharing its memory."""
+        return cache
+
+    def _slots(self, attn: AttnMetadata) -> torch.Tensor:
+        return attn.kv_start_indices
+
+    def _decode_limit(self, attn: AttnMetadata) -> torch.Tensor:
+        """(B, 1) how many cached tokens each row may read."""
+        return attn.kv_seqlens[:, None]
+
+    def fill_kv_cache(self, key, value, k_cache, v_cache, attn):
+        slots = self._slots(attn)
+        write_slots(self.block_view(k_cache, key.shape[-1]), slots, key)
+        write_slots(self.block_view(v_cache, value.shape[-1]), slots, value)
+
+    def _gather(self, cache: torch.Tensor, block_offsets: torch.Tensor, head_dim: int) -> torch.Tensor:
+        blocks = self.block_view(cache, head_dim)[block_offsets.long()]  # (B, W, bs, K, D)
+        batch, width, block_size, kv_heads, dim = blocks.shape
+        return blocks.reshape(batch, width * block_size, kv_heads, dim)
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        keys = self._gather(k_cache, attn.block_offsets, query.shape[-1])
+        values = self._gather(v_cache, attn.block_offsets, query.shape[-1])
+        positions = torch.arange(keys.shape[1], device=query.device)
+        visible = positions[None, :] < self._decode_limit(attn)
+        return attend(query, keys, values, visible, scale)
+
+    def prefill_attention(self, query, k_cache, v_cache, attn, scale):
+        head_dim = query.shape[-1]
+        k_blocks, v_blocks = self.block_view(k_cache, head_dim), self.block_view(v_cache, head_dim)
+        block_size = k_blocks.shape[1]
+        out = torch.empty_like(query)
+        starts = attn.q_start_loc.tolist()
+        q_lens = attn.q_seqlens.tolist()
+        kv_lens = attn.kv_seqlens.tolist()
+        for seq, (start, q_len, kv_len) in enumerate(zip(starts, q_lens, kv_lens)):
+            blocks = attn.block_offsets[seq, : -(-kv_len // block_size)].long()
+            keys = k_blocks[blocks].flatten(0, 1)[:kv_len]
+            values = v_blocks[blocks].flatten(0, 1)[:kv_len]
+            positions = torch.arange(kv_len - q_len, kv_len, device=query.device)
+            visible = torch.arange(kv_len, device=query.device)[None, :] <= positions[:, None]
+            rows = query[start : start + q_len]
+            out[start : start + q_len] = attend(
+                rows, keys.expand(q_len, -1, -1, -1), values.expand(q_len, -1, -1, -1), visible, scale
+            )
+        return out

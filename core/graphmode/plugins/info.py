@@ -1,0 +1,47 @@
+"""VendorInfo: what a vendor plugin says about itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["VendorInfo"]
+
+
+@dataclass(frozen=True)
+class VendorInfo:
+    """A vendor's self-description, from ``graphmode_vendor_info``.
+
+    name: the vendor's name, equal to its entry-point name.
+    device_types: torch device types its graphs run on (its own, and "cuda"
+        for vendors whose CUDA-compatible contract also runs on NVIDIA GPUs).
+        Every vendor also runs on "cpu", through the graph emulator.
+    runtime: the software stack the vendor needs ("torch_npu", ...).
+    runtime_version: that stack's version, or None when it is not installed.
+    detected: whether the vendor's own hardware and runtime are present here.
+    reason: why it was or was not detected, in words.
+    """
+
+    name: str
+    device_types: tuple[str, ...]
+    runtime: str
+    runtime_version: str | None
+    detected: bool
+    reason: str
+
+    def runs_on(self, device: torch.device) -> tuple[bool, str]:
+        """Whether graphs of this vendor can run on ``device``, and why not."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return True, "the CPU graph emulator"
+        if device.type not in self.device_types:
+            return False, (
+                f"it runs on {', '.join(self.device_types)} (and the cpu emulator), "
+                f"not {device.type}"
+            )
+        module = getattr(torch, device.type, None)
+        available = getattr(module, "is_available", None)
+        if available is None or not available():
+            return False, f"no {device.type} device is available to torch here"
+        return True, f"{device.type} graphs"

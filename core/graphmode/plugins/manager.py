@@ -1,0 +1,185 @@
+"""Finding and loading vendor plugins.
+
+Vendor plugins are found only through the ``graphmode`` entry-point group,
+named after their vendor. Each loaded vendor gets its own plugin manager
+holding the built-in CUDA defaults and that one vendor, registered after the
+defaults so that its answers come first.
+
+Environment:
+    GRAPHMODE_PLUGINS: comma-separated entry-point names allowed to load
+        (all, when unset).
+    GRAPHMODE_TRACE: "1" writes every hook call and its result to stderr.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.metadata
+import inspect
+import os
+import sys
+from typing import Any
+
+import pluggy
+
+from graphmode import hookspecs
+from graphmode.errors import VendorError
+from graphmode.plugins.info import VendorInfo
+
+__all__ = [
+    "BUILTIN_VENDOR",
+    "ENTRY_POINT_GROUP",
+    "ENV_PLUGINS",
+    "ENV_TRACE",
+    "Vendor",
+    "installed_vendor_names",
+    "load_vendor",
+    "make_plugin_manager",
+]
+
+ENTRY_POINT_GROUP = "graphmode"
+BUILTIN_VENDOR = "cuda"
+ENV_PLUGINS = "GRAPHMODE_PLUGINS"
+ENV_TRACE = "GRAPHMODE_TRACE"
+
+
+def make_plugin_manager() -> pluggy.PluginManager:
+    """A plugin manager with graphmode's hook specs and the built-in defaults."""
+    from graphmode import default
+
+    manager = pluggy.PluginManager("graphmode")
+    manager.add_hookspecs(hookspecs)
+    manager.register(default, name="graphmode.default")
+    if os.environ.get(ENV_TRACE, "").strip() not in ("", "0"):
+        manager.trace.root.setwriter(sys.stderr.write)
+        manager.enable_tracing()
+    return manager
+
+
+def _allowed() -> set[str] | None:
+    value = os.environ.get(ENV_PLUGINS)
+    if value is None:
+        return None
+    return {name.strip() for name in value.split(",") if name.strip()}
+
+
+def _entry_points() -> dict[str, tuple[importlib.metadata.EntryPoint, Any]]:
+    found = {}
+    for dist in importlib.metadata.distributions():
+        for entry_point in dist.entry_points:
+            if entry_point.group == ENTRY_POINT_GROUP and entry_point.name not in found:
+                found[entry_point.name] = (entry_point, dist)
+    return found
+
+
+def installed_vendor_names() -> list[str]:
+    """The built-in vendor, then every installed entry point the allow-list
+    admits, in name order."""
+    allowed = _allowed()
+    names = sorted(n for n in _entry_points() if allowed is None or n in allowed)
+    return [BUILTIN_VENDOR, *(n for n in names if n != BUILTIN_VENDOR)]
+
+
+class Vendor:
+    """One vendor's plugins, ready to call: ``vendor.hook.graphmode_...``."""
+
+    def __init__(self, name: str, manager: pluggy.PluginManager, plugin: Any, version: str) -> None:
+        self.name = name
+        self.manager = manager
+        self.plugin = plugin
+        self.version = version
+        self.hook = manager.hook
+
+    @functools.cached_property
+    def info(self) -> VendorInfo:
+        return self.hook.graphmode_vendor_info()
+
+    def implements(self, hook_name: str) -> bool:
+        """Whether the vendor plugin itself (not the defaults) implements it."""
+        return any(impl.plugin is self.plugin for impl in getattr(self.hook, hook_name).get_hookimpls())
+
+    def __repr__(self) -> str:
+        return f"<graphmode vendor {self.name} {self.version}>"
+
+
+def load_vendor(name: str, plugin: Any = None) -> Vendor:
+    """Load the vendor called ``name``.
+
+    With ``plugin`` given, register that object instead of looking up the
+    entry point: how tests and the conformance suite run a plugin that is not
+    installed.
+    """
+    manager = make_plugin_manager()
+    if plugin is not None:
+        version = getattr(plugin, "__version__", "unversioned")
+        _register(manager, plugin, name)
+    elif name == BUILTIN_VENDOR:
+        from graphmode import default as plugin
+
+        version = _graphmode_version()
+    else:
+        allowed = _allowed()
+        entry = _entry_points().get(name)
+        if entry is None or (allowed is not None and name not in allowed):
+            raise VendorError(_unknown_vendor_message(name))
+        entry_point, dist = entry
+        try:
+            plugin = entry_point.load()
+        except Exception as error:
+            raise VendorError(
+                f"vendor plugin {name!r} ({entry_point.value}, from {dist.metadata['Name']} "
+                f"{dist.version}) failed to import: {error!r}. Reinstall that package."
+            ) from error
+        version = dist.version
+        _register(manager, plugin, name)
+    return Vendor(name, manager, plugin, version)
+
+
+def _register(manager: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    try:
+        manager.register(plugin, name=name)
+        manager.check_pending()
+    except pluggy.PluginValidationError as error:
+        raise VendorError(_validation_message(name, plugin, error)) from error
+
+
+def _validation_message(name: str, plugin: Any, error: pluggy.PluginValidationError) -> str:
+    """Name the plugin, the hook, its signature, and the closest real hook."""
+    known = [h for h in dir(hookspecs) if h.startswith("graphmode_")]
+    lines = [f"vendor plugin {name!r} ({plugin!r}) does not match graphmode's hooks: {error}"]
+    for attr in dir(plugin):
+        function = getattr(plugin, attr, None)
+        if not attr.startswith("graphmode_") or not callable(function):
+            continue
+        try:
+            signature = f"{attr}{inspect.signature(function)}"
+        except (TypeError, ValueError):
+            signature = attr
+        if attr not in known:
+            close = difflib.get_close_matches(attr, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            lines.append(f"  {signature}: no such hook{hint}")
+        else:
+            spec = inspect.signature(getattr(hookspecs, attr))
+            extra = set(inspect.signature(function).parameters) - set(spec.parameters)
+            if extra:
+                lines.append(f"  {signature}: takes {sorted(extra)}, which the hook {attr}{spec} does not pass")
+    return "\n".join(lines)
+
+
+def _unknown_vendor_message(name: str) -> str:
+    from graphmode.plugins.selection import describe_vendors
+
+    return (
+        f"no vendor plugin named {name!r} is installed. Installed vendors:\n"
+        f"{describe_vendors()}\n"
+        f"Install the vendor's package (pip install graphmode[{name}]) or pick one above."
+    )
+
+
+def _graphmode_version() -> str:
+    try:
+        return importlib.metadata.version("graphmode")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,316 @@
+"""GraphRunner: run a model's decode steps as one device graph per batch bucket.
+
+The first decode step of a bucket fills the buffers, runs the model once
+outside any graph (that result is returned) and captures the same forward;
+every later step of the bucket fills the buffers and replays. Everything that
+is not a decode step runs eagerly and returns the same results.
+
+What it deliberately does not do: it never reads device values on the host
+(no synchronisation per step), never captures prefill, and never copies the
+output: a replay result is a view of the graph's output, valid until the next
+step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from graphmode.config import RunnerConfig
+from graphmode.context import AttnMetadata, StepInputs
+from graphmode.errors import ConfigError, InputError
+from graphmode.graphs import DeviceGraph
+from graphmode.meta import GraphMeta
+from graphmode.plugins import Vendor
+from graphmode.runner.stats import RunnerStats
+from graphmode.runner.validate import check_step
+
+__all__ = ["GraphRunner"]
+
+
+@dataclass
+class CapturedGraph:
+    """One bucket's graph, and what it captured by reference."""
+
+    bucket: int
+    graph: DeviceGraph
+    meta: GraphMeta
+    past_key_values: Any
+    extras: dict[str, Any]
+
+
+class GraphRunner:
+    """Call it like the model: ``runner(input_ids=..., position_ids=...,
+    past_key_values=..., attn_metadata=..., **extras)``. Build it with
+    :func:`graphmode.build_graph_runner`."""
+
+    def __init__(self, model: Any, config: RunnerConfig, vendor: Vendor) -> None:
+        self.model = model
+        self.config = config
+        self.vendor = vendor
+        self._hook = vendor.hook
+        self._hook.graphmode_check_config(config=config)
+        self.capture_sizes = self._checked_capture_sizes()
+        self._bucket_of = self._bucket_table()
+        self.meta: GraphMeta | None = None
+        self._graphs: dict[int, CapturedGraph] = {}
+        self._pool: Any = None
+        self.stats = RunnerStats()
+        update = self._hook.graphmode_update_graph_params
+        self._update_params = update if update.get_hookimpls() else None
+
+    # -- start-up checks ----------------------------------------------------
+
+    def _checked_capture_sizes(self) -> tuple[int, ...]:
+        sizes = self._hook.graphmode_capture_sizes(config=self.config)
+        limit = self.config.max_batches
+        problem = None
+        if not sizes:
+            problem = "is empty"
+        elif list(sizes) != sorted(set(sizes)):
+            problem = "is not ascending and unique"
+        elif sizes[0] < 1 or sizes[-1] > limit:
+            problem = f"leaves 1..max_batches={limit}"
+        elif self.config.capture_batch_sizes is not None and not set(sizes) <= set(self.config.capture_batch_sizes):
+            problem = f"adds sizes to the user's list {list(self.config.capture_batch_sizes)}"
+        if problem:
+            raise ConfigError(
+                f"vendor {self.vendor.name!r}: graphmode_capture_sizes returned {sizes}, which "
+                f"{problem}; fix the plugin (or pass capture_batch_sizes explicitly)"
+            )
+        return tuple(sizes)
+
+    def _bucket_table(self) -> list[int | None]:
+        """bucket_of[batch] for every batch size, asked once and checked."""
+        table: list[int | None] = [None]
+        for batch in range(1, self.config.max_batches + 1):
+            bucket = self._hook.graphmode_compatible_size(batch_size=batch, capture_sizes=self.capture_sizes)
+            fits = bucket is None or (bucket >= batch and bucket in self.capture_sizes)
+            if bucket is None and batch <= self.capture_sizes[-1]:
+                fits = False
+            if not fits:
+                raise ConfigError(
+                    f"vendor {self.vendor.name!r}: graphmode_compatible_size({batch}) returned "
+                    f"{bucket}; it must be a capture size >= {batch} from "
+                    f"{list(self.capture_sizes)} (padding a batch into a smaller graph "
+                    "would drop sequences)"
+                )
+            table.append(bucket)
+        return table
+
+    # -- one step -----------------------------------------------------------
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_key_values: Any,
+        attn_metadata: AttnMetadata,
+        **extras: Any,
+    ) -> Any:
+        inputs = StepInputs(input_ids, position_ids, past_key_values, attn_metadata, extras)
+        batch = check_step(inputs, self.config)
+        reason = self._eager_reason(inputs, batch)
+        if reason is not None:
+            self.stats.eager_steps[reason] += 1
+            return self.model(**inputs.as_kwargs())
+        bucket = self._bucket_of[batch]
+        captured = self._graphs.get(bucket)
+        if captured is None:
+            return self._capture(inputs, batch, bucket)
+        return self._replay(captured, inputs, batch)
+
+    def _eager_reason(self, inputs: StepInputs, batch: int) -> str | None:
+        if self.config.execute_mode == "eager":
+            return "eager_mode"
+        if not inputs.attn_metadata.is_decoding:
+            return "prefill"
+        if inputs.num_tokens != batch:
+            return "multi_token_decode"
+        if self._bucket_of[batch] is None:
+            return "no_bucket"
+        return None
+
+    def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int) -> Any:
+        _check_same_objects(captured, inputs)
+        meta, bucket = captured.meta, captured.bucket
+        self._hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+        if self._update_params is not None:
+            self._update_params(graph=captured.graph, meta=meta, batch_size=batch, bucket=bucket)
+        captured.graph.replay()
+        self.stats.replays += 1
+        self.stats.real_tokens += batch
+        self.stats.padded_tokens += bucket - batch
+        return self._hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
+
+    def _capture(self, inputs: StepInputs, batch: int, bucket: int) -> Any:
+        meta = self._buffers().for_graph()
+        hook = self._hook
+        hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+        static = hook.graphmode_update_context(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+        # The warm-up runs the real step outside any graph: its result is this
+        # step's answer, and it leaves lazy initialisation out of the graph.
+        warm_output = self.model(**static.as_kwargs())
+        graph = hook.graphmode_make_graph(meta=meta)
+        try:
+            with graph.capture(pool=self._pool):
+                meta.output_buffers["output"] = self.model(**static.as_kwargs())
+        except Exception as error:
+            advice = hook.graphmode_capture_error(error=error, meta=meta, bucket=bucket)
+            if advice is not None:
+                raise advice from error
+            if hasattr(error, "add_note"):
+                error.add_note(f"graphmode: while capturing the decode graph of bucket {bucket} ({self.vendor.name})")
+            raise
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[bucket] = CapturedGraph(bucket, graph, meta, static.past_key_values, dict(static.extras))
+        self.stats.captures += 1
+        self.stats.real_tokens += batch
+        self.stats.padded_tokens += bucket - batch
+        warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})
+        return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch)
+
+    def _buffers(self) -> GraphMeta:
+        """The shared input buffers, made on first use."""
+        if self.meta is None:
+            config = self.config
+            meta = GraphMeta(
+                max_batchs=config.max_batches,
+                max_tokens=config.max_batches,
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                device=config.device,
+                vocab_size=_model_attr(self.model, "vocab_size"),
+            )
+            meta.input_buffers = self._hook.graphmode_make_buffers(meta=meta)
+            meta.padding_buffers = {name: t.clone() for name, t in meta.input_buffers.items()}
+            self.meta = meta
+        return self.meta
+
+    # -- whole-runner operations ------------------------------------------
+
+    def warmup(self, past_key_values: Any, *, progress: bool = True, **extras: Any) -> None:
+        """Capture every bucket not captured yet, largest first, into one pool.
+
+        The warm-up steps are inert: every slot is -1 (no KV write) and every
+        row reads the reserved block 0, so no live cache block changes."""
+        if self.config.execute_mode == "eager":
+            return
+        todo = [b for b in reversed(self.capture_sizes) if b not in self._graphs]
+        with _frozen_gc():
+            for index, bucket in enumerate(todo):
+                if progress:
+                    self._report(f"capturing bucket {bucket} ({index + 1}/{len(todo)})", last=index + 1 == len(todo))
+                self._capture(self._inert_step(bucket, past_key_values, extras), bucket, bucket)
+
+    def _inert_step(self, batch: int, past_key_values: Any, extras: dict[str, Any]) -> StepInputs:
+        device, int32 = self.config.device, torch.int32
+        attn = AttnMetadata(
+            is_decoding=True,
+            block_offsets=torch.zeros((batch, 1), dtype=int32, device=device),
+            q_start_loc=torch.arange(batch, dtype=int32, device=device),
+            q_seqlens=torch.ones(batch, dtype=int32, device=device),
+            kv_seqlens=torch.ones(batch, dtype=int32, device=device),
+            kv_start_indices=torch.full((batch,), -1, dtype=torch.int64, device=device),
+            max_q_seq_len=1,
+            max_kv_seq_len=1,
+            kv_seqlens_cpu=torch.ones(batch, dtype=int32),
+        )
+        zeros = torch.zeros((1, batch), dtype=torch.int64, device=device)
+        return StepInputs(zeros, zeros.clone(), past_key_values, attn, dict(extras))
+
+    def _report(self, message: str, last: bool) -> None:
+        free = _free_memory(self.config.device)
+        line = f"graphmode: {message}, {free}"
+        if sys.stderr.isatty():
+            sys.stderr.write("\r" + line.ljust(72) + ("\n" if last else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def reset(self) -> None:
+        """Drop every graph, their captured parameters and the memory pool.
+        The next decode step of each bucket captures again (after a weight
+        reload, say)."""
+        for captured in self._graphs.values():
+            captured.graph.reset()
+        self._graphs.clear()
+        self._pool = None
+        module = getattr(torch, self.config.device.type, None)
+        if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
+            module.empty_cache()
+
+    @property
+    def captured_buckets(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def bucket_of(self, batch_size: int) -> int | None:
+        """The graph a batch of ``batch_size`` sequences runs in, or None."""
+        if not 1 <= batch_size <= self.config.max_batches:
+            raise InputError(f"batch size {batch_size} is outside 1..max_batches={self.config.max_batches}")
+        return self._bucket_of[batch_size]
+
+    def graph(self, bucket: int) -> CapturedGraph | None:
+        """The captured graph of a bucket, if captured."""
+        return self._graphs.get(bucket)
+
+    def __repr__(self) -> str:
+        return (
+            f"<GraphRunner {self.vendor.name} on {self.config.device}, {self.config.execute_mode} mode, "
+            f"buckets {list(self.capture_sizes)}, captured {self.captured_buckets}>"
+        )
+
+
+def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
+    """A graph reads what it captured: a new KV cache or a changed extra
+    input would be silently ignored, so refuse it."""
+    if inputs.past_key_values is not captured.past_key_values:
+        now, then = tree_flatten(inputs.past_key_values)[0], tree_flatten(captured.past_key_values)[0]
+        if len(now) != len(then) or any(a is not b for a, b in zip(now, then)):
+            raise InputError(
+                f"past_key_values are not the tensors the graph of bucket {captured.bucket} "
+                "captured; the graph would keep using the old cache. Call runner.reset() "
+                "after reallocating the KV cache"
+            )
+    if inputs.extras or captured.extras:
+        for name in inputs.extras.keys() | captured.extras.keys():
+            if inputs.extras.get(name) is not captured.extras.get(name):
+                raise InputError(
+                    f"extra model input {name!r} is not the object the graph of bucket "
+                    f"{captured.bucket} captured; graphs freeze extra inputs. Keep it fixed, "
+                    "give it a buffer through a plugin's buffer hooks, or run eagerly"
+                )
+
+
+def _model_attr(model: Any, name: str) -> Any:
+    config = getattr(model, "config", None)
+    return getattr(config, name, None)
+
+
+def _free_memory(device: torch.device) -> str:
+    module = getattr(torch, device.type, None)
+    if device.type == "cpu" or not hasattr(module, "mem_get_info"):
+        return "emulated graphs (host memory)"
+    free, _ = module.mem_get_info(device)
+    return f"{free / 2**30:.2f} GiB free"
+
+
+@contextlib.contextmanager
+def _frozen_gc() -> Iterator[None]:
+    """Collect once, then keep the collector out of the capture loop: it
+    would only slow capture down, finding nothing new to free."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

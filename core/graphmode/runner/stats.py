@@ -1,0 +1,42 @@
+"""Per-runner statistics: what graph mode did, and what it cost in padding."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["EAGER_REASONS", "RunnerStats"]
+
+EAGER_REASONS = {
+    "eager_mode": "execute_mode is eager",
+    "prefill": "not a decode step (prefill, or prefill mixed with decode)",
+    "multi_token_decode": "a decode step with more tokens than sequences",
+    "no_bucket": "the batch is larger than the largest capture size",
+}
+
+
+@dataclass
+class RunnerStats:
+    """captures: graphs captured. replays: steps served by replaying a graph.
+    eager_steps: steps run eagerly, by reason (see ``EAGER_REASONS``).
+    real_tokens / padded_tokens: live and padding tokens of graph steps."""
+
+    captures: int = 0
+    replays: int = 0
+    eager_steps: Counter = field(default_factory=Counter)
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the tokens graphs computed that were padding."""
+        total = self.real_tokens + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
+
+    def summary(self) -> str:
+        eager = ", ".join(f"{n} {reason}" for reason, n in sorted(self.eager_steps.items())) or "none"
+        return (
+            f"{self.captures} captures, {self.replays} replays, eager steps: {eager}; "
+            f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
+            f"({self.padding_fraction:.1%})"
+        )
