@@ -46,7 +46,9 @@ class ReferenceEngine:
         self.vocab_size = vocab_size
         self.table_width = table_width
         self.rng = random.Random(seed)
-        self.free_blocks = list(range(num_cache_blocks - 1, 0, -1))
+        # Blocks in random order, so that block tables are not sorted.
+        self.free_blocks = list(range(1, num_cache_blocks))
+        self.rng.shuffle(self.free_blocks)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
         self.step_slots: list[int] = []
