@@ -119,6 +119,21 @@ def case_frozen_host_list(b: Backend):
     return values(y)
 
 
+def case_host_work_runs_at_capture(b: Backend):
+    """Work on host memory inside the capture runs once, on the host, at
+    capture time; its result is a constant of the graph."""
+    lengths = b.host([4, 5, 6])
+    x = b.tensor([0.0, 0.0])
+    g = b.graph()
+    with g.capture():
+        total = lengths.sum()
+        y = x + total.item()
+    lengths.copy_(torch.tensor([40, 50, 60]))
+    g.replay()
+    b.sync()
+    return values(y)
+
+
 def case_host_list_index(b: Backend):
     """A Python list used as a device index needs a host-to-device copy of
     pageable memory during capture. By nature the sides differ: CUDA refuses
@@ -265,6 +280,7 @@ EXPECTED = {
     "output_identity": {"same_memory": True, "results": [[6.0, 6.0], [8.0, 8.0]]},
     "frozen_python_scalar": [3.0, 6.0],
     "frozen_host_list": [5.0, 5.0, 5.0],
+    "host_work_runs_at_capture": [15.0, 15.0],
     "host_list_index": {
         "cuda": {"raised": "RuntimeError"},
         "emulator": {"result": [10.0, 30.0]},

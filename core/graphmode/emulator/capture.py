@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from graphmode.emulator.host import is_host
+from graphmode.emulator.host import is_host, mark_host
 from graphmode.emulator.recording import (
     EventReset,
     EventWait,
@@ -181,7 +181,20 @@ class CaptureSession:
         self.targets[-1].append(step)
 
     def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        input_keys = {_storage_key(t) for t in _tensors((args, kwargs))}
+        tensors = _tensors((args, kwargs))
+        host = [t for t in tensors if is_host(t)]
+        if host and len(host) == len(tensors):
+            # Work on host memory runs on the host, at capture time only: its
+            # results are host values, frozen like any other.
+            self.in_operator = True
+            try:
+                outputs = func(*args, **kwargs)
+            finally:
+                self.in_operator = False
+            for tensor in _tensors(outputs):
+                mark_host(tensor)
+            return outputs
+        input_keys = {_storage_key(t) for t in tensors}
         if is_mutating(func):
             for tensor in _written(func, args, kwargs):
                 key = _storage_key(tensor)
@@ -193,8 +206,12 @@ class CaptureSession:
             outputs = func(*args, **kwargs)
         finally:
             self.in_operator = False
-        # Keep our own containers: the caller may reuse its lists.
-        args, kwargs = tree_map(lambda x: x, (args, kwargs))
+        # Keep our own containers: the caller may reuse its lists. A host
+        # tensor given to device work is read when the work is launched, so
+        # the graph keeps the value it had at capture.
+        args, kwargs = tree_map(
+            lambda x: x.clone() if isinstance(x, torch.Tensor) and host and is_host(x) else x, (args, kwargs)
+        )
         targets = tree_map(lambda x: frozen_view(x) if isinstance(x, torch.Tensor) else x, outputs)
         self.append(OpRecord(func, args, kwargs, outputs, targets))
         if not is_mutating(func):
@@ -328,6 +345,8 @@ class UpdateSession(TorchDispatchMode):
                 "in its out= form, writing into the captured output."
             )
         self.steps.append(OpRecord(func, args, dict(kwargs), None))
+        if not func._schema.returns:
+            return None
         written = _written(func, args, kwargs)
         return written[0] if len(written) == 1 else tuple(written)
 

@@ -152,20 +152,26 @@ def _validation_message(name: str, plugin: Any, error: pluggy.PluginValidationEr
         function = getattr(plugin, attr, None)
         if not attr.startswith("graphmode_") or not callable(function):
             continue
-        try:
-            signature = f"{attr}{inspect.signature(function)}"
-        except (TypeError, ValueError):
-            signature = attr
+        signature = _signature(attr, function)
         if attr not in known:
             close = difflib.get_close_matches(attr, known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             lines.append(f"  {signature}: no such hook{hint}")
         else:
-            spec = inspect.signature(getattr(hookspecs, attr))
-            extra = set(inspect.signature(function).parameters) - set(spec.parameters)
+            spec = getattr(hookspecs, attr)
+            extra = set(inspect.signature(function).parameters) - set(inspect.signature(spec).parameters)
             if extra:
-                lines.append(f"  {signature}: takes {sorted(extra)}, which the hook {attr}{spec} does not pass")
+                lines.append(
+                    f"  {signature}: takes {sorted(extra)}, which the hook {_signature(attr, spec)} does not pass"
+                )
     return "\n".join(lines)
+
+
+def _signature(name: str, function: Any) -> str:
+    try:
+        return f"{name}({', '.join(inspect.signature(function).parameters)})"
+    except (TypeError, ValueError):
+        return name
 
 
 def _unknown_vendor_message(name: str) -> str:

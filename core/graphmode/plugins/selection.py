@@ -59,7 +59,14 @@ def select_vendor(vendor: str | None = None, device: torch.device | str | None =
         chosen = detected[0] if detected else load_vendor(BUILTIN_VENDOR)
         source = "detected "
     if device is not None:
-        usable, why = chosen.info.runs_on(torch.device(device))
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise VendorError(
+                f"torch does not know the device {device!r}: the vendor's torch extension "
+                f"is not installed or failed to load. Installed vendors:\n{describe_vendors()}"
+            ) from None
+        usable, why = chosen.info.runs_on(device)
         if not usable:
             raise VendorError(
                 f"{source}{chosen.name!r} cannot run graphs on {device}: {why}. "

@@ -251,7 +251,8 @@ class GraphRunner:
 
     @property
     def captured_buckets(self) -> list[int]:
-        return sorted(self._graphs)
+        """The buckets with a graph, in the order they were captured."""
+        return list(self._graphs)
 
     def bucket_of(self, batch_size: int) -> int | None:
         """The graph a batch of ``batch_size`` sequences runs in, or None."""

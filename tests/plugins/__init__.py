@@ -1,0 +1,2 @@
+"""Small vendor plugins for the plugin-manager tests, loaded through faked
+entry points."""

@@ -1,0 +1,3 @@
+"""A plugin whose import fails, as when its runtime is broken."""
+
+raise ImportError("libascendcl.so: cannot open shared object file")

@@ -1,0 +1,78 @@
+"""A tiny reference model, an engine and a runner on the CPU emulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import graphmode
+from graphmode.model import LlamaModel, ModelConfig, build_reference_model
+from graphmode.model.engine import ReferenceEngine
+
+
+@dataclass
+class Setup:
+    model: LlamaModel
+    engine: ReferenceEngine
+    graph_cache: list
+    eager_cache: list
+    runner: graphmode.GraphRunner
+
+    def prefill(self, count: int, lengths: list[int] | None = None) -> list[int]:
+        """Add ``count`` sequences and prefill them (eagerly) in both caches."""
+        seqs = [self.engine.add() for _ in range(count)]
+        lengths = lengths or [self.engine.rng.randrange(1, 24) for _ in seqs]
+        step = self.engine.prefill(seqs, lengths)
+        with torch.inference_mode():
+            self.runner(step.input_ids, step.position_ids, self.graph_cache, step.attn_metadata)
+            self.model(step.input_ids, step.position_ids, self.eager_cache, step.attn_metadata)
+        return seqs
+
+    def decode(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step through the runner and through the model."""
+        step = self.engine.decode(seqs)
+        with torch.inference_mode():
+            graph = self.runner(step.input_ids, step.position_ids, self.graph_cache, step.attn_metadata).clone()
+            eager = self.model(step.input_ids, step.position_ids, self.eager_cache, step.attn_metadata)
+        return graph, eager
+
+    def caches_close(self, atol: float = 1e-5) -> bool:
+        return all(
+            torch.allclose(g, e, atol=atol, rtol=0)
+            for pair_g, pair_e in zip(self.graph_cache, self.eager_cache)
+            for g, e in zip(pair_g, pair_e)
+        )
+
+
+def tiny_setup(
+    vendor: str = "cuda",
+    *,
+    max_batches: int = 16,
+    block_size: int = 16,
+    width: int = 8,
+    cache_blocks: int | None = None,
+    plugin: Any = None,
+    **runner_options: Any,
+) -> Setup:
+    config = ModelConfig.tiny()
+    chosen = graphmode.load_vendor(vendor, plugin=plugin)
+    model = build_reference_model(config, chosen, "cpu")
+    cache_blocks = cache_blocks or max_batches * width + 1
+    engine = ReferenceEngine(cache_blocks, block_size, "cpu", vocab_size=config.vocab_size, table_width=width, seed=7)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=max_batches, num_blocks=width, block_size=block_size, device="cpu", vendor=vendor,
+        **runner_options,
+    ) if plugin is None else graphmode.GraphRunner(
+        model,
+        graphmode.RunnerConfig(max_batches, width, block_size, "cpu", **runner_options),
+        chosen,
+    )
+    return Setup(
+        model,
+        engine,
+        model.make_kv_cache(cache_blocks, block_size),
+        model.make_kv_cache(cache_blocks, block_size),
+        runner,
+    )

@@ -1,0 +1,326 @@
+"""The CPU graph emulator: what it refuses, what it freezes, how updatable
+operators and ACL-style task updates work, and that stale vendor behaviour
+gives wrong output exactly as on a device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphmode
+from graphmode import CaptureError, ReplayError
+from graphmode.emulator import EmulatedGraph, mark_host, npu, register_updatable
+from graphmode.model.ops import ReferenceAttentionOps
+from setups import tiny_setup
+
+
+@torch.library.custom_op("graphmode_test::add_lengths", mutates_args=())
+def add_lengths(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Adds host lengths to each row: a stand-in for an attention kernel that
+    takes its kv lengths as host values."""
+    return x + torch.tensor(lengths, dtype=x.dtype)[:, None]
+
+
+@torch.library.custom_op("graphmode_test::add_lengths_out", mutates_args=("out",))
+def add_lengths_out(x: torch.Tensor, lengths: list[int], out: torch.Tensor) -> None:
+    out.copy_(x + torch.tensor(lengths, dtype=x.dtype)[:, None])
+
+
+register_updatable(torch.ops.graphmode_test.add_lengths)
+
+
+# -- host reads inside capture are refused -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "read, named",
+    [
+        (lambda x: x.tolist(), "Tensor.tolist()"),
+        (lambda x: x.sum().item(), "Tensor.item()"),
+        (lambda x: print(x), "Tensor.__repr__()"),
+        (lambda x: f"{x}", "Tensor.__format__()"),
+        (lambda x: x.cpu(), "Tensor.cpu()"),
+        (lambda x: x.to("cpu"), "Tensor.to()"),
+        (lambda x: bool(x.sum() > 0), "Tensor.__bool__()"),
+        (lambda x: torch.nonzero(x), "aten.nonzero.default"),
+        (lambda x: x[x > 1], "aten.index.Tensor with a boolean mask"),
+        (lambda x: x.masked_select(x > 1), "aten.masked_select.default"),
+        (lambda x: x.unique(), "aten._unique2.default"),
+    ],
+)
+def test_host_reads_of_device_memory_fail_capture_naming_op_and_call_site(read, named):
+    x = torch.arange(4.0)
+    graph = EmulatedGraph()
+    with pytest.raises(CaptureError) as error:
+        with graph.capture():
+            read(x)
+    message = str(error.value)
+    assert named in message or named in str(error.value.__cause__)
+    assert "test_emulator.py" in message + str(error.value.__cause__)
+
+
+def test_a_caught_capture_error_still_invalidates_the_capture():
+    x = torch.arange(4.0)
+    graph = EmulatedGraph()
+    graph.capture_begin()
+    with pytest.raises(CaptureError):
+        x.sum().item()
+    with pytest.raises(CaptureError, match="the capture was invalidated by an earlier error"):
+        graph.capture_end()
+    with pytest.raises(CaptureError, match="this graph is invalidated; call reset"):
+        graph.capture_begin()
+    graph.reset()
+    with graph.capture():
+        y = x + 1
+    graph.replay()
+    assert y.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_host_memory_may_be_read_and_is_frozen():
+    lengths = mark_host(torch.tensor([3, 4]))
+    x = torch.zeros(2)
+    graph = EmulatedGraph()
+    with graph.capture():
+        y = x + lengths.sum().item()
+    lengths.fill_(100)
+    graph.replay()
+    assert y.tolist() == [7.0, 7.0]
+
+
+# -- operator coverage -------------------------------------------------------
+
+
+def test_multi_output_and_in_place_view_operators_replay_correctly():
+    x = torch.tensor([[1.0, 5.0], [7.0, 2.0]])
+    graph = EmulatedGraph()
+    with graph.capture():
+        values, indices = x.max(dim=1)
+        column = (x @ torch.ones(2)).unsqueeze(1)
+        column.squeeze_(1)
+        flat = x.reshape(-1).contiguous()
+    x.copy_(torch.tensor([[9.0, 0.0], [3.0, 4.0]]))
+    graph.replay()
+    assert values.tolist() == [9.0, 4.0] and indices.tolist() == [0, 1]
+    assert column.tolist() == [9.0, 7.0] and flat.tolist() == [9.0, 0.0, 3.0, 4.0]
+
+
+def test_out_arguments_write_into_the_recorded_tensor():
+    x, out = torch.ones(3), torch.empty(3)
+    graph = EmulatedGraph()
+    with graph.capture():
+        torch.mul(x, 3, out=out)
+    x.fill_(2.0)
+    graph.replay()
+    assert out.tolist() == [6.0, 6.0, 6.0]
+
+
+def test_nested_captures_are_refused():
+    outer, inner = EmulatedGraph(), EmulatedGraph()
+    with outer.capture():
+        with pytest.raises(CaptureError, match="another graph is capturing in this thread"):
+            inner.capture_begin()
+
+
+def test_replay_of_an_empty_graph_is_refused():
+    with pytest.raises(ReplayError, match="replay of a graph that is empty; capture it first"):
+        EmulatedGraph().replay()
+
+
+def test_pool_shares_ownership_of_captured_memory():
+    x = torch.zeros(256)
+    first, second = EmulatedGraph(), EmulatedGraph()
+    with first.capture():
+        y = x * 2
+    with second.capture(pool=first.pool()):
+        z = y + 1
+    pool = first.pool()
+    assert second.pool() is pool and pool.num_graphs == 2
+    assert pool.nbytes() == 2 * 256 * 4
+    first.reset()
+    assert pool.num_graphs == 1 and pool.nbytes() == 256 * 4
+    del z
+
+
+def test_debug_dump_lists_the_recorded_operators(tmp_path):
+    x = torch.ones(2, 2)
+    graph = EmulatedGraph()
+    with graph.capture():
+        (x.t() @ x).relu()
+    path = tmp_path / "graph.txt"
+    graph.debug_dump(str(path))
+    lines = path.read_text().splitlines()
+    assert [line.split()[1] for line in lines] == ["skip", "replay", "replay"]
+    assert "aten.mm.default(float32[2, 2], float32[2, 2]) -> float32[2, 2]" in lines[1]
+
+
+# -- updatable operators (torch_npu's NPUGraph.update) -----------------------
+
+
+def _updatable_graph(rows: int = 2, calls: int = 2):
+    x = torch.zeros(rows, 3)
+    graph = EmulatedGraph()
+    graph.auto_dispatch_capture = True
+    with graph.capture():
+        outs = [torch.ops.graphmode_test.add_lengths(x, [1] * rows) for _ in range(calls)]
+    return graph, x, outs
+
+
+def test_update_replaces_host_arguments_of_every_updatable_operator():
+    graph, x, (first, second) = _updatable_graph()
+    assert graph.num_updatable == 2
+    graph.update(cpu_update_input=[{"lengths": [5, 6]}])
+    graph.replay()
+    assert first[:, 0].tolist() == [5.0, 6.0] and second[:, 0].tolist() == [5.0, 6.0]
+    graph.update(cpu_update_input=[{"lengths": [1, 2]}, {"lengths": torch.tensor([3, 4])}])
+    graph.replay()
+    assert first[:, 0].tolist() == [1.0, 2.0] and second[:, 0].tolist() == [3.0, 4.0]
+
+
+def test_replay_without_an_update_would_hang_and_raises():
+    graph, _, _ = _updatable_graph()
+    graph.update(cpu_update_input=[{"lengths": [5, 6]}])
+    graph.replay()
+    with pytest.raises(ReplayError, match="on the device this replay would hang"):
+        graph.replay()
+
+
+def test_update_errors_name_the_problem():
+    graph, _, _ = _updatable_graph()
+    with pytest.raises(ReplayError, match=r"update names \['kv_lens'\], which graphmode_test.add_lengths.default does not take; its arguments are \['lengths', 'x'\]"):
+        graph.update(cpu_update_input=[{"kv_lens": [1, 1]}])
+    with pytest.raises(ReplayError, match="update got 3 dicts for 2 captured updatable operators"):
+        graph.update(cpu_update_input=[{}, {}, {}])
+    plain = EmulatedGraph()
+    with plain.capture():
+        torch.ones(1) + 1
+    with pytest.raises(ReplayError, match="this graph captured no updatable operator"):
+        plain.update(cpu_update_input=[{"lengths": [1]}])
+
+
+def test_without_dispatch_capture_an_updatable_operator_is_frozen():
+    x = torch.zeros(2, 1)
+    graph = EmulatedGraph()
+    with graph.capture():
+        y = torch.ops.graphmode_test.add_lengths(x, [1, 2])
+    graph.replay()
+    assert y[:, 0].tolist() == [1.0, 2.0] and graph.num_updatable == 0
+
+
+# -- ACL task groups (older torch_npu) ---------------------------------------
+
+
+def test_task_group_update_rewrites_the_captured_task():
+    x, out = torch.zeros(2, 1), torch.zeros(2, 1)
+    stream, update_stream = npu.current_stream(), npu.Stream()
+    graph = EmulatedGraph()
+    with graph.capture():
+        event = npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        torch.ops.graphmode_test.add_lengths_out(x, [1, 1], out)
+        handle = npu.graph_task_group_end(stream)
+        doubled = out * 2
+
+    def push(lengths):
+        with npu.stream(update_stream):
+            npu.graph_task_update_begin(update_stream, handle)
+            torch.ops.graphmode_test.add_lengths_out(x, lengths, out)
+            npu.graph_task_update_end(update_stream)
+            event.record(update_stream)
+
+    push([7, 8])
+    graph.replay()
+    assert doubled[:, 0].tolist() == [14.0, 16.0]
+    with pytest.raises(ReplayError, match="would hang"):
+        graph.replay()
+    push([1, 2])
+    graph.replay()
+    assert doubled[:, 0].tolist() == [2.0, 4.0]
+
+
+def test_a_task_update_must_write_where_the_graph_reads():
+    x, out = torch.zeros(2, 1), torch.zeros(2, 1)
+    graph = EmulatedGraph()
+    with graph.capture():
+        npu.graph_task_group_begin(npu.current_stream())
+        torch.ops.graphmode_test.add_lengths_out(x, [1, 1], out)
+        handle = npu.graph_task_group_end(npu.current_stream())
+    npu.graph_task_update_begin(npu.Stream(), handle)
+    try:
+        with pytest.raises(ReplayError, match="allocates its result, which the captured graph never reads"):
+            torch.ops.graphmode_test.add_lengths(x, [2, 2])
+    finally:
+        npu.graph_task_update_end(npu.Stream())
+
+
+def test_task_groups_exist_only_inside_a_capture():
+    with pytest.raises(CaptureError, match="graph_task_group_begin outside graph capture"):
+        npu.graph_task_group_begin(npu.current_stream())
+
+
+# -- stale vendor behaviour gives wrong output, as on a device ---------------
+
+
+class HonoursMaxLength(ReferenceAttentionOps):
+    """A kernel that, like Cambricon's, reads only max_kv_seq_len tokens when
+    it is positive."""
+
+    def _decode_limit(self, attn):
+        limit = attn.kv_seqlens[:, None]
+        return limit.clamp(max=attn.max_kv_seq_len) if attn.max_kv_seq_len > 0 else limit
+
+
+class MaxLengthFromTheHost:
+    """Stale: passes the step's real max length into the graph context,
+    where the capture freezes it."""
+
+    @graphmode.hookimpl
+    def graphmode_attention_ops(self):
+        return HonoursMaxLength()
+
+    @graphmode.hookimpl(wrapper=True)
+    def graphmode_update_context(self, meta, inputs, batch_size, bucket):
+        static = yield
+        static.attn_metadata.max_kv_seq_len = inputs.attn_metadata.max_kv_seq_len
+        return static
+
+
+class MaxLengthDynamic(MaxLengthFromTheHost):
+    """Right: keeps the default -1 ("derive from kv_seqlens")."""
+
+    @graphmode.hookimpl(wrapper=True)
+    def graphmode_update_context(self, meta, inputs, batch_size, bucket):
+        return (yield)
+
+
+class LengthsNotRefilled:
+    """Stale: never refills kv_seqlens after the first step."""
+
+    @graphmode.hookimpl(wrapper=True)
+    def graphmode_fill_buffers(self, meta, inputs, batch_size, bucket):
+        keep = meta.input_buffers["kv_seqlens"].clone()
+        result = yield
+        if meta.vendor_flags.setdefault("filled_once", False):
+            meta.input_buffers["kv_seqlens"].copy_(keep)
+        meta.vendor_flags["filled_once"] = True
+        return result
+
+
+def _max_error(plugin, steps=6):
+    setup = tiny_setup(type(plugin).__name__, plugin=plugin)
+    seqs = setup.prefill(4, [3, 5, 6, 2])
+    worst = 0.0
+    for _ in range(steps):
+        graph, eager = setup.decode(seqs)
+        worst = max(worst, (graph - eager).abs().max().item())
+    return worst
+
+
+def test_a_max_length_frozen_at_capture_gives_wrong_output():
+    assert _max_error(MaxLengthDynamic()) < 1e-5
+    assert _max_error(MaxLengthFromTheHost()) > 1e-3
+
+
+def test_a_buffer_not_refilled_gives_wrong_output():
+    assert _max_error(LengthsNotRefilled()) > 1e-3

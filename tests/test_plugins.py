@@ -1,0 +1,156 @@
+"""Plugin discovery through entry points (faked distributions), vendor
+selection and its errors, hook validation, the allow-list and tracing."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+import graphmode
+from graphmode.plugins import describe_vendors, installed_vendor_names, load_vendor, select_vendor
+
+
+class FakeDistribution:
+    """Stands in for an installed package registering entry points."""
+
+    def __init__(self, name: str, entry_points: dict[str, str]) -> None:
+        self.metadata = {"Name": name}
+        self.version = "0.0.1"
+        self.entry_points = [
+            importlib.metadata.EntryPoint(name=n, value=v, group="graphmode") for n, v in entry_points.items()
+        ]
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Replace the installed distributions by fakes: ``installed(name=module)``."""
+
+    def install(**plugins: str) -> None:
+        dists = [FakeDistribution(f"graphmode-{n}", {n: f"plugins.{m}"}) for n, m in plugins.items()]
+        monkeypatch.setattr(importlib.metadata, "distributions", lambda: dists)
+
+    monkeypatch.delenv("GRAPHMODE_VENDOR", raising=False)
+    monkeypatch.delenv("GRAPHMODE_PLUGINS", raising=False)
+    return install
+
+
+def test_entry_points_are_discovered(installed):
+    installed(detected_a="detected_a", absent="absent")
+    assert installed_vendor_names() == ["cuda", "absent", "detected_a"]
+    vendor = load_vendor("detected_a")
+    assert vendor.info.detected and vendor.version == "0.0.1"
+    assert vendor.implements("graphmode_vendor_info")
+    assert not vendor.implements("graphmode_fill_buffers")  # inherited from the defaults
+
+
+def test_vendor_overrides_default_and_inherits_the_rest(installed):
+    installed(absent="absent")
+    vendor = load_vendor("absent")
+    assert vendor.hook.graphmode_compatible_size(batch_size=1, capture_sizes=(1, 2, 4)) == 4
+    sizes = vendor.hook.graphmode_capture_sizes(config=graphmode.RunnerConfig(8, 4, 16, "cpu"))
+    assert sizes == [1, 2, 4, 8]  # the default's answer
+
+
+def test_detection_picks_the_one_detected_vendor(installed):
+    installed(detected_a="detected_a", absent="absent")
+    assert select_vendor(device="cpu").name == "detected_a"
+
+
+def test_detection_falls_back_to_the_default(installed):
+    installed(absent="absent")
+    assert select_vendor(device="cpu").name == "cuda"
+
+
+def test_ambiguous_detection_lists_the_candidates(installed):
+    installed(detected_a="detected_a", detected_b="detected_b")
+    with pytest.raises(graphmode.VendorError, match="more than one vendor detected.*detected_a, detected_b"):
+        select_vendor(device="cpu")
+
+
+def test_environment_variable_chooses_the_vendor(installed, monkeypatch):
+    installed(detected_a="detected_a", detected_b="detected_b")
+    monkeypatch.setenv("GRAPHMODE_VENDOR", "detected_b")
+    assert select_vendor(device="cpu").name == "detected_b"
+    assert select_vendor("detected_a", device="cpu").name == "detected_a"  # the argument wins
+
+
+def test_unknown_vendor_lists_what_is_installed(installed):
+    installed(absent="absent")
+    with pytest.raises(graphmode.VendorError) as error:
+        select_vendor("ascnd", device="cpu")
+    message = str(error.value)
+    assert "no vendor plugin named 'ascnd'" in message
+    assert "absent: not detected: torch_npu is not installed" in message
+    assert "cuda:" in message
+
+
+def test_vendor_unusable_on_the_device_says_why(installed):
+    installed(absent="absent")
+    with pytest.raises(graphmode.VendorError, match="'absent' cannot run graphs on cuda: it runs on npu"):
+        select_vendor("absent", device="cuda")
+    with pytest.raises(graphmode.VendorError, match="(?s)torch does not know the device 'npu'.*absent: not detected"):
+        select_vendor("absent", device="npu")
+    if not torch.cuda.is_available():
+        with pytest.raises(graphmode.VendorError, match="no cuda device is available"):
+            select_vendor("cuda", device="cuda")
+
+
+def test_every_vendor_runs_on_the_cpu_emulator(installed):
+    installed(absent="absent")
+    assert select_vendor("absent", device="cpu").name == "absent"
+
+
+def test_misspelt_hook_fails_at_load_naming_plugin_hook_and_signature(installed):
+    installed(misspelt="misspelt")
+    with pytest.raises(graphmode.VendorError) as error:
+        load_vendor("misspelt")
+    message = str(error.value)
+    assert "vendor plugin 'misspelt'" in message
+    assert "graphmode_fil_buffers(meta, inputs, batch_size, bucket): no such hook" in message
+    assert "did you mean graphmode_fill_buffers?" in message
+
+
+def test_hook_asking_for_an_unknown_argument_fails_at_load(installed):
+    installed(wrong_argument="wrong_argument")
+    with pytest.raises(graphmode.VendorError) as error:
+        load_vendor("wrong_argument")
+    assert "takes ['batch'], which the hook graphmode_fill_buffers(meta, inputs, batch_size, bucket)" in str(error.value)
+
+
+def test_plugin_that_fails_to_import_is_reported_not_fatal(installed):
+    installed(fails_to_import="fails_to_import", absent="absent")
+    with pytest.raises(graphmode.VendorError, match="failed to import: ImportError"):
+        load_vendor("fails_to_import")
+    listing = describe_vendors()
+    assert "fails_to_import: cannot load" in listing and "absent:" in listing
+    assert select_vendor(device="cpu").name == "cuda"
+
+
+def test_allow_list_hides_other_plugins(installed, monkeypatch):
+    installed(detected_a="detected_a", absent="absent")
+    monkeypatch.setenv("GRAPHMODE_PLUGINS", "absent")
+    assert installed_vendor_names() == ["cuda", "absent"]
+    with pytest.raises(graphmode.VendorError, match="no vendor plugin named 'detected_a'"):
+        load_vendor("detected_a")
+
+
+def test_tracing_writes_hook_calls(installed, monkeypatch, capsys):
+    installed(absent="absent")
+    monkeypatch.setenv("GRAPHMODE_TRACE", "1")
+    load_vendor("absent").hook.graphmode_compatible_size(batch_size=3, capture_sizes=(4, 8))
+    err = capsys.readouterr().err
+    assert "graphmode_compatible_size" in err and "finish graphmode_compatible_size --> 8" in err
+
+
+def test_a_plugin_object_can_be_loaded_without_an_entry_point():
+    from plugins import absent
+
+    vendor = load_vendor("absent", plugin=absent)
+    assert vendor.info.name == "absent"
+
+
+def test_installed_package_registers_its_vendors_through_entry_points():
+    names = installed_vendor_names()
+    assert {"ascend", "camb", "maca", "ppu"} <= set(names)

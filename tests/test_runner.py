@@ -1,0 +1,347 @@
+"""The runner on the CPU emulator: graph equals eager, eager fallbacks,
+statistics, lifecycle, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphmode
+from graphmode import AttnMetadata, InputError
+from setups import tiny_setup
+
+
+def test_graph_equals_eager_for_every_batch_size_up_to_64():
+    setup = tiny_setup(max_batches=64, width=4, cache_blocks=64 * 4 + 1)
+    for batch in range(1, 65):
+        seqs = setup.prefill(batch)
+        for _ in range(3):
+            graph, eager = setup.decode(seqs)
+            assert graph.shape == eager.shape == (1, batch, setup.model.config.vocab_size)
+            torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5, msg=f"batch {batch}")
+        assert setup.caches_close(), f"KV caches differ after batch {batch}"
+        for seq in seqs:
+            setup.engine.finish(seq)
+    stats = setup.runner.stats
+    assert stats.captures == 7 and stats.replays == 64 * 3 - 7
+    assert stats.eager_steps["prefill"] == 64
+
+
+def test_first_step_of_a_bucket_captures_later_steps_replay():
+    setup = tiny_setup()
+    seqs = setup.prefill(3)
+    setup.decode(seqs)
+    assert setup.runner.captured_buckets == [4]
+    assert (setup.runner.stats.captures, setup.runner.stats.replays) == (1, 0)
+    setup.decode(seqs)
+    setup.decode(seqs[:2])
+    assert setup.runner.captured_buckets == [4, 2]
+    stats = setup.runner.stats
+    assert (stats.captures, stats.replays) == (2, 1)
+    assert (stats.real_tokens, stats.padded_tokens) == (8, 2)
+    assert stats.summary() == "2 captures, 1 replays, eager steps: 1 prefill; padding 2/10 tokens (20.0%)"
+
+
+def test_replay_result_is_a_view_of_the_graph_output_valid_until_the_next_step():
+    setup = tiny_setup()
+    seqs = setup.prefill(4)
+    setup.decode(seqs)
+    step = setup.engine.decode(seqs)
+    with torch.inference_mode():
+        first = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+        step = setup.engine.decode(seqs)
+        second = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    assert first.data_ptr() == second.data_ptr()
+
+
+def test_prefill_runs_eagerly_and_matches_the_model():
+    setup = tiny_setup()
+    seqs = [setup.engine.add() for _ in range(3)]
+    step = setup.engine.prefill(seqs, [5, 1, 9])
+    with torch.inference_mode():
+        out = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+        ref = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+    assert torch.equal(out, ref)
+    assert setup.runner.stats.eager_steps == {"prefill": 1}
+    assert setup.runner.captured_buckets == []
+
+
+def test_decode_step_with_several_tokens_per_sequence_runs_eagerly():
+    calls = []
+
+    def model(input_ids, position_ids, past_key_values, attn_metadata):
+        calls.append(input_ids.shape)
+        return torch.zeros((1, input_ids.shape[1], 4))
+
+    setup = tiny_setup()
+    runner = graphmode.build_graph_runner(model, max_batches=16, num_blocks=8, block_size=16, device="cpu")
+    seqs = [setup.engine.add() for _ in range(2)]
+    step = setup.engine.prefill(seqs, [2, 2])  # two new tokens each: speculative verification, say
+    runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata.replace(is_decoding=True))
+    assert runner.stats.eager_steps == {"multi_token_decode": 1} and calls == [(1, 4)]
+
+
+def test_batch_above_the_largest_capture_size_runs_eagerly():
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4])
+    seqs = setup.prefill(6)
+    graph, eager = setup.decode(seqs)
+    assert torch.equal(graph, eager)
+    assert setup.runner.stats.eager_steps["no_bucket"] == 1
+    assert setup.runner.bucket_of(5) is None and setup.runner.bucket_of(3) == 4
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_eager_mode_runs_everything_eagerly(how, monkeypatch):
+    if how == "environment":
+        monkeypatch.setenv("GRAPHMODE_EXECUTE_MODE", "eager")
+        setup = tiny_setup()
+    else:
+        setup = tiny_setup(execute_mode="eager")
+    seqs = setup.prefill(3)
+    graph, eager = setup.decode(seqs)
+    assert torch.equal(graph, eager)
+    assert setup.runner.stats.eager_steps["eager_mode"] == 2
+    assert setup.runner.captured_buckets == [] and setup.runner.meta is None
+    setup.runner.warmup(setup.graph_cache)
+    assert setup.runner.captured_buckets == []
+
+
+def test_warmup_captures_every_bucket_largest_first_into_one_pool_and_writes_nothing(capsys):
+    setup = tiny_setup()
+    before = [t.clone() for pair in setup.graph_cache for t in pair]
+    setup.runner.warmup(setup.graph_cache)
+    assert setup.runner.captured_buckets == [16, 8, 4, 2, 1]
+    pools = {id(setup.runner.graph(b).graph.pool()) for b in setup.runner.captured_buckets}
+    assert len(pools) == 1
+    after = [t for pair in setup.graph_cache for t in pair]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert "graphmode: capturing bucket 16 (1/5)" in capsys.readouterr().err
+    seqs = setup.prefill(5)
+    graph, eager = setup.decode(seqs)
+    torch.testing.assert_close(graph, eager)
+    assert setup.runner.stats.captures == 5 and setup.runner.stats.replays == 1
+
+
+def test_reset_drops_graphs_and_capture_works_again():
+    setup = tiny_setup()
+    seqs = setup.prefill(4)
+    setup.decode(seqs)
+    graph_object = setup.runner.graph(4).graph
+    setup.runner.reset()
+    assert setup.runner.captured_buckets == []
+    with pytest.raises(graphmode.ReplayError):
+        graph_object.replay()
+    graph, eager = setup.decode(seqs)
+    torch.testing.assert_close(graph, eager)
+    assert setup.runner.stats.captures == 2
+
+
+def test_weights_updated_in_place_are_seen_by_the_next_replay():
+    setup = tiny_setup()
+    seqs = setup.prefill(4)
+    setup.decode(seqs)
+    with torch.no_grad():
+        for param in setup.model.parameters():
+            param.mul_(1.5)
+    graph, eager = setup.decode(seqs)
+    torch.testing.assert_close(graph, eager)
+    assert setup.runner.stats.replays == 1
+
+
+def test_a_new_kv_cache_needs_a_reset():
+    setup = tiny_setup()
+    seqs = setup.prefill(2)
+    setup.decode(seqs)
+    step = setup.engine.decode(seqs)
+    new_cache = setup.model.make_kv_cache(200, 16)
+    with pytest.raises(InputError, match="past_key_values are not the tensors the graph of bucket 2 captured"):
+        setup.runner(step.input_ids, step.position_ids, new_cache, step.attn_metadata)
+    same_tensors = [tuple(pair) for pair in setup.graph_cache]  # a new list of the same tensors is fine
+    with torch.inference_mode():
+        setup.runner(step.input_ids, step.position_ids, same_tensors, step.attn_metadata)
+
+
+def test_extra_inputs_are_frozen_and_checked():
+    class WithExtra(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = model
+            self.config = model.config
+
+        def forward(self, input_ids, position_ids, past_key_values, attn_metadata, scale):
+            return self.inner(input_ids, position_ids, past_key_values, attn_metadata) * scale
+
+    setup = tiny_setup()
+    runner = graphmode.build_graph_runner(WithExtra(setup.model), max_batches=16, num_blocks=8, block_size=16, device="cpu")
+    seqs = setup.prefill(2)
+    scale = torch.tensor(2.0)
+    with torch.inference_mode():
+        step = setup.engine.decode(seqs)
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, scale=scale)
+        step = setup.engine.decode(seqs)
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, scale=scale)
+        with pytest.raises(InputError, match="extra model input 'scale' is not the object the graph of bucket 2 captured"):
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, scale=torch.tensor(3.0))
+
+
+# -- bad input ---------------------------------------------------------------
+
+
+def _step(setup, batch=2):
+    """A decode step's inputs (the cache content does not matter here)."""
+    seqs = [setup.engine.add() for _ in range(batch)]
+    setup.engine.prefill(seqs, [3] * batch)
+    return setup.engine.decode(seqs)
+
+
+def _call(setup, step, **changes):
+    attn = step.attn_metadata.replace(**{k: v for k, v in changes.items() if k not in ("input_ids", "position_ids")})
+    with torch.inference_mode():
+        return setup.runner(
+            changes.get("input_ids", step.input_ids), changes.get("position_ids", step.position_ids),
+            setup.graph_cache, attn,
+        )
+
+
+def test_batch_size_zero_is_refused():
+    setup = tiny_setup()
+    step = _step(setup)
+    empty = torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(InputError, match="batch size 0: a step needs at least one sequence"):
+        _call(setup, step, q_seqlens=empty, kv_seqlens=empty, q_start_loc=empty,
+              block_offsets=torch.zeros((0, 8), dtype=torch.int32), kv_start_indices=empty.long(),
+              input_ids=torch.zeros((1, 0), dtype=torch.long), position_ids=torch.zeros((1, 0), dtype=torch.long))
+
+
+def test_batch_above_max_batches_is_refused():
+    setup = tiny_setup(max_batches=4, cache_blocks=80)
+    step = _step(setup, batch=5)
+    with pytest.raises(InputError, match=r"batch size 5 is above max_batches=4; build the runner with max_batches >= 5"):
+        _call(setup, step)
+
+
+def test_block_table_wider_than_num_blocks_is_refused():
+    setup = tiny_setup()
+    step = _step(setup)
+    wide = torch.zeros((2, 9), dtype=torch.int32)
+    with pytest.raises(InputError, match=r"block_offsets is 9 blocks wide, above num_blocks=8; build the runner with num_blocks >= 9"):
+        _call(setup, step, block_offsets=wide)
+
+
+def test_kv_length_above_capacity_is_refused():
+    setup = tiny_setup()
+    step = _step(setup)
+    with pytest.raises(InputError, match=r"max_kv_seq_len=200 is above the 128 tokens a block table can address \(num_blocks=8 x block_size=16\)"):
+        _call(setup, step, max_kv_seq_len=200)
+
+
+@pytest.mark.parametrize("field", ["kv_seqlens", "block_offsets", "kv_start_indices", "input_ids"])
+def test_wrong_dtype_is_refused(field):
+    setup = tiny_setup()
+    step = _step(setup)
+    value = step.input_ids if field == "input_ids" else getattr(step.attn_metadata, field)
+    with pytest.raises(InputError, match=f"{field} has dtype torch.float32; it must be an integer tensor"):
+        _call(setup, step, **{field: value.float()})
+
+
+def test_wrong_device_is_refused():
+    setup = tiny_setup()
+    step = _step(setup)
+    elsewhere = torch.empty((2,), dtype=torch.int32, device="meta")
+    with pytest.raises(InputError, match=r"attn_metadata.kv_seqlens is on meta, but the runner's device is cpu; move it with .to\('cpu'\)"):
+        _call(setup, step, kv_seqlens=elsewhere)
+
+
+def test_wrong_shape_is_refused():
+    setup = tiny_setup()
+    step = _step(setup)
+    with pytest.raises(InputError, match=r"kv_start_indices has shape \(1,\); a step of 2 sequences and 2 tokens needs \(2,\)"):
+        _call(setup, step, kv_start_indices=step.attn_metadata.kv_start_indices[:1])
+
+
+def test_attn_metadata_of_another_type_is_refused():
+    setup = tiny_setup()
+    step = _step(setup)
+    with pytest.raises(InputError, match="attn_metadata is a dict; pass a graphmode.AttnMetadata"):
+        with torch.inference_mode():
+            setup.runner(step.input_ids, step.position_ids, setup.graph_cache, {"is_decoding": True})
+
+
+# -- vendor answers the runner checks ----------------------------------------
+
+
+class ShrinkingBuckets:
+    """A broken plugin: a bucket smaller than the batch."""
+
+    @graphmode.hookimpl
+    def graphmode_compatible_size(self, batch_size, capture_sizes):
+        return max(1, batch_size // 2)
+
+
+class UnsortedSizes:
+    @graphmode.hookimpl
+    def graphmode_capture_sizes(self, config):
+        return [4, 2, 1]
+
+
+def test_a_bucket_smaller_than_the_batch_is_refused_at_start_up():
+    with pytest.raises(graphmode.ConfigError, match=r"graphmode_compatible_size\(2\) returned 1; it must be a capture size >= 2 from \[1, 2, 4, 8, 16\]"):
+        tiny_setup("shrinking", plugin=ShrinkingBuckets())
+
+
+def test_a_capture_list_out_of_order_is_refused_at_start_up():
+    with pytest.raises(graphmode.ConfigError, match=r"graphmode_capture_sizes returned \[4, 2, 1\], which is not ascending and unique"):
+        tiny_setup("unsorted", plugin=UnsortedSizes())
+
+
+class Advice:
+    """Turns any capture failure into advice, as vendors do for known signatures."""
+
+    @graphmode.hookimpl
+    def graphmode_capture_error(self, error, meta, bucket):
+        return graphmode.CaptureError(f"bucket {bucket}: reduce the capture sizes")
+
+
+def test_capture_errors_are_translated_and_chained():
+    class ReadsTheDevice(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.config = model, model.config
+
+        def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+            out = self.inner(input_ids, position_ids, past_key_values, attn_metadata)
+            if out.sum() > 1e9:  # a host read of device memory: not capturable
+                raise AssertionError
+            return out
+
+    setup = tiny_setup("advice", plugin=Advice())
+    runner = graphmode.GraphRunner(ReadsTheDevice(setup.model), setup.runner.config, setup.runner.vendor)
+    step = _step(setup)
+    with pytest.raises(graphmode.CaptureError, match="bucket 2: reduce the capture sizes") as error:
+        with torch.inference_mode():
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    assert "Tensor.__bool__() inside graph capture" in str(error.value.__cause__)
+
+
+def test_capture_errors_without_advice_keep_their_type_and_say_where():
+    def model(input_ids, position_ids, past_key_values, attn_metadata):
+        return input_ids[:, :, None].float() * attn_metadata.kv_seqlens.sum().item()
+
+    runner = graphmode.build_graph_runner(model, max_batches=4, num_blocks=8, block_size=16, device="cpu")
+    setup = tiny_setup()
+    step = _step(setup)
+    with pytest.raises(graphmode.CaptureError) as error:
+        with torch.inference_mode():
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    assert "test_runner.py" in str(error.value)
+    assert "while capturing the decode graph of bucket 2 (cuda)" in "".join(getattr(error.value, "__notes__", []))
+
+
+def test_runner_repr_names_vendor_device_and_buckets():
+    setup = tiny_setup()
+    assert repr(setup.runner) == "<GraphRunner cuda on cpu, graph mode, buckets [1, 2, 4, 8, 16], captured []>"
+
+
+def test_attn_metadata_replace_leaves_the_original():
+    meta = AttnMetadata(True, *(torch.zeros(1, dtype=torch.int32),) * 5, 1, 1)
+    assert meta.replace(max_kv_seq_len=-1).max_kv_seq_len == -1 and meta.max_kv_seq_len == 1
