@@ -42,7 +42,12 @@ def padding_rows(
 
 
 def stage(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy every source into its destination, in one call per device pair."""
-    if pairs:
-        destinations, sources = zip(*pairs)
-        torch._foreach_copy_(list(destinations), list(sources))
+    """Copy every source into its destination: one ``_foreach_copy_`` per
+    destination device (host buffers and device buffers go separately)."""
+    by_device: dict[torch.device, tuple[list, list]] = {}
+    for destination, source in pairs:
+        destinations, sources = by_device.setdefault(destination.device, ([], []))
+        destinations.append(destination)
+        sources.append(source)
+    for destinations, sources in by_device.values():
+        torch._foreach_copy_(destinations, sources)

@@ -37,7 +37,8 @@ class GraphMeta:
         were made: the neutral value of every element, copied back into the
         rows a step does not use.
     output_buffers: name -> the tensors one captured graph writes its result to.
-    vendor_flags: free-form switches a vendor plugin keeps with the graphs.
+    vendor_flags: free-form switches a vendor plugin keeps with the graphs;
+        the runner starts them from ``RunnerConfig.vendor_options``.
     """
 
     max_batchs: int

@@ -1,6 +1,6 @@
 """Vendor plugins: discovery through entry points, loading, selection."""
 
-from graphmode.plugins.info import VendorInfo
+from graphmode.plugins.info import CAPABILITIES, VendorInfo
 from graphmode.plugins.manager import (
     BUILTIN_VENDOR,
     ENTRY_POINT_GROUP,
@@ -15,6 +15,7 @@ from graphmode.plugins.selection import ENV_VENDOR, describe_vendors, select_ven
 
 __all__ = [
     "BUILTIN_VENDOR",
+    "CAPABILITIES",
     "ENTRY_POINT_GROUP",
     "ENV_PLUGINS",
     "ENV_TRACE",

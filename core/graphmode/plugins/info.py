@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["VendorInfo"]
+__all__ = ["CAPABILITIES", "VendorInfo"]
+
+CAPABILITIES = {
+    "host_kv_lengths": "the attention kernel takes kv lengths as host values, which a "
+    "graph freezes: the vendor must push them into the graph before every replay",
+    "positive_max_len_limits": "the attention kernel reads only max_kv_seq_len tokens "
+    "when it is positive, so graphs must pass -1",
+    "x_active_mask": "the step context carries x_active_mask, False for padding tokens",
+}
 
 
 @dataclass(frozen=True)
@@ -21,6 +29,8 @@ class VendorInfo:
     runtime_version: that stack's version, or None when it is not installed.
     detected: whether the vendor's own hardware and runtime are present here.
     reason: why it was or was not detected, in words.
+    capabilities: what the vendor's kernels do that tests must know, from
+        ``CAPABILITIES``; the conformance suite gates on these, never on names.
     """
 
     name: str
@@ -29,6 +39,13 @@ class VendorInfo:
     runtime_version: str | None
     detected: bool
     reason: str
+    capabilities: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.capabilities) - set(CAPABILITIES)
+        if unknown:
+            raise ValueError(f"VendorInfo({self.name!r}) has unknown capabilities {sorted(unknown)}; known: {sorted(CAPABILITIES)}")
+        object.__setattr__(self, "capabilities", frozenset(self.capabilities))
 
     def runs_on(self, device: torch.device) -> tuple[bool, str]:
         """Whether graphs of this vendor can run on ``device``, and why not."""

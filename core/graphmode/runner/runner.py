@@ -152,7 +152,7 @@ class GraphRunner:
         return self._hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
 
     def _capture(self, inputs: StepInputs, batch: int, bucket: int) -> Any:
-        meta = self._buffers().for_graph()
+        meta = self.graph_meta().for_graph()
         hook = self._hook
         hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
         static = hook.graphmode_update_context(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
@@ -179,8 +179,9 @@ class GraphRunner:
         warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})
         return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch)
 
-    def _buffers(self) -> GraphMeta:
-        """The shared input buffers, made on first use."""
+    def graph_meta(self) -> GraphMeta:
+        """The GraphMeta holding the input buffers every bucket shares, made
+        (with its padding snapshot) on first use."""
         if self.meta is None:
             config = self.config
             meta = GraphMeta(
@@ -190,6 +191,7 @@ class GraphRunner:
                 block_size=config.block_size,
                 device=config.device,
                 vocab_size=_model_attr(self.model, "vocab_size"),
+                vendor_flags=dict(config.vendor_options),
             )
             meta.input_buffers = self._hook.graphmode_make_buffers(meta=meta)
             meta.padding_buffers = {name: t.clone() for name, t in meta.input_buffers.items()}

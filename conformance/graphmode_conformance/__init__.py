@@ -1,0 +1,59 @@
+"""graphmode's conformance suite: proof that a vendor's graphs equal eager.
+
+Run it with ``graphmode conformance``, or plug it into your own test tree::
+
+    # conftest.py
+    pytest_plugins = ["graphmode_conformance.plugin"]
+
+    # test_my_vendor.py
+    import graphmode, pytest, torch
+    from graphmode_conformance import ConformanceTests
+
+    class TestMyVendor(ConformanceTests):
+        @pytest.fixture
+        def vendor(self):
+            return graphmode.load_vendor("myvendor")
+
+        @pytest.fixture
+        def device(self):
+            return torch.device("npu")
+
+See docs/conformance.md.
+"""
+
+from graphmode_conformance.equivalence import GraphEqualsEagerTests
+from graphmode_conformance.fixtures import ConformanceFixtures
+from graphmode_conformance.harness import ConformanceFailure, Harness, Sizes
+from graphmode_conformance.hooks import HookContractTests
+from graphmode_conformance.lifecycle import (
+    CapabilityTests,
+    KVCacheIntegrityTests,
+    LifecycleTests,
+    ParameterUpdateTests,
+)
+
+__all__ = [
+    "CapabilityTests",
+    "ConformanceFailure",
+    "ConformanceFixtures",
+    "ConformanceTests",
+    "GraphEqualsEagerTests",
+    "Harness",
+    "HookContractTests",
+    "KVCacheIntegrityTests",
+    "LifecycleTests",
+    "ParameterUpdateTests",
+    "Sizes",
+]
+
+
+class ConformanceTests(
+    HookContractTests,
+    CapabilityTests,
+    LifecycleTests,
+    KVCacheIntegrityTests,
+    ParameterUpdateTests,
+    GraphEqualsEagerTests,
+):
+    """Every check of the suite: inherit it and provide ``vendor`` and
+    ``device`` (or run with the plugin's command-line options)."""

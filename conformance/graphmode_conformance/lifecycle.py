@@ -1,0 +1,133 @@
+"""KV-cache integrity, the runner's lifecycle, eager fallbacks and vendor
+parameter updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphmode_conformance.fixtures import ConformanceFixtures
+from graphmode_conformance.harness import ConformanceFailure, Harness
+
+__all__ = ["CapabilityTests", "KVCacheIntegrityTests", "LifecycleTests", "ParameterUpdateTests"]
+
+
+class KVCacheIntegrityTests(ConformanceFixtures):
+    def test_padding_never_touches_the_reserved_block(self, harness):
+        reserved = [harness.slot_rows(t)[: harness.sizes.block_size].clone() for pair in harness.graph_cache for t in pair]
+        seqs = harness.start(11)
+        for batch in (11, 5, 9, 2, 11, 7):
+            harness.step(seqs[:batch])
+        after = [harness.slot_rows(t)[: harness.sizes.block_size] for pair in harness.graph_cache for t in pair]
+        assert all(torch.equal(a, b) for a, b in zip(reserved, after)), "the reserved block 0 changed"
+
+    def test_sequences_left_out_of_a_step_keep_their_cache(self, harness):
+        seqs = harness.start(8)
+        harness.step(seqs)
+        for _ in range(3):
+            harness.step(seqs[:4])  # the harness checks the other four are untouched
+        harness.step(seqs)
+
+
+class LifecycleTests(ConformanceFixtures):
+    def test_capture_step_and_replay_steps_are_both_correct(self, harness):
+        seqs = harness.start(6)
+        harness.step(seqs)
+        stats = harness.runner.stats
+        assert (stats.captures, stats.replays) == (1, 0), stats.summary()
+        harness.step(seqs)
+        harness.step(seqs)
+        assert (stats.captures, stats.replays) == (1, 2), stats.summary()
+        bucket = harness.runner.bucket_of(6)
+        assert (stats.real_tokens, stats.padded_tokens) == (18, 3 * (bucket - 6))
+
+    def test_reset_then_recapture(self, harness):
+        seqs = harness.start(4)
+        harness.step(seqs)
+        harness.step(seqs)
+        harness.runner.reset()
+        assert harness.runner.captured_buckets == []
+        harness.step(seqs)
+        harness.step(seqs)
+        assert harness.runner.stats.captures == 2
+
+    def test_weights_updated_in_place_reach_the_graph(self, harness):
+        seqs = harness.start(4)
+        harness.step(seqs)
+        with torch.no_grad():
+            for param in harness.model.parameters():
+                param.mul_(0.5)
+        harness.step(seqs)
+        assert harness.runner.stats.replays == 1
+
+    def test_warmup_then_decode(self, harness):
+        harness.runner.warmup(harness.graph_cache, progress=False)
+        assert harness.runner.captured_buckets == list(reversed(harness.runner.capture_sizes))
+        seqs = harness.start(5)
+        harness.step(seqs)
+        harness.step(seqs[:2])
+        assert harness.runner.stats.replays == 2
+
+    def test_prefill_runs_eagerly_with_eager_results(self, harness):
+        seqs = harness.start(3)
+        harness.step(seqs)
+        assert harness.runner.stats.eager_steps["prefill"] == 1
+
+    def test_batch_above_the_capture_sizes_runs_eagerly(self, vendor, device, sizes):
+        harness = Harness.build(vendor, device, sizes, capture_batch_sizes=[1, 2, 4])
+        seqs = harness.start(6)
+        harness.step(seqs)
+        harness.step(seqs[:3])
+        assert harness.runner.stats.eager_steps["no_bucket"] == 1
+        assert harness.runner.stats.replays + harness.runner.stats.captures == 1
+
+    def test_eager_mode_runs_everything_eagerly(self, vendor, device, sizes):
+        harness = Harness.build(vendor, device, sizes, execute_mode="eager")
+        seqs = harness.start(3)
+        harness.step(seqs)
+        assert harness.runner.stats.eager_steps == {"eager_mode": 2}
+        assert harness.runner.captured_buckets == []
+
+
+class ParameterUpdateTests(ConformanceFixtures):
+    def test_new_host_values_reach_every_replay(self, capabilities, updates_graph_params, vendor, harness):
+        if "host_kv_lengths" in capabilities and not updates_graph_params:
+            raise ConformanceFailure(
+                f"[parameter updates] vendor {vendor.name} declares host_kv_lengths but implements no "
+                "graphmode_update_graph_params: its graphs would replay the kv lengths of their capture"
+            )
+        if not updates_graph_params:
+            pytest.skip("the vendor pushes no host values into graphs")
+        seqs = harness.start(6, [1, 5, 9, 13, 17, 21])
+        for batch in (6, 6, 5, 6, 4, 6, 6):
+            harness.step(seqs[:batch])
+        assert harness.runner.stats.replays >= 5
+
+
+class CapabilityTests(ConformanceFixtures):
+    def test_graph_context_passes_a_dynamic_max_length(self, capabilities, harness, vendor):
+        if "positive_max_len_limits" not in capabilities:
+            pytest.skip("the vendor's kernel ignores max lengths")
+        seqs = harness.start(3)
+        step = harness.engine.decode(seqs)
+        meta = harness.runner.graph_meta()
+        bucket = harness.runner.bucket_of(3)
+        vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=3, bucket=bucket)
+        attn = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=3, bucket=bucket).attn_metadata
+        assert attn.max_kv_seq_len == -1 and attn.max_q_seq_len == -1, (
+            f"vendor {vendor.name}: its kernel honours positive max lengths, so graph contexts must pass -1; "
+            f"got max_q_seq_len={attn.max_q_seq_len}, max_kv_seq_len={attn.max_kv_seq_len}"
+        )
+
+    def test_x_active_mask_marks_live_tokens(self, capabilities, harness, vendor):
+        if "x_active_mask" not in capabilities:
+            pytest.skip("the vendor sets no x_active_mask")
+        seqs = harness.start(harness.runner.bucket_of(5))
+        harness.step(seqs)
+        step = harness.engine.decode(seqs[:5])
+        meta = harness.runner.graph_meta()
+        bucket = harness.runner.bucket_of(5)
+        vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=5, bucket=bucket)
+        attn = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=5, bucket=bucket).attn_metadata
+        expected = [True] * 5 + [False] * (bucket - 5)
+        assert attn.x_active_mask.tolist() == expected, f"x_active_mask {attn.x_active_mask.tolist()}, expected {expected}"

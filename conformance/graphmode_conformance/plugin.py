@@ -1,0 +1,182 @@
+"""The pytest plugin of the conformance suite.
+
+Options:
+    --graphmode-vendor NAME    the vendor under test (default: $GRAPHMODE_VENDOR,
+                               then detection)
+    --graphmode-device DEV     where graphs run (default: the vendor's own device
+                               when present, else the CPU emulator)
+    --graphmode-plugin M:OBJ   an extra plugin object registered on top of the
+                               vendor (how the suite is pointed at a variant)
+    --graphmode-xfails FILE    test ids expected to fail, one per line, # comments
+    --graphmode-report FILE    a JSON report, one record per test
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import graphmode
+from graphmode.plugins import select_vendor
+
+ENV_PREFIXES = ("GRAPHMODE_", "ASCEND_", "CUDA_VISIBLE", "MLU_VISIBLE", "TORCH_NPU", "NCCL_")
+
+
+@dataclass
+class Target:
+    vendor: graphmode.Vendor
+    device: torch.device
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("graphmode", "graphmode conformance")
+    group.addoption("--graphmode-vendor", default=None, help="vendor under test")
+    group.addoption("--graphmode-device", default=None, help="device graphs run on (cpu: the emulator)")
+    group.addoption("--graphmode-plugin", default=None, help="module:object registered on top of the vendor")
+    group.addoption("--graphmode-xfails", default=None, help="file of test ids expected to fail")
+    group.addoption("--graphmode-report", default=None, help="write a JSON report here")
+
+
+def resolve_target(vendor: str | None, device: str | None, extra_plugin: str | None = None) -> Target:
+    """The vendor under test and its device, as the options ask."""
+    chosen = select_vendor(vendor, device)
+    if extra_plugin:
+        module, _, attribute = extra_plugin.partition(":")
+        plugin = getattr(importlib.import_module(module), attribute)
+        chosen.manager.register(plugin() if isinstance(plugin, type) else plugin, name=f"extra:{extra_plugin}")
+        chosen.manager.check_pending()
+        chosen.name = f"{chosen.name}+{attribute}"
+    if device is None:
+        native = [t for t in chosen.info.device_types if chosen.info.runs_on(torch.device(t))[0]]
+        device = native[0] if native and chosen.info.detected else "cpu"
+    return Target(chosen, torch.device(device))
+
+
+@pytest.fixture(scope="session")
+def graphmode_target(request) -> Target:
+    """The vendor and device under test, from the command-line options."""
+    return request.config._graphmode.get_target()
+
+
+def pytest_configure(config):
+    config._graphmode = _State(config)
+    config.pluginmanager.register(config._graphmode, "graphmode-conformance-state")
+
+
+class _State:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.target: Target | None = None
+        self.records: list[dict[str, Any]] = []
+        self.xfail_ids: dict[str, str] = {}
+        self.matched: set[str] = set()
+        path = config.getoption("--graphmode-xfails")
+        if path:
+            self.xfail_ids = _read_xfails(Path(path))
+
+    def get_target(self) -> Target:
+        if self.target is None:
+            option = self.config.getoption
+            self.target = resolve_target(
+                option("--graphmode-vendor"), option("--graphmode-device"), option("--graphmode-plugin")
+            )
+        return self.target
+
+    def pytest_report_header(self, config):
+        try:
+            target = self.get_target()
+        except graphmode.GraphModeError as error:
+            return [f"graphmode: no vendor under test: {error}"]
+        return [f"graphmode: {line}" for line in describe(target)]
+
+    def pytest_collection_modifyitems(self, config, items):
+        for item in items:
+            for test_id, reason in self.xfail_ids.items():
+                if item.nodeid == test_id or item.nodeid.endswith("::" + test_id) or item.name == test_id:
+                    item.add_marker(pytest.mark.xfail(reason=reason or "listed in the xfails file", strict=False))
+                    self.matched.add(test_id)
+
+    def pytest_collection_finish(self, session):
+        for test_id in sorted(set(self.xfail_ids) - self.matched):
+            warnings.warn(f"xfails file: {test_id!r} matches no test", pytest.PytestWarning, stacklevel=1)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        unmatched = sorted(set(self.xfail_ids) - self.matched)
+        if unmatched:
+            terminalreporter.write_line(f"graphmode: xfail ids matching no test: {', '.join(unmatched)}")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            message = ""
+            if report.failed:
+                message = str(call.excinfo.value) if call.excinfo else str(report.longrepr)
+            elif report.skipped:
+                message = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            outcome_name = "xfailed" if hasattr(report, "wasxfail") and report.skipped else (
+                "xpassed" if hasattr(report, "wasxfail") else report.outcome)
+            self.records.append({
+                "id": item.nodeid, "test": item.name, "outcome": outcome_name,
+                "duration_s": round(report.duration, 4), "message": message[:4000],
+            })
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        path = self.config.getoption("--graphmode-report")
+        if not path:
+            return
+        target = self.target
+        data = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "header": describe(target) if target else [],
+            "vendor": target.vendor.name if target else None,
+            "device": str(target.device) if target else None,
+            "exit_status": int(exitstatus),
+            "records": self.records,
+        }
+        Path(path).write_text(json.dumps(data, indent=1))
+
+
+def describe(target: Target) -> list[str]:
+    """What is under test: vendor, device, versions, environment."""
+    info = target.vendor.info
+    device = target.device
+    if device.type == "cpu":
+        device_name = "CPU graph emulator"
+    else:
+        module = getattr(torch, device.type, None)
+        get_name = getattr(module, "get_device_name", None)
+        device_name = get_name(device) if get_name else device.type
+    try:
+        version = importlib.metadata.version("graphmode")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    return [
+        f"vendor {target.vendor.name} (plugin {target.vendor.version}), runtime {info.runtime} "
+        f"{info.runtime_version or 'not installed'}, capabilities {sorted(info.capabilities) or 'none'}",
+        f"device {device} ({device_name}); torch {torch.__version__}; graphmode {version}",
+        f"environment: {env or 'no graphmode-related variables set'}",
+    ]
+
+
+def _read_xfails(path: Path) -> dict[str, str]:
+    """Test ids from a file: one per line; '#' starts a comment, which
+    becomes the reason."""
+    ids = {}
+    for line in path.read_text().splitlines():
+        text, _, comment = line.partition("#")
+        if text.strip():
+            ids[text.strip()] = comment.strip()
+    return ids

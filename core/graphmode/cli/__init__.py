@@ -1,0 +1,5 @@
+"""The ``graphmode`` command."""
+
+from graphmode.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,39 @@
+"""``graphmode``: conformance, vendors, bench.
+
+    graphmode conformance [--vendor NAME] [--device DEV] [--xfails FILE] [--report FILE.json] [-k EXPR]
+    graphmode vendors [--max-batches N]
+    graphmode bench [--device cuda] [--json FILE] [--plot FILE.png] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="graphmode", description="graph mode for LLM decode steps")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    from graphmode_conformance import cli as conformance
+
+    conformance.add_arguments(commands.add_parser("conformance", help="prove a vendor's graphs equal eager"))
+
+    from graphmode.cli import vendors
+
+    vendors.add_arguments(commands.add_parser("vendors", help="list installed vendors and why each is usable"))
+
+    from graphmode.bench import cli as bench
+
+    bench.add_arguments(commands.add_parser("bench", help="measure graph mode against eager and the alternatives"))
+
+    args = parser.parse_args(argv)
+    if args.command == "conformance":
+        return conformance.run(args)
+    if args.command == "vendors":
+        return vendors.run(args)
+    return bench.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
