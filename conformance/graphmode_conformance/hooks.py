@@ -21,6 +21,7 @@ def _rows(name: str, tensor: torch.Tensor) -> int:
     return tensor.shape[1] if name in ("input_ids", "position_ids") else tensor.shape[0]
 
 
+@torch.inference_mode()
 def _fill(harness: Harness, step: StepInputs, batch: int):
     meta = harness.runner.graph_meta()
     bucket = harness.runner.bucket_of(batch)

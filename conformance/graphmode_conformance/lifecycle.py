@@ -112,8 +112,9 @@ class CapabilityTests(ConformanceFixtures):
         step = harness.engine.decode(seqs)
         meta = harness.runner.graph_meta()
         bucket = harness.runner.bucket_of(3)
-        vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=3, bucket=bucket)
-        attn = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=3, bucket=bucket).attn_metadata
+        with torch.inference_mode():
+            vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=3, bucket=bucket)
+            attn = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=3, bucket=bucket).attn_metadata
         assert attn.max_kv_seq_len == -1 and attn.max_q_seq_len == -1, (
             f"vendor {vendor.name}: its kernel honours positive max lengths, so graph contexts must pass -1; "
             f"got max_q_seq_len={attn.max_q_seq_len}, max_kv_seq_len={attn.max_kv_seq_len}"
@@ -127,7 +128,8 @@ class CapabilityTests(ConformanceFixtures):
         step = harness.engine.decode(seqs[:5])
         meta = harness.runner.graph_meta()
         bucket = harness.runner.bucket_of(5)
-        vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=5, bucket=bucket)
-        attn = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=5, bucket=bucket).attn_metadata
+        with torch.inference_mode():
+            vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=5, bucket=bucket)
+            attn = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=5, bucket=bucket).attn_metadata
         expected = [True] * 5 + [False] * (bucket - 5)
         assert attn.x_active_mask.tolist() == expected, f"x_active_mask {attn.x_active_mask.tolist()}, expected {expected}"

@@ -10,10 +10,16 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from graphmode.context import StepInputs
 from graphmode.emulator.host import mark_host
 from graphmode.meta import GraphMeta
 
-__all__ = ["host_zeros", "padding_rows", "stage"]
+__all__ = ["ROW_BUFFERS", "TOKEN_BUFFERS", "decode_rows", "host_zeros", "padding_rows", "stage"]
+
+# The buffers a decode step writes (the others are constant): per-token rows of
+# shape (1, max_tokens), and per-sequence or per-token rows along dimension 0.
+TOKEN_BUFFERS = ("input_ids", "position_ids")
+ROW_BUFFERS = ("block_offsets", "kv_seqlens", "kv_start_indices")
 
 
 def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -25,6 +31,28 @@ def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype) -> tor
     if meta.device.type == "cpu":
         mark_host(tensor)
     return tensor
+
+
+def decode_rows(
+    meta: GraphMeta, inputs: StepInputs, batch_size: int, kv_seqlens: torch.Tensor | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(buffer rows, step rows) pairs copying a decode step into the buffers
+    named in ``TOKEN_BUFFERS`` and ``ROW_BUFFERS``, and clearing the block-table
+    columns a narrower table leaves. ``kv_seqlens`` overrides the source of the
+    lengths (a host copy, for host-length buffers)."""
+    n, buffers, attn = batch_size, meta.input_buffers, inputs.attn_metadata
+    blocks, slots = buffers["block_offsets"], buffers["kv_start_indices"]
+    width = attn.block_offsets.shape[1]
+    pairs = [
+        (buffers["input_ids"][:, :n], inputs.input_ids),
+        (buffers["position_ids"][:, :n], inputs.position_ids),
+        (blocks[:n, :width], attn.block_offsets),
+        (buffers["kv_seqlens"][:n], attn.kv_seqlens if kv_seqlens is None else kv_seqlens),
+        (slots[:n], attn.kv_start_indices.view(slots[:n].shape)),
+    ]
+    if width < meta.num_blocks:
+        pairs.append((blocks[:n, width:], meta.padding_buffers["block_offsets"][:n, width:]))
+    return pairs
 
 
 def padding_rows(

@@ -23,18 +23,12 @@ from torch.utils._pytree import tree_map
 
 from graphmode import hookimpl
 from graphmode.buckets import power_of_two_sizes, smallest_bucket
-from graphmode.buffers import padding_rows, stage
+from graphmode.buffers import ROW_BUFFERS, TOKEN_BUFFERS, decode_rows, padding_rows, stage
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.meta import GraphMeta
 from graphmode.plugins.info import VendorInfo
-
-# Buffers a decode step writes into (the others are constant): per-token
-# rows of shape (1, max_tokens), and per-sequence or per-token rows along dim 0.
-TOKEN_BUFFERS = ("input_ids", "position_ids")
-ROW_BUFFERS = ("block_offsets", "kv_seqlens", "kv_start_indices")
-
 
 @hookimpl
 def graphmode_vendor_info() -> VendorInfo:
@@ -84,29 +78,11 @@ def graphmode_make_buffers(meta: GraphMeta) -> dict[str, torch.Tensor]:
 @hookimpl
 def graphmode_fill_buffers(meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int) -> bool:
     stage(
-        live_rows(meta, inputs, batch_size)
+        decode_rows(meta, inputs, batch_size)
         + padding_rows(meta, TOKEN_BUFFERS, batch_size, bucket, dim=1)
         + padding_rows(meta, ROW_BUFFERS, batch_size, bucket)
     )
     return True
-
-
-def live_rows(meta: GraphMeta, inputs: StepInputs, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(buffer rows, step rows) pairs copying a decode step into the buffers,
-    and clearing block-table columns the step's narrower table leaves."""
-    n, buffers, attn = batch_size, meta.input_buffers, inputs.attn_metadata
-    blocks, slots = buffers["block_offsets"], buffers["kv_start_indices"]
-    width = attn.block_offsets.shape[1]
-    pairs = [
-        (buffers["input_ids"][:, :n], inputs.input_ids),
-        (buffers["position_ids"][:, :n], inputs.position_ids),
-        (blocks[:n, :width], attn.block_offsets),
-        (buffers["kv_seqlens"][:n], attn.kv_seqlens),
-        (slots[:n], attn.kv_start_indices.view(slots[:n].shape)),
-    ]
-    if width < meta.num_blocks:
-        pairs.append((blocks[:n, width:], meta.padding_buffers["block_offsets"][:n, width:]))
-    return pairs
 
 
 @hookimpl

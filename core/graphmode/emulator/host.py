@@ -19,8 +19,10 @@ _host_storages: dict[int, weakref.ref] = {}
 
 def mark_host(tensor: torch.Tensor) -> torch.Tensor:
     """Mark ``tensor``'s memory as host memory and return the tensor. Keep the
-    tensor alive as long as its memory is used: the mark goes with it."""
-    _host_storages[tensor.untyped_storage().data_ptr()] = weakref.ref(tensor)
+    tensor alive as long as its memory is used: the mark goes with it (a view
+    of marked memory leaves the mark with the tensor that owns it)."""
+    if not is_host(tensor):
+        _host_storages[tensor.untyped_storage().data_ptr()] = weakref.ref(tensor)
     return tensor
 
 

@@ -38,6 +38,9 @@ __all__ = [
 class Stream:
     """A stream; the emulator runs everything in order, on the host."""
 
+    def synchronize(self) -> None:
+        """Nothing is ever in flight on the emulator."""
+
     def __repr__(self) -> str:
         return f"<emulated stream {id(self):#x}>"
 

@@ -110,7 +110,9 @@ class ReferenceAttentionOps:
         return cache
 
     def _slots(self, attn: AttnMetadata) -> torch.Tensor:
-        return attn.kv_start_indices
+        """One slot per token: a (T,) vector, or the squeezed column of a
+        (T, 1) slot buffer (MACA, PPU)."""
+        return attn.kv_start_indices.reshape(-1)
 
     def _decode_limit(self, attn: AttnMetadata) -> torch.Tensor:
         """(B, 1) how many cached tokens each row may read."""

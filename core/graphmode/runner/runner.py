@@ -119,14 +119,16 @@ class GraphRunner:
         inputs = StepInputs(input_ids, position_ids, past_key_values, attn_metadata, extras)
         batch = check_step(inputs, self.config)
         reason = self._eager_reason(inputs, batch)
-        if reason is not None:
-            self.stats.eager_steps[reason] += 1
-            return self.model(**inputs.as_kwargs())
-        bucket = self._bucket_of[batch]
-        captured = self._graphs.get(bucket)
-        if captured is None:
-            return self._capture(inputs, batch, bucket)
-        return self._replay(captured, inputs, batch)
+        # Inference mode always: buffers made in it can only be written in it.
+        with torch.inference_mode():
+            if reason is not None:
+                self.stats.eager_steps[reason] += 1
+                return self.model(**inputs.as_kwargs())
+            bucket = self._bucket_of[batch]
+            captured = self._graphs.get(bucket)
+            if captured is None:
+                return self._capture(inputs, batch, bucket)
+            return self._replay(captured, inputs, batch)
 
     def _eager_reason(self, inputs: StepInputs, batch: int) -> str | None:
         if self.config.execute_mode == "eager":
@@ -179,9 +181,11 @@ class GraphRunner:
         warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})
         return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch)
 
+    @torch.inference_mode()
     def graph_meta(self) -> GraphMeta:
         """The GraphMeta holding the input buffers every bucket shares, made
-        (with its padding snapshot) on first use."""
+        (with its padding snapshot) on first use, in inference mode like every
+        step that writes them."""
         if self.meta is None:
             config = self.config
             meta = GraphMeta(
@@ -208,7 +212,7 @@ class GraphRunner:
         if self.config.execute_mode == "eager":
             return
         todo = [b for b in reversed(self.capture_sizes) if b not in self._graphs]
-        with _frozen_gc():
+        with _frozen_gc(), torch.inference_mode():
             for index, bucket in enumerate(todo):
                 if progress:
                     self._report(f"capturing bucket {bucket} ({index + 1}/{len(todo)})", last=index + 1 == len(todo))

@@ -1,0 +1,92 @@
+"""Ascend's attention contract: fused infer attention with host kv lengths.
+
+On an NPU the decode step calls ``torch_npu.npu_fused_infer_attention_score``
+(FIA). Elsewhere a pure-PyTorch custom operator with the same contract stands
+in for it: query in BSH layout, a paged cache of [num_blocks, block_size,
+kv_heads * head_dim], and ``actual_seq_lengths_kv`` as a host list. The
+emulator freezes that list at capture, exactly like an NPU graph, unless the
+graph's parameters are updated before the replay; so a missing update gives
+wrong output on the CPU too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphmode.context import AttnMetadata
+from graphmode.emulator import register_updatable
+from graphmode.model.ops import ReferenceAttentionOps, attend
+
+__all__ = ["AscendAttentionOps", "fused_infer_attention_score", "fused_infer_attention_score_out"]
+
+
+def _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size):
+    batch = query.shape[0]
+    head_dim = query.shape[-1] // num_heads
+    lengths = torch.tensor(actual_seq_lengths_kv, dtype=torch.long, device=query.device)
+    blocks = block_table.long()
+    keys = key.view(key.shape[0], block_size, num_key_value_heads, head_dim)[blocks].flatten(1, 2)
+    values = value.view(value.shape[0], block_size, num_key_value_heads, head_dim)[blocks].flatten(1, 2)
+    visible = torch.arange(keys.shape[1], device=query.device)[None, :] < lengths[:, None]
+    out = attend(query.view(batch, num_heads, head_dim), keys, values, visible, scale)
+    return out.reshape(batch, 1, num_heads * head_dim)
+
+
+@torch.library.custom_op("graphmode_ascend::fused_infer_attention_score", mutates_args=())
+def fused_infer_attention_score(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
+    actual_seq_lengths_kv: list[int], num_heads: int, num_key_value_heads: int, scale: float, block_size: int,
+) -> torch.Tensor:
+    """FIA's decode contract in PyTorch: query (B, 1, H*D), key/value caches
+    (num_blocks, block_size, K*D), kv lengths as host values."""
+    return _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size)
+
+
+@torch.library.custom_op("graphmode_ascend::fused_infer_attention_score_out", mutates_args=("out",))
+def fused_infer_attention_score_out(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
+    actual_seq_lengths_kv: list[int], num_heads: int, num_key_value_heads: int, scale: float, block_size: int,
+    out: torch.Tensor,
+) -> None:
+    """The same, writing into ``out``: the form an ACL task update re-issues."""
+    out.copy_(_reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size))
+
+
+# On the emulator, graphs captured with auto_dispatch_capture can update this
+# operator's host arguments, as torch_npu's NPUGraph.update does for FIA.
+register_updatable(torch.ops.graphmode_ascend.fused_infer_attention_score)
+
+
+class AscendAttentionOps(ReferenceAttentionOps):
+    layout = "[num_blocks, block_size, kv_heads * head_dim]"
+
+    def make_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_blocks, block_size, num_kv_heads * head_dim)
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+
+    def block_view(self, cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+        return cache.view(cache.shape[0], cache.shape[1], -1, head_dim)
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn: AttnMetadata, scale):
+        batch, heads, head_dim = query.shape
+        host = attn.kv_seqlens_cpu if attn.kv_seqlens_cpu is not None else attn.kv_seqlens
+        lengths = host.tolist()  # host values: frozen by a graph until updated
+        kv_heads = k_cache.shape[-1] // head_dim
+        block_size = k_cache.shape[1]
+        bsh = query.reshape(batch, 1, heads * head_dim)
+        if query.device.type == "npu":
+            import torch_npu
+
+            out, _ = torch_npu.npu_fused_infer_attention_score(
+                bsh, k_cache, v_cache, actual_seq_lengths_kv=lengths, block_table=attn.block_offsets,
+                num_heads=heads, num_key_value_heads=kv_heads, input_layout="BSH", scale=scale,
+                block_size=block_size,
+            )
+        else:
+            out = torch.ops.graphmode_ascend.fused_infer_attention_score(
+                bsh, k_cache, v_cache, attn.block_offsets, lengths, heads, kv_heads, scale, block_size
+            )
+        return out.view(batch, heads, head_dim)
