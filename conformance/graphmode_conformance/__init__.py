@@ -47,13 +47,15 @@ __all__ = [
 ]
 
 
+# pytest collects inherited tests from the last base to the first: the quick,
+# precise hook-contract checks run first, the long equivalence runs last.
 class ConformanceTests(
-    HookContractTests,
-    CapabilityTests,
-    LifecycleTests,
-    KVCacheIntegrityTests,
-    ParameterUpdateTests,
     GraphEqualsEagerTests,
+    ParameterUpdateTests,
+    KVCacheIntegrityTests,
+    LifecycleTests,
+    CapabilityTests,
+    HookContractTests,
 ):
     """Every check of the suite: inherit it and provide ``vendor`` and
     ``device`` (or run with the plugin's command-line options)."""

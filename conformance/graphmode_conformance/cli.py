@@ -33,10 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pytest_args", nargs="*", help="further pytest arguments, after --")
 
 
-def targets(vendor: str | None, device: str | None) -> list[tuple[str, str | None]]:
-    """(vendor, device) pairs to run: the asked vendor, the detected one on
-    its device, or every installed vendor on the emulator."""
-    if vendor:
+def targets(vendor: str | None, device: str | None, plugin: str | None = None) -> list[tuple[str | None, str | None]]:
+    """(vendor, device) pairs to run: the asked vendor (or plugin object), the
+    detected one on its device, or every installed vendor on the emulator."""
+    if vendor or plugin:
         return [(vendor, device)]
     detected = select_vendor(None, device)
     accelerator = detected.name != BUILTIN_VENDOR or torch.cuda.is_available()
@@ -47,14 +47,16 @@ def targets(vendor: str | None, device: str | None) -> list[tuple[str, str | Non
 
 def run(args: argparse.Namespace) -> int:
     runs = []
-    for vendor, device in targets(args.vendor, args.device):
+    for vendor, device in targets(args.vendor, args.device, args.plugin):
         with tempfile.TemporaryDirectory() as scratch:
             report = Path(scratch) / "report.json"
             command = [
                 sys.executable, "-m", "pytest", str(SUITE), "-p", "graphmode_conformance.plugin",
                 "-p", "no:cacheprovider", "-q", "--rootdir", str(SUITE.parent),
-                "--graphmode-vendor", vendor, "--graphmode-report", str(report),
+                "--graphmode-report", str(report),
             ]
+            if vendor:
+                command += ["--graphmode-vendor", vendor]
             if device:
                 command += ["--graphmode-device", device]
             if args.xfails:
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             if args.keyword:
                 command += ["-k", args.keyword]
             command += args.pytest_args
-            print(f"== graphmode conformance: {vendor} on {device or 'its device'} ==", flush=True)
+            print(f"== graphmode conformance: {vendor or args.plugin} on {device or 'its device'} ==", flush=True)
             started = time.perf_counter()
             status = subprocess.call(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             elapsed = time.perf_counter() - started

@@ -61,6 +61,15 @@ class GraphEqualsEagerTests(ConformanceFixtures):
         for _ in range(3):
             harness.step(second)
 
+    def test_stale_padding_cannot_reach_reused_blocks(self, harness):
+        seqs = harness.start(8)
+        harness.step(seqs)
+        survivors, leaving = seqs[:5], seqs[5:]
+        harness.finish(leaving)
+        newcomers = harness.start(3, [2, 2, 2])  # they take the blocks just freed
+        harness.step(survivors)  # padded in the same bucket: old slots must not write
+        harness.step(survivors + newcomers)
+
     def test_buckets_interleaved_in_random_order(self, harness):
         rng = harness.engine.rng
         live = harness.start(harness.sizes.max_batches // 2)

@@ -143,9 +143,15 @@ class Harness:
     def _check_outputs(self, where: str, graph: Any, eager: torch.Tensor, seqs: list[int], phase: str) -> None:
         if not isinstance(graph, torch.Tensor) or graph.shape != eager.shape:
             shape = tuple(graph.shape) if isinstance(graph, torch.Tensor) else type(graph).__name__
+            fewer = isinstance(graph, torch.Tensor) and graph.dim() == eager.dim() and graph.shape[1] < eager.shape[1]
+            cause = (
+                "the graph computes fewer tokens than the batch: it was captured at a size other than "
+                "its bucket (graphmode_update_context must give the model `bucket` rows)"
+                if fewer
+                else "outputs not cut to the live tokens (graphmode_get_outputs must slice to num_tokens)"
+            )
             raise ConformanceFailure(
-                f"{where}: graph output has shape {shape}, eager {tuple(eager.shape)}. Likely cause: "
-                "outputs not cut to the live tokens (graphmode_get_outputs must slice to num_tokens)"
+                f"{where}: graph output has shape {shape}, eager {tuple(eager.shape)}. Likely cause: {cause}"
             )
         atol, rtol = _tolerance(eager.dtype)
         if torch.allclose(graph, eager, atol=atol, rtol=rtol):

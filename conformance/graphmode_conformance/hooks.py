@@ -140,6 +140,9 @@ class HookContractTests(ConformanceFixtures):
                     f"{bucket}; graphs must be captured at their bucket's size"
                 )
         assert attn.is_decoding
-        assert attn.max_kv_seq_len <= 0, (
-            f"graph context max_kv_seq_len={attn.max_kv_seq_len}: a graph freezes host values, use -1"
-        )
+        if attn.max_kv_seq_len > 0:
+            raise ConformanceFailure(
+                f"[step context] vendor {vendor.name}: the graph context has max_kv_seq_len="
+                f"{attn.max_kv_seq_len}. A graph freezes host values, so every replay would use the "
+                "capture step's max length; graph contexts must pass -1 (derive it on the device)"
+            )

@@ -5,8 +5,8 @@ Options:
                                then detection)
     --graphmode-device DEV     where graphs run (default: the vendor's own device
                                when present, else the CPU emulator)
-    --graphmode-plugin M:OBJ   an extra plugin object registered on top of the
-                               vendor (how the suite is pointed at a variant)
+    --graphmode-plugin M:OBJ   test this plugin object instead of an installed
+                               entry point (a plugin in development, a variant)
     --graphmode-xfails FILE    test ids expected to fail, one per line, # comments
     --graphmode-report FILE    a JSON report, one record per test
 """
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import graphmode
-from graphmode.plugins import select_vendor
+from graphmode.plugins import load_vendor, select_vendor
 
 ENV_PREFIXES = ("GRAPHMODE_", "ASCEND_", "CUDA_VISIBLE", "MLU_VISIBLE", "TORCH_NPU", "NCCL_")
 
@@ -42,20 +42,22 @@ def pytest_addoption(parser):
     group = parser.getgroup("graphmode", "graphmode conformance")
     group.addoption("--graphmode-vendor", default=None, help="vendor under test")
     group.addoption("--graphmode-device", default=None, help="device graphs run on (cpu: the emulator)")
-    group.addoption("--graphmode-plugin", default=None, help="module:object registered on top of the vendor")
+    group.addoption("--graphmode-plugin", default=None, help="module:object: a plugin to test that is not installed")
     group.addoption("--graphmode-xfails", default=None, help="file of test ids expected to fail")
     group.addoption("--graphmode-report", default=None, help="write a JSON report here")
 
 
-def resolve_target(vendor: str | None, device: str | None, extra_plugin: str | None = None) -> Target:
+def resolve_target(vendor: str | None, device: str | None, plugin: str | None = None) -> Target:
     """The vendor under test and its device, as the options ask."""
-    chosen = select_vendor(vendor, device)
-    if extra_plugin:
-        module, _, attribute = extra_plugin.partition(":")
-        plugin = getattr(importlib.import_module(module), attribute)
-        chosen.manager.register(plugin() if isinstance(plugin, type) else plugin, name=f"extra:{extra_plugin}")
-        chosen.manager.check_pending()
-        chosen.name = f"{chosen.name}+{attribute}"
+    if plugin:
+        module, _, attribute = plugin.partition(":")
+        obj = getattr(importlib.import_module(module), attribute)
+        name = vendor or obj.graphmode_vendor_info().name
+        chosen = load_vendor(name, plugin=obj)
+        chosen.version = f"{plugin} ({chosen.version})"
+        device = device or "cpu"
+    else:
+        chosen = select_vendor(vendor, device)
     if device is None:
         native = [t for t in chosen.info.device_types if chosen.info.runs_on(torch.device(t))[0]]
         device = native[0] if native and chosen.info.detected else "cpu"
