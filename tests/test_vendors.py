@@ -1,0 +1,250 @@
+"""Vendor plugins: the Ascend update-path switch, stream budget, error advice
+and configuration refusals; each vendor's buffers and graph contexts; and
+upstream weaknesses done right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphmode
+from graphmode import CaptureError, ConfigError, RunnerConfig
+from graphmode.buckets import three_stage_sizes
+from graphmode_ascend.budget import capture_advice, trim_to_stream_budget
+from graphmode_ascend.graph import AscendGraph, resolve_update_path, uses_graph_update
+from setups import tiny_setup
+
+
+# -- Ascend: which update path -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "version, expected",
+    [
+        ("2.8.0.post1", True),
+        ("2.8.0.post2", True),
+        ("2.9.0", True),
+        ("2.8.0.post1+git4b2c", True),
+        ("2.8.0", False),
+        ("2.7.1.post11", False),
+        ("2.1.0.post17", False),
+        ("2.8.0rc1", False),
+        ("unknown", False),
+        ("", False),
+    ],
+)
+def test_torch_npu_version_decides_the_update_path(version, expected):
+    assert uses_graph_update(version) is expected
+
+
+def test_update_path_resolution(monkeypatch):
+    monkeypatch.delenv("GRAPHMODE_ASCEND_UPDATE_PATH", raising=False)
+    assert resolve_update_path("auto", "2.9.0") == "graph_update"
+    assert resolve_update_path("auto", "2.7.1") == "task_group"
+    assert resolve_update_path("auto", "nonsense") == "task_group"
+    assert resolve_update_path("auto", None) == "graph_update"  # the emulator mirrors the current API
+    assert resolve_update_path("task_group", "2.9.0") == "task_group"
+    monkeypatch.setenv("GRAPHMODE_ASCEND_UPDATE_PATH", "task_group")
+    assert resolve_update_path("graph_update", "2.9.0") == "task_group"
+    monkeypatch.setenv("GRAPHMODE_ASCEND_UPDATE_PATH", "fast")
+    with pytest.raises(ConfigError, match="Ascend update_path='fast' is not one of auto, graph_update, task_group"):
+        resolve_update_path(None, "2.9.0")
+
+
+@pytest.mark.parametrize("path", ["graph_update", "task_group"])
+def test_each_update_path_pushes_new_lengths_into_the_graph(path, monkeypatch):
+    monkeypatch.setenv("GRAPHMODE_ASCEND_UPDATE_PATH", path)
+    setup = tiny_setup("ascend")
+    seqs = setup.prefill(3, [2, 9, 17])
+    for _ in range(4):
+        graph, eager = setup.decode(seqs)
+        torch.testing.assert_close(graph, eager)
+    captured = setup.runner.graph(4).graph
+    assert isinstance(captured, AscendGraph) and captured.update_path == path
+    if path == "graph_update":
+        assert captured.npu_graph.num_updatable == setup.model.config.num_hidden_layers
+    else:
+        assert len(captured._task_groups.tasks) == setup.model.config.num_hidden_layers
+
+
+# -- Ascend: the stream budget -------------------------------------------------
+
+
+def test_budget_keeps_the_list_when_it_fits():
+    sizes = three_stage_sizes(256)
+    assert trim_to_stream_budget(sizes, num_layers=24, budget=1800) == sizes  # 20 graphs x 25 streams = 500
+
+
+def test_budget_trims_to_an_evenly_spaced_subset_keeping_smallest_and_largest():
+    sizes = three_stage_sizes(256)  # 20 sizes
+    trimmed = trim_to_stream_budget(sizes, num_layers=99, budget=800)  # room for 8 graphs
+    assert len(trimmed) == 8 and trimmed[0] == 1 and trimmed[-1] == 256
+    assert trimmed == sorted(set(trimmed)) and set(trimmed) <= set(sizes)
+    assert trimmed == [1, 8, 32, 80, 128, 176, 208, 256]
+
+
+def test_budget_counts_communication_groups_and_keeps_at_least_two_graphs():
+    sizes = three_stage_sizes(256)
+    assert len(trim_to_stream_budget(sizes, num_layers=24, budget=1800, comm_groups=2)) == 20  # 1800 // 75 = 24
+    assert len(trim_to_stream_budget(sizes, num_layers=24, budget=1800, comm_groups=3)) == 18
+    assert trim_to_stream_budget(sizes, num_layers=200, budget=100) == [1, 256]
+
+
+def test_budget_without_a_layer_count_trims_nothing():
+    sizes = three_stage_sizes(64)
+    assert trim_to_stream_budget(sizes, num_layers=None, budget=10) == sizes
+
+
+def test_ascend_runner_uses_the_trimmed_three_stage_list():
+    setup = tiny_setup("ascend", max_batches=64, vendor_options={"stream_budget": 15}, num_layers=2)
+    assert setup.runner.capture_sizes == (1, 4, 16, 32, 64)  # 15 // (2 + 1) = 5 graphs, evenly spaced
+    assert setup.runner.bucket_of(5) == 16 and setup.runner.bucket_of(33) == 64
+
+
+def test_ascend_capture_list_for_256_is_the_three_stage_list():
+    config = RunnerConfig(256, 16, 128, "cpu", num_layers=24)
+    vendor = graphmode.load_vendor("ascend")
+    vendor.hook.graphmode_check_config(config=config)
+    assert vendor.hook.graphmode_capture_sizes(config=config) == three_stage_sizes(256)
+
+
+# -- Ascend: capture errors become advice --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "message, advice",
+    [
+        ("ACL error 207008: stream resources exhausted", "ran out of NPU streams"),
+        ("EE1001: insufficient stream resources for capture", "ran out of NPU streams"),
+        ("rtStreamCreate: alloc sq cq fail", "the Ascend driver (HDK) is too old"),
+    ],
+)
+def test_known_capture_errors_become_advice(message, advice):
+    result = capture_advice(RuntimeError(message), bucket=48, capture_sizes=(1, 2, 4, 48))
+    assert isinstance(result, CaptureError) and advice in str(result)
+
+
+def test_unknown_capture_errors_are_left_alone():
+    assert capture_advice(RuntimeError("out of memory"), bucket=4, capture_sizes=(4,)) is None
+
+
+def test_the_runner_raises_the_advice_from_the_original_error():
+    def model(input_ids, position_ids, past_key_values, attn_metadata):
+        if torch.is_grad_enabled() is False and graphmode.emulator.current_session() is not None:
+            raise RuntimeError("ACL error 207008")
+        return input_ids[..., None].float()
+
+    setup = tiny_setup("ascend")
+    runner = graphmode.build_graph_runner(model, max_batches=4, num_blocks=8, block_size=16, device="cpu", vendor="ascend")
+    step = setup.engine.decode(setup.prefill(2))
+    with pytest.raises(CaptureError, match="capturing bucket 2 ran out of NPU streams") as error:
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    assert str(error.value.__cause__) == "ACL error 207008"
+
+
+# -- Ascend: configuration refusals --------------------------------------------
+
+
+def test_ascend_refuses_launch_blocking_with_graphs(monkeypatch):
+    monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "1")
+    with pytest.raises(ConfigError, match="ASCEND_LAUNCH_BLOCKING=1 makes every NPU launch synchronous"):
+        tiny_setup("ascend")
+    assert tiny_setup("ascend", execute_mode="eager").runner.config.execute_mode == "eager"
+
+
+def test_ascend_refuses_unknown_and_bad_options():
+    with pytest.raises(ConfigError, match=r"unknown Ascend vendor_options \['stream_budgt'\]"):
+        tiny_setup("ascend", vendor_options={"stream_budgt": 10})
+    with pytest.raises(ConfigError, match="stream_budget=-1: must be a non-negative integer"):
+        tiny_setup("ascend", vendor_options={"stream_budget": -1})
+
+
+# -- each vendor's buffers -----------------------------------------------------
+
+
+def _filled(vendor: str, batch: int = 3):
+    setup = tiny_setup(vendor)
+    step = setup.engine.decode(setup.prefill(batch))
+    meta = setup.runner.graph_meta()
+    bucket = setup.runner.bucket_of(batch)
+    with torch.inference_mode():
+        setup.runner.vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+        static = setup.runner.vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+    return meta, static, step
+
+
+def test_ascend_buffers_follow_the_ascend_kernels():
+    meta, static, step = _filled("ascend")
+    buffers = meta.input_buffers
+    assert buffers["input_ids"].dtype == buffers["position_ids"].dtype == torch.int32
+    assert buffers["kv_start_indices"].dtype == torch.int32 and buffers["kv_start_indices"].shape == (16,)
+    assert graphmode.emulator.is_host(buffers["kv_seqlens"]) and graphmode.emulator.is_host(buffers["q_seqlens"])
+    assert buffers["q_seqlens"][:4].tolist() == [1, 2, 3, 4]  # cumulative, host
+    assert buffers["kv_seqlens"][:3].tolist() == step.attn_metadata.kv_seqlens.tolist()
+    assert buffers["kv_start_indices"][:4].tolist() == step.attn_metadata.kv_start_indices.tolist() + [-1]
+    assert static.attn_metadata.x_active_mask.tolist() == [True, True, True, False]
+    assert static.attn_metadata.kv_seqlens_cpu.data_ptr() == buffers["kv_seqlens"].data_ptr()
+
+
+def test_camb_buffers_and_context():
+    meta, static, step = _filled("camb")
+    slots = meta.input_buffers["kv_start_indices"]
+    assert slots.shape == (16,) and slots.dtype == torch.int32 and slots[3:].eq(-1).all()
+    assert static.attn_metadata.max_q_seq_len == -1 and static.attn_metadata.max_kv_seq_len == -1
+
+
+@pytest.mark.parametrize("vendor, kv_padding", [("maca", 0), ("ppu", 1)])
+def test_maca_and_ppu_keep_a_slot_column(vendor, kv_padding):
+    meta, static, step = _filled(vendor)
+    slots = meta.input_buffers["kv_start_indices"]
+    assert slots.shape == (16, 1) and slots.dtype == torch.int64
+    assert slots[:3, 0].tolist() == step.attn_metadata.kv_start_indices.tolist() and slots[3:].eq(-1).all()
+    assert meta.input_buffers["kv_seqlens"][3:].eq(kv_padding).all()
+    assert static.attn_metadata.kv_start_indices.shape == (4, 1)
+
+
+def test_camb_refuses_other_block_sizes():
+    with pytest.raises(ConfigError, match="block_size=64: Cambricon's paged attention kernel takes blocks of 16 tokens"):
+        tiny_setup("camb", block_size=64)
+
+
+@pytest.mark.parametrize("vendor", ["maca", "camb"])
+def test_padding_is_reset_after_a_larger_batch_unlike_upstream(vendor):
+    setup = tiny_setup(vendor)
+    seqs = setup.prefill(8)
+    meta = setup.runner.graph_meta()
+    with torch.inference_mode():
+        large = setup.engine.decode(seqs)
+        setup.runner.vendor.hook.graphmode_fill_buffers(meta=meta, inputs=large, batch_size=8, bucket=8)
+        small = setup.engine.decode(seqs[:5])
+        setup.runner.vendor.hook.graphmode_fill_buffers(meta=meta, inputs=small, batch_size=5, bucket=8)
+    slots = meta.input_buffers["kv_start_indices"].reshape(16, -1)
+    assert slots[5:8].eq(-1).all() and meta.input_buffers["block_offsets"][5:8].eq(0).all()
+
+
+def test_ppu_fill_reads_nothing_on_the_host():
+    """Upstream PPU called .item() while filling; here filling inside a
+    capture session would raise on any host read of device memory."""
+    setup = tiny_setup("ppu")
+    step = setup.engine.decode(setup.prefill(3))
+    meta = setup.runner.graph_meta()
+    graph = graphmode.emulator.EmulatedGraph()
+    with torch.inference_mode(), graph.capture():
+        setup.runner.vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=3, bucket=4)
+
+
+# -- detection -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "vendor, reason",
+    [
+        ("ascend", "torch_npu"),
+        ("camb", "torch_mlu"),
+        ("maca", "CUDA-compatible device" if not torch.cuda.is_available() else "MetaX"),
+        ("ppu", "CUDA-compatible device" if not torch.cuda.is_available() else "PPU"),
+    ],
+)
+def test_vendors_say_why_they_are_not_detected(vendor, reason):
+    info = graphmode.load_vendor(vendor).info
+    assert info.name == vendor and not info.detected and reason in info.reason
