@@ -40,19 +40,35 @@ def decode_rows(
     named in ``TOKEN_BUFFERS`` and ``ROW_BUFFERS``, and clearing the block-table
     columns a narrower table leaves. ``kv_seqlens`` overrides the source of the
     lengths (a host copy, for host-length buffers)."""
-    n, buffers, attn = batch_size, meta.input_buffers, inputs.attn_metadata
-    blocks, slots = buffers["block_offsets"], buffers["kv_start_indices"]
+    attn = inputs.attn_metadata
     width = attn.block_offsets.shape[1]
-    pairs = [
-        (buffers["input_ids"][:, :n], inputs.input_ids),
-        (buffers["position_ids"][:, :n], inputs.position_ids),
-        (blocks[:n, :width], attn.block_offsets),
-        (buffers["kv_seqlens"][:n], attn.kv_seqlens if kv_seqlens is None else kv_seqlens),
-        (slots[:n], attn.kv_start_indices.view(slots[:n].shape)),
+    key = ("decode", batch_size, width)
+    targets = meta.views.get(key)
+    if targets is None:
+        targets = meta.views[key] = _decode_targets(meta, batch_size, width)
+    destinations, constant_pairs = targets
+    sources = (
+        inputs.input_ids,
+        inputs.position_ids,
+        attn.block_offsets,
+        attn.kv_seqlens if kv_seqlens is None else kv_seqlens,
+        attn.kv_start_indices,
+    )
+    return [*zip(destinations, sources), *constant_pairs]
+
+
+def _decode_targets(meta: GraphMeta, n: int, width: int) -> tuple[list, list]:
+    buffers = meta.input_buffers
+    blocks = buffers["block_offsets"]
+    destinations = [
+        buffers["input_ids"][:, :n],
+        buffers["position_ids"][:, :n],
+        blocks[:n, :width],
+        buffers["kv_seqlens"][:n],
+        buffers["kv_start_indices"][:n].view(n),  # one slot per token, whatever the buffer's shape
     ]
-    if width < meta.num_blocks:
-        pairs.append((blocks[:n, width:], meta.padding_buffers["block_offsets"][:n, width:]))
-    return pairs
+    clear_tail = [(blocks[:n, width:], meta.padding_buffers["block_offsets"][:n, width:])] if width < meta.num_blocks else []
+    return destinations, clear_tail
 
 
 def padding_rows(
@@ -62,20 +78,26 @@ def padding_rows(
     ``dim`` of each named buffer to the values it was made with."""
     if start >= stop:
         return []
-    return [
-        (meta.input_buffers[name].narrow(dim, start, stop - start),
-         meta.padding_buffers[name].narrow(dim, start, stop - start))
-        for name in names
-    ]
+    names = tuple(names)
+    key = ("padding", names, start, stop, dim)
+    pairs = meta.views.get(key)
+    if pairs is None:
+        pairs = meta.views[key] = [
+            (meta.input_buffers[name].narrow(dim, start, stop - start),
+             meta.padding_buffers[name].narrow(dim, start, stop - start))
+            for name in names
+        ]
+    return pairs
 
 
 def stage(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy every source into its destination: one ``_foreach_copy_`` per
-    destination device (host buffers and device buffers go separately)."""
-    by_device: dict[torch.device, tuple[list, list]] = {}
+    destination device and dtype, so that each group takes the fused path (one
+    kernel on a GPU) rather than one copy per buffer."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
     for destination, source in pairs:
-        destinations, sources = by_device.setdefault(destination.device, ([], []))
+        destinations, sources = groups.setdefault((destination.device, destination.dtype), ([], []))
         destinations.append(destination)
         sources.append(source)
-    for destinations, sources in by_device.values():
+    for destinations, sources in groups.values():
         torch._foreach_copy_(destinations, sources)

@@ -39,6 +39,8 @@ class GraphMeta:
     output_buffers: name -> the tensors one captured graph writes its result to.
     vendor_flags: free-form switches a vendor plugin keeps with the graphs;
         the runner starts them from ``RunnerConfig.vendor_options``.
+    views: buffer views by step shape, made once: slicing a dozen buffers
+        costs more host time per replay than copying into them.
     """
 
     max_batchs: int
@@ -52,6 +54,7 @@ class GraphMeta:
     padding_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     output_buffers: dict[str, Any] = field(default_factory=dict)
     vendor_flags: dict[str, Any] = field(default_factory=dict)
+    views: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)

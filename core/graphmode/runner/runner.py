@@ -117,18 +117,23 @@ class GraphRunner:
         **extras: Any,
     ) -> Any:
         inputs = StepInputs(input_ids, position_ids, past_key_values, attn_metadata, extras)
+        # Always in inference mode: buffers made in it can only be written in it.
+        if torch.is_inference_mode_enabled():
+            return self._step(inputs)
+        with torch.inference_mode():
+            return self._step(inputs)
+
+    def _step(self, inputs: StepInputs) -> Any:
         batch = check_step(inputs, self.config)
         reason = self._eager_reason(inputs, batch)
-        # Inference mode always: buffers made in it can only be written in it.
-        with torch.inference_mode():
-            if reason is not None:
-                self.stats.eager_steps[reason] += 1
-                return self.model(**inputs.as_kwargs())
-            bucket = self._bucket_of[batch]
-            captured = self._graphs.get(bucket)
-            if captured is None:
-                return self._capture(inputs, batch, bucket)
-            return self._replay(captured, inputs, batch)
+        if reason is not None:
+            self.stats.eager_steps[reason] += 1
+            return self.model(**inputs.as_kwargs())
+        bucket = self._bucket_of[batch]
+        captured = self._graphs.get(bucket)
+        if captured is None:
+            return self._capture(inputs, batch, bucket)
+        return self._replay(captured, inputs, batch)
 
     def _eager_reason(self, inputs: StepInputs, batch: int) -> str | None:
         if self.config.execute_mode == "eager":

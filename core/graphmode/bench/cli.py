@@ -1,0 +1,257 @@
+"""``graphmode bench``: measure one decode step every way, side by side.
+
+Per batch size and mode: the median wall time of a decode step, each step
+with new inputs, the device synchronised before and after (warm-up, capture
+and compilation excluded). Also: graphmode's host-side cost per step, the time
+and device memory to capture every bucket, and each vendor's padding waste.
+Prints a table, and writes a JSON file and a plot when asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+import graphmode
+from graphmode.bench.modes import Compiled, Eager, GraphmodeRunner, HandWrittenGraph, _sync
+from graphmode.bench.workload import Workload
+from graphmode.config import RunnerConfig
+from graphmode.model import ModelConfig
+from graphmode.plugins import installed_vendor_names, load_vendor
+
+DEFAULT_BATCHES = "1,2,3,4,8,16,24,32,64,100,128,256"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--config", choices=["bench", "tiny"], default=None,
+                        help="model size (default: bench on a GPU, tiny on the CPU)")
+    parser.add_argument("--batches", default=None, help=f"batch sizes (default {DEFAULT_BATCHES}; 1,2,4,8 on the CPU)")
+    parser.add_argument("--vendors", default="cuda,maca,ppu", help="graphmode vendors to time")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per batch size and mode")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (capture, compile)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (see docs/tensor-parallel.md)")
+    parser.add_argument("--json", help="write all figures here")
+    parser.add_argument("--plot", help="write a PNG plot of latency against batch size here")
+
+
+def median_step(call: Any, steps: list, device: torch.device) -> float:
+    """Median seconds of one step, synchronised before and after."""
+    times = []
+    for step in steps:
+        _sync(device)
+        started = time.perf_counter()
+        call(step)
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def host_cost(runner: graphmode.GraphRunner, steps: list, device: torch.device) -> dict[str, float]:
+    """graphmode's host work per step (buffer fill, context, bucket lookup,
+    output slicing, checks): a runner call minus the graph launch alone, both
+    timed on the host with the device idle."""
+    batch = steps[0].attn_metadata.batch_size
+    graph = runner.graph(runner.bucket_of(batch)).graph
+    calls, launches = [], []
+    for step in steps:
+        _sync(device)
+        started = time.perf_counter()
+        runner(step.input_ids, step.position_ids, step.past_key_values, step.attn_metadata)
+        calls.append(time.perf_counter() - started)
+        _sync(device)
+        started = time.perf_counter()
+        graph.replay()
+        launches.append(time.perf_counter() - started)
+    call, launch = statistics.median(calls), statistics.median(launches)
+    return {"runner_call_us": call * 1e6, "graph_launch_us": launch * 1e6, "host_cost_us": (call - launch) * 1e6}
+
+
+def capture_cost(workload: Workload, buckets: list[int] | None) -> dict[str, float]:
+    """Seconds and device memory to capture ``buckets`` (all when None)."""
+    runner = graphmode.build_graph_runner(
+        workload.model, max_batches=workload.max_batches, num_blocks=workload.width,
+        block_size=workload.block_size, device=workload.device, capture_batch_sizes=buckets,
+    )
+    runner.graph_meta()
+    cuda = workload.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(workload.device)
+    started = time.perf_counter()
+    runner.warmup(workload.kv_cache, progress=False)
+    _sync(workload.device)
+    seconds = time.perf_counter() - started
+    memory = (torch.cuda.memory_reserved(workload.device) - before) if cuda else 0
+    result = {"buckets": len(runner.capture_sizes), "seconds": seconds, "graph_memory_bytes": memory}
+    runner.reset()
+    return result
+
+
+def padding_waste(max_batches: int) -> dict[str, dict[str, Any]]:
+    """Share of computed rows that are padding, over batch sizes 1..max."""
+    waste = {}
+    for name in installed_vendor_names():
+        vendor = load_vendor(name)
+        config = RunnerConfig(max_batches, 1, 16, "cpu", num_layers=None)
+        vendor.hook.graphmode_check_config(config=config)
+        sizes = tuple(vendor.hook.graphmode_capture_sizes(config=config))
+        shares = []
+        for batch in range(1, max_batches + 1):
+            bucket = vendor.hook.graphmode_compatible_size(batch_size=batch, capture_sizes=sizes)
+            shares.append((bucket - batch) / bucket)
+        waste[name] = {"graphs": len(sizes), "mean": statistics.mean(shares), "worst": max(shares)}
+    return waste
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tp > 1:
+        from graphmode.bench.tp import run_tp
+
+        return run_tp(args)
+    device = torch.device(args.device)
+    config_name = args.config or ("bench" if device.type == "cuda" else "tiny")
+    config = ModelConfig.bench() if config_name == "bench" else ModelConfig.tiny()
+    batches = [int(b) for b in (args.batches or (DEFAULT_BATCHES if device.type == "cuda" else "1,2,3,4,8")).split(",")]
+    total = args.warmup + args.steps
+    workload = Workload.build(config, device, max_batches=max(256 if device.type == "cuda" else 8, *batches),
+                              block_size=64 if config_name == "bench" else 16,
+                              context=1024 if config_name == "bench" else 96, steps=total)
+    results: dict[str, Any] = {
+        "machine": machine(device), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+        "model": config_name, "batches": batches, "latency_ms": {}, "prepare_s": {}, "host": {},
+    }
+    print(f"graphmode bench on {results['machine']['device']}, torch {torch.__version__}, model {config_name} "
+          f"({config.num_hidden_layers} layers, {str(config.dtype).replace('torch.', '')})", flush=True)
+
+    if device.type == "cuda":
+        results["capture"] = {"all_buckets": capture_cost(workload, None), "largest_alone": capture_cost(workload, [workload.max_batches])}
+        print(f"capture: {results['capture']}", flush=True)
+
+    modes: list[Any] = [Eager(workload.model)]
+    modes += [GraphmodeRunner(workload.model, workload, v) for v in args.vendors.split(",") if v]
+    if device.type == "cuda":
+        modes += [HandWrittenGraph(workload.model, workload), HandWrittenGraph(workload.model, workload, exact=True)]
+        if not args.no_compile:
+            modes.append(Compiled(workload.model, workload))
+    for mode in modes:
+        results["latency_ms"][mode.name] = {}
+        results["prepare_s"][mode.name] = {}
+        for batch in batches:
+            steps = workload.steps(batch, total)
+            try:
+                prepare = mode.prepare(batch)
+                if isinstance(mode, Compiled):
+                    prepare += mode.compile_for(steps[: args.warmup])
+                else:
+                    for step in steps[: args.warmup]:
+                        mode(step)
+                latency = median_step(mode, steps[args.warmup:], device)
+            except Exception as error:  # a mode that cannot run a size is reported, not fatal
+                results["latency_ms"][mode.name][batch] = None
+                results["prepare_s"][mode.name][batch] = f"failed: {type(error).__name__}: {error}".splitlines()[0][:300]
+                print(f"{mode.name} batch {batch}: {results['prepare_s'][mode.name][batch]}", flush=True)
+                continue
+            results["latency_ms"][mode.name][batch] = latency * 1e3
+            results["prepare_s"][mode.name][batch] = prepare
+            if isinstance(mode, GraphmodeRunner) and mode.name == "graphmode[cuda]" or (
+                isinstance(mode, GraphmodeRunner) and device.type == "cpu" and mode is modes[1]
+            ):
+                results["host"][batch] = host_cost(mode.runner, steps[args.warmup:], device)
+            print(f"{mode.name:36s} batch {batch:4d}: {latency * 1e3:8.3f} ms", flush=True)
+        if isinstance(mode, (GraphmodeRunner, HandWrittenGraph)):
+            del mode  # release graphs before the next mode captures
+        _release(device)
+    results["padding_waste"] = padding_waste(256)
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=1, default=str)
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def machine(device: torch.device) -> dict[str, str]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}), emulated graphs"
+    return {"device": name, "torch": torch.__version__, "cuda": str(torch.version.cuda), "python": platform.python_version()}
+
+
+def print_table(results: dict[str, Any]) -> None:
+    latency = results["latency_ms"]
+    modes = list(latency)
+    short = {m: m.replace("graphmode", "gm").replace("hand-written graph", "hand").replace("torch.compile reduce-overhead", "compile")
+             .replace(" (exact size)", "-exact") for m in modes}
+    print("\nmedian decode step, ms (device-synchronised)")
+    print("batch " + " ".join(f"{short[m]:>13s}" for m in modes))
+    for batch in results["batches"]:
+        cells = []
+        for mode in modes:
+            value = latency[mode].get(batch)
+            cells.append(f"{value:13.3f}" if value is not None else f"{'failed':>13s}")
+        print(f"{batch:5d} " + " ".join(cells))
+    reference = "hand-written graph" if "hand-written graph" in latency else None
+    ours = "graphmode[cuda]" if "graphmode[cuda]" in latency else modes[1]
+    print("\nratios")
+    for batch in results["batches"]:
+        parts = []
+        if latency[ours].get(batch) and latency["eager"].get(batch):
+            parts.append(f"eager/graphmode {latency['eager'][batch] / latency[ours][batch]:.2f}x")
+        if reference and latency[reference].get(batch) and latency[ours].get(batch):
+            parts.append(f"graphmode/hand-written {latency[ours][batch] / latency[reference][batch] - 1:+.1%}")
+        compiled = latency.get("torch.compile reduce-overhead", {}).get(batch)
+        if compiled and latency[ours].get(batch):
+            parts.append(f"graphmode/compile {latency[ours][batch] / compiled - 1:+.1%}")
+        print(f"{batch:5d} " + ", ".join(parts))
+    if results["host"]:
+        print("\ngraphmode host cost per step (runner call minus graph launch, us)")
+        for batch, cost in results["host"].items():
+            print(f"{batch:5d} {cost['host_cost_us']:7.1f} us (call {cost['runner_call_us']:.1f}, launch {cost['graph_launch_us']:.1f})")
+    if "capture" in results:
+        every, alone = results["capture"]["all_buckets"], results["capture"]["largest_alone"]
+        ratio = every["graph_memory_bytes"] / max(alone["graph_memory_bytes"], 1)
+        print(f"\ncapture: {every['buckets']} buckets in {every['seconds']:.2f} s, graph memory "
+              f"{every['graph_memory_bytes'] / 2**20:.0f} MiB; largest alone {alone['graph_memory_bytes'] / 2**20:.0f} MiB "
+              f"in {alone['seconds']:.2f} s; ratio {ratio:.2f}")
+    print("\npadding waste over batch sizes 1..256 (padded rows / computed rows)")
+    for vendor, waste in results["padding_waste"].items():
+        print(f"  {vendor:8s} {waste['graphs']:3d} graphs: mean {waste['mean']:.1%}, worst {waste['worst']:.1%}")
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for mode, values in results["latency_ms"].items():
+        points = sorted((b, v) for b, v in values.items() if v is not None)
+        if points:
+            axes.plot([b for b, _ in points], [v for _, v in points], marker="o", label=mode)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("batch size (sequences)")
+    axes.set_ylabel("median decode step (ms)")
+    axes.set_title(f"{results['model']} model on {results['machine']['device']}")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
