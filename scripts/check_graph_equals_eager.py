@@ -30,7 +30,7 @@ import torch
 
 import graphmode
 from graphmode.model import ModelConfig, build_reference_model
-from graphmode.model.engine import ReferenceEngine
+from graphmode.model.engine import ReferenceEngine, pad_step
 
 
 def parse_batches(text: str) -> list[int]:
@@ -39,32 +39,6 @@ def parse_batches(text: str) -> list[int]:
         low, _, high = part.partition("-")
         sizes.extend(range(int(low), int(high or low) + 1))
     return sizes
-
-
-def pad_step(step, bucket: int):
-    """The step with inert rows appended up to ``bucket``: token 0, slot -1,
-    the reserved block, length 1, as the runner pads."""
-    batch = step.attn_metadata.batch_size
-    extra = bucket - batch
-    if extra == 0:
-        return step
-    attn = step.attn_metadata
-
-    def grow(tensor, value):
-        pad = torch.full((extra, *tensor.shape[1:]), value, dtype=tensor.dtype, device=tensor.device)
-        return torch.cat([tensor, pad])
-
-    padded = attn.replace(
-        block_offsets=grow(attn.block_offsets, 0),
-        q_start_loc=torch.arange(bucket, dtype=attn.q_start_loc.dtype, device=attn.q_start_loc.device),
-        q_seqlens=grow(attn.q_seqlens, 1),
-        kv_seqlens=grow(attn.kv_seqlens, 1),
-        kv_start_indices=grow(attn.kv_start_indices, -1),
-        kv_seqlens_cpu=grow(attn.kv_seqlens_cpu, 1),
-    )
-    ids = grow(step.input_ids[0], 0)[None]
-    positions = grow(step.position_ids[0], 0)[None]
-    return type(step)(ids, positions, step.past_key_values, padded)
 
 
 def caches_equal(first, second) -> bool:

@@ -33,6 +33,8 @@ def build_graph_runner(
     capture_batch_sizes: Sequence[int] | None = None,
     num_layers: int | None = None,
     vendor_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    check_ranks: str = "always",
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -50,6 +52,12 @@ def build_graph_runner(
     num_layers: decoder layers, for vendors that budget graph resources;
         read from ``model.config`` when None.
     vendor_options: settings for the vendor plugin (see its docs).
+    process_group: the tensor-parallel group, when the model is sharded: the
+        ranks then agree on buckets and capture together (see
+        docs/tensor-parallel.md). check_ranks: "always" (default) checks that
+        every rank runs the same batch before each graph step, so that a
+        disagreement raises instead of hanging; "capture" checks only at
+        start-up and before captures, for engines that guarantee agreement.
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -70,4 +78,4 @@ def build_graph_runner(
         num_layers=num_layers,
         vendor_options=dict(vendor_options or {}),
     )
-    return GraphRunner(model, config, chosen)
+    return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)

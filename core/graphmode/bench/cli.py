@@ -91,6 +91,8 @@ def capture_cost(workload: Workload, buckets: list[int] | None) -> dict[str, flo
     runner.warmup(workload.kv_cache, progress=False)
     _sync(workload.device)
     seconds = time.perf_counter() - started
+    if cuda:
+        torch.cuda.empty_cache()  # keep what the graphs hold, drop the warm-up forwards' cache
     memory = (torch.cuda.memory_reserved(workload.device) - before) if cuda else 0
     result = {"buckets": len(runner.capture_sizes), "seconds": seconds, "graph_memory_bytes": memory}
     runner.reset()

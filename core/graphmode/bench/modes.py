@@ -131,7 +131,9 @@ class Compiled:
         for pair in workload.kv_cache:
             for tensor in pair:
                 torch._dynamo.mark_static_address(tensor)
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), 64))  # one graph per batch size
         self.forward = torch.compile(model, mode="reduce-overhead")
         self.device = workload.device
         self.prepared: set[int] = set()

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.model import ModelConfig, build_reference_model
+from graphmode.model.parallel import shard_model
 
 __all__ = ["Workload"]
 
@@ -28,8 +30,13 @@ class Workload:
 
     @classmethod
     def build(cls, config: ModelConfig, device: torch.device, *, vendor: str = "cuda", max_batches: int = 256,
-              block_size: int = 64, context: int = 1024, steps: int = 64, seed: int = 0) -> Workload:
+              block_size: int = 64, context: int = 1024, steps: int = 64, seed: int = 0,
+              process_group: Any = None) -> Workload:
+        """The workload; with ``process_group``, the model is this rank's
+        tensor-parallel shard (every rank builds the same weights first)."""
         model = build_reference_model(config, vendor, device, seed=seed)
+        if process_group is not None:
+            model = shard_model(model, process_group)
         width = -(-(context + steps) // block_size)
         kv_cache = model.make_kv_cache(max_batches * width + 1, block_size)
         generator = torch.Generator(device=device).manual_seed(seed)

@@ -124,6 +124,12 @@ def _bind(func: Any, args: tuple, kwargs: dict) -> Callable[[], None]:
 
 def _copy_back(func: Any, args: tuple, kwargs: dict, outputs: Any) -> Callable[[], None]:
     call = getattr(func, "_op", func)
+    if func.namespace == "_c10d_functional":
+        # A functional collective returns before it completes; wait for it
+        # before copying its result into the tensor the graph captured.
+        wait = torch.ops._c10d_functional.wait_tensor.default
+        collective = call
+        call = lambda *a, **k: wait(collective(*a, **k))  # noqa: E731
     if isinstance(outputs, torch.Tensor):
         return lambda: outputs.copy_(call(*args, **kwargs))
     targets = list(outputs)

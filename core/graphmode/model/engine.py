@@ -16,7 +16,7 @@ import torch
 
 from graphmode.context import AttnMetadata, StepInputs
 
-__all__ = ["ReferenceEngine", "Sequence"]
+__all__ = ["ReferenceEngine", "Sequence", "pad_step"]
 
 
 @dataclass
@@ -127,3 +127,29 @@ class ReferenceEngine:
         ids = torch.tensor([tokens], dtype=torch.int64, device=device)
         pos = torch.tensor([positions], dtype=torch.int64, device=device)
         return StepInputs(ids, pos, None, attn)
+
+
+def pad_step(step: StepInputs, bucket: int) -> StepInputs:
+    """The decode step with inert rows appended up to ``bucket`` (token 0,
+    slot -1, the reserved block, length 1), as graph mode pads it: running
+    eager on it runs the same shapes as the bucket's graph."""
+    attn = step.attn_metadata
+    extra = bucket - attn.batch_size
+    if extra == 0:
+        return step
+
+    def grow(tensor: torch.Tensor, value: int) -> torch.Tensor:
+        pad = torch.full((extra, *tensor.shape[1:]), value, dtype=tensor.dtype, device=tensor.device)
+        return torch.cat([tensor, pad])
+
+    padded = attn.replace(
+        block_offsets=grow(attn.block_offsets, 0),
+        q_start_loc=torch.arange(bucket, dtype=attn.q_start_loc.dtype, device=attn.q_start_loc.device),
+        q_seqlens=grow(attn.q_seqlens, 1),
+        kv_seqlens=grow(attn.kv_seqlens, 1),
+        kv_start_indices=grow(attn.kv_start_indices, -1),
+        kv_seqlens_cpu=grow(attn.kv_seqlens_cpu, 1) if attn.kv_seqlens_cpu is not None else None,
+    )
+    ids = grow(step.input_ids[0], 0)[None]
+    positions = grow(step.position_ids[0], 0)[None]
+    return StepInputs(ids, positions, step.past_key_values, padded, step.extras)

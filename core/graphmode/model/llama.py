@@ -21,6 +21,10 @@ from graphmode.model.ops import AttentionOps, KVCache
 __all__ = ["LlamaModel"]
 
 
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -51,6 +55,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
         self.ops = ops
+        self.reduce = _identity  # an all-reduce when tensor parallel
 
     def forward(self, hidden, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttnMetadata):
         tokens = hidden.shape[0]
@@ -66,7 +71,7 @@ class Attention(nn.Module):
             out = self.ops.paged_decode_attention(q, k_cache, v_cache, attn, self.scale)
         else:
             out = self.ops.prefill_attention(q, k_cache, v_cache, attn, self.scale)
-        return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
+        return self.reduce(self.o_proj(out.reshape(tokens, self.heads * self.head_dim)))
 
 
 class DecoderLayer(nn.Module):
@@ -77,11 +82,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.reduce = _identity  # an all-reduce when tensor parallel
 
     def forward(self, hidden, cos, sin, kv_cache, attn):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(nn.functional.silu(gate) * up)
+        return hidden + self.reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
 class LlamaModel(nn.Module):
@@ -100,6 +106,7 @@ class LlamaModel(nn.Module):
         angles = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.tp_size = 1  # set by graphmode.model.parallel.shard_model
 
     def init_weights(self, seed: int = 0) -> LlamaModel:
         """Random weights (std 0.02, norms at 1), the same for every device."""
@@ -119,7 +126,7 @@ class LlamaModel(nn.Module):
             config.num_hidden_layers,
             num_blocks,
             block_size,
-            config.num_key_value_heads,
+            config.num_key_value_heads // self.tp_size,
             config.head_dim,
             config.dtype,
             torch.device(device) if device is not None else self.embed_tokens.weight.device,

@@ -52,7 +52,15 @@ class GraphRunner:
     past_key_values=..., attn_metadata=..., **extras)``. Build it with
     :func:`graphmode.build_graph_runner`."""
 
-    def __init__(self, model: Any, config: RunnerConfig, vendor: Vendor) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: RunnerConfig,
+        vendor: Vendor,
+        *,
+        process_group: Any = None,
+        check_ranks: str = "always",
+    ) -> None:
         self.model = model
         self.config = config
         self.vendor = vendor
@@ -60,6 +68,9 @@ class GraphRunner:
         self._hook.graphmode_check_config(config=config)
         self.capture_sizes = self._checked_capture_sizes()
         self._bucket_of = self._bucket_table()
+        self._ranks = _rank_sync(process_group, check_ranks)
+        if self._ranks is not None:
+            self._ranks.agree_on_setup(config.execute_mode, self.capture_sizes)
         self.meta: GraphMeta | None = None
         self._graphs: dict[int, CapturedGraph] = {}
         self._pool: Any = None
@@ -126,6 +137,9 @@ class GraphRunner:
     def _step(self, inputs: StepInputs) -> Any:
         batch = check_step(inputs, self.config)
         reason = self._eager_reason(inputs, batch)
+        if self._ranks is not None and self._ranks.check_replays and reason in (None, "no_bucket"):
+            # Before any collective: a rank on another graph would hang the rest.
+            self._ranks.agree_on_step(batch, self._bucket_of[batch], "run")
         if reason is not None:
             self.stats.eager_steps[reason] += 1
             return self.model(**inputs.as_kwargs())
@@ -159,6 +173,9 @@ class GraphRunner:
         return self._hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
 
     def _capture(self, inputs: StepInputs, batch: int, bucket: int) -> Any:
+        if self._ranks is not None and not self._ranks.check_replays:
+            # Before the warm-up's collectives: disagreeing ranks would hang in them.
+            self._ranks.agree_on_step(batch, bucket, "capture")
         meta = self.graph_meta().for_graph()
         hook = self._hook
         hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
@@ -167,6 +184,8 @@ class GraphRunner:
         # step's answer, and it leaves lazy initialisation out of the graph.
         warm_output = self.model(**static.as_kwargs())
         graph = hook.graphmode_make_graph(meta=meta)
+        if self._ranks is not None:
+            self._ranks.barrier()
         try:
             with graph.capture(pool=self._pool):
                 meta.output_buffers["output"] = self.model(**static.as_kwargs())
@@ -210,7 +229,8 @@ class GraphRunner:
     # -- whole-runner operations ------------------------------------------
 
     def warmup(self, past_key_values: Any, *, progress: bool = True, **extras: Any) -> None:
-        """Capture every bucket not captured yet, largest first, into one pool.
+        """Capture every bucket not captured yet, largest first, into one pool
+        (on every rank in the same order, when tensor parallel).
 
         The warm-up steps are inert: every slot is -1 (no KV write) and every
         row reads the reserved block 0, so no live cache block changes."""
@@ -280,6 +300,20 @@ class GraphRunner:
             f"<GraphRunner {self.vendor.name} on {self.config.device}, {self.config.execute_mode} mode, "
             f"buckets {list(self.capture_sizes)}, captured {self.captured_buckets}>"
         )
+
+
+def _rank_sync(process_group: Any, check_ranks: str) -> Any:
+    if check_ranks not in ("capture", "always"):
+        raise ConfigError(f"check_ranks={check_ranks!r}: use 'capture' (start-up and captures) or 'always' (every step)")
+    if process_group is None:
+        return None
+    import torch.distributed as dist
+
+    from graphmode.distributed import RankSync
+
+    if dist.get_world_size(process_group) == 1:
+        return None
+    return RankSync(process_group, check_replays=check_ranks == "always")
 
 
 def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:

@@ -1,0 +1,160 @@
+"""Tensor-parallel conformance: graph equals eager at TP=N, and TP=N matches
+TP=1, with the all-reduces inside the captured graphs. Run one process per
+device with torchrun:
+
+    torchrun --nproc-per-node 2 -m graphmode_conformance.tensor_parallel --device cuda
+    torchrun --nproc-per-node 2 -m graphmode_conformance.tensor_parallel --device cpu   # gloo + emulator
+
+Every rank checks its own results; rank 0 prints the table. Comparisons:
+graph against eager at the bucket's shape (padded eager) must be bitwise
+identical; graph against eager at the batch's shape and TP=N against the
+unsharded model must agree within --rtol of the largest logit (the sums are
+taken in another order). ``--scenario`` runs a rank disagreement instead,
+which must be reported as an error naming every rank's value, not hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import graphmode
+from graphmode.distributed import init_process_group
+from graphmode.model import ModelConfig, build_reference_model
+from graphmode.model.engine import ReferenceEngine, pad_step
+from graphmode.model.parallel import shard_model
+
+
+def parse_batches(text: str) -> list[int]:
+    sizes: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        sizes.extend(range(int(low), int(high or low) + 1))
+    return sizes
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--vendor", default=None)
+    parser.add_argument("--config", choices=["tiny", "bench"], default=None)
+    parser.add_argument("--batches", default=None)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rtol", type=float, default=None)
+    parser.add_argument("--timeout", type=int, default=120, help="seconds before a collective counts as hung")
+    parser.add_argument("--scenario", choices=["agree", "different-capture-lists", "different-batches"], default="agree")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device(args.device if args.device == "cpu" else f"{args.device}:{local}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    on_gpu = device.type != "cpu"
+    config = ModelConfig.bench() if (args.config or ("bench" if on_gpu else "tiny")) == "bench" else ModelConfig.tiny()
+    batches = parse_batches(args.batches or ("1-64,128,256" if on_gpu else "1-8,12,16"))
+    rtol = args.rtol or (0.05 if config.dtype != torch.float32 else 1e-4)
+    vendor = graphmode.select_vendor(args.vendor, device)
+    backend = init_process_group(vendor, device, timeout=datetime.timedelta(seconds=args.timeout))
+    group = dist.group.WORLD
+
+    block_size = 64 if on_gpu else 16
+    context = 1024 if on_gpu else 64
+    width = -(-(context + args.steps) // block_size)
+    cache_blocks = max(batches) * width + 1
+    full = build_reference_model(config, vendor, device)
+    sharded = shard_model(build_reference_model(config, vendor, device), group)
+    capture_sizes = [1, 2, 4] if (args.scenario == "different-capture-lists" and rank == 1) else None
+    try:
+        runner = graphmode.build_graph_runner(
+            sharded, max_batches=max(batches), num_blocks=width, block_size=block_size, device=device,
+            vendor=vendor.name, process_group=group, capture_batch_sizes=capture_sizes,
+        )
+    except graphmode.GraphModeError as error:
+        return report_scenario(args.scenario, rank, error)
+    caches = {name: model.make_kv_cache(cache_blocks, block_size)
+              for name, model in (("graph", sharded), ("eager", sharded), ("padded", sharded), ("tp1", full))}
+    engine = ReferenceEngine(cache_blocks, block_size, device, vocab_size=config.vocab_size, table_width=width, seed=99)
+    if rank == 0:
+        print(f"tensor-parallel conformance: {world} ranks, {backend}, {vendor.name} on {device} "
+              f"({torch.cuda.get_device_name(device) if on_gpu else 'CPU emulator'}), torch {torch.__version__}, "
+              f"{config.num_hidden_layers} layers {str(config.dtype).replace('torch.', '')}, buckets {list(runner.capture_sizes)}",
+              flush=True)
+    rows, failures, started = [], 0, time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            seqs = [engine.add() for _ in range(batch)]
+            prompt = engine.prefill(seqs, [engine.rng.randrange(1, context - args.steps) for _ in seqs])
+            runner(prompt.input_ids, prompt.position_ids, caches["graph"], prompt.attn_metadata)
+            full(prompt.input_ids, prompt.position_ids, caches["tp1"], prompt.attn_metadata)
+            for name in ("eager", "padded"):
+                for (gk, gv), (k, v) in zip(caches["graph"], caches[name]):
+                    k.copy_(gk)
+                    v.copy_(gv)
+            bucket = runner.bucket_of(batch)
+            same_shape, graph_eager, tp_diff = 0, 0.0, 0.0
+            for _ in range(args.steps):
+                step = engine.decode(seqs)
+                if args.scenario == "different-batches" and rank == 1:
+                    step = engine.decode(seqs[:-1]) if batch > 1 else step
+                try:
+                    graph = runner(step.input_ids, step.position_ids, caches["graph"], step.attn_metadata).clone()
+                except graphmode.GraphModeError as error:
+                    return report_scenario(args.scenario, rank, error)
+                eager = sharded(step.input_ids, step.position_ids, caches["eager"], step.attn_metadata)
+                padded = pad_step(step, bucket)
+                at_bucket = sharded(padded.input_ids, padded.position_ids, caches["padded"], padded.attn_metadata)[:, :batch]
+                reference = full(step.input_ids, step.position_ids, caches["tp1"], step.attn_metadata)
+                same_shape += int(torch.equal(graph, at_bucket))
+                graph_eager = max(graph_eager, relative(graph, eager))
+                tp_diff = max(tp_diff, relative(graph, reference))
+            ok = same_shape == args.steps and graph_eager <= rtol and tp_diff <= rtol
+            failures += not ok
+            rows.append(dict(batch=batch, bucket=bucket, bitwise_vs_padded_eager=same_shape,
+                             graph_vs_eager=graph_eager, tp_vs_tp1=tp_diff, ok=ok))
+            if rank == 0:
+                print(f"batch {batch:4d} bucket {bucket:4d}: graph vs eager at bucket shape bitwise "
+                      f"{same_shape}/{args.steps}, vs eager {graph_eager:.2e}, TP={world} vs TP=1 {tp_diff:.2e} "
+                      f"{'ok' if ok else 'FAIL'}", flush=True)
+            for seq in seqs:
+                engine.finish(seq)
+    if args.scenario != "agree":
+        print(f"rank {rank}: scenario {args.scenario} raised no error: FAIL", flush=True)
+        return 1
+    totals = torch.tensor([failures], device=device if backend == "nccl" else "cpu")
+    dist.all_reduce(totals)
+    if rank == 0:
+        print(f"\n{len(rows)} batch sizes x {args.steps} steps on {world} ranks in {time.perf_counter() - started:.0f}s; "
+              f"{runner.stats.summary()}")
+        print(f"graph vs eager at the bucket's shape: {sum(r['bitwise_vs_padded_eager'] == args.steps for r in rows)}/"
+              f"{len(rows)} batch sizes bitwise identical; worst graph vs eager {max(r['graph_vs_eager'] for r in rows):.2e}; "
+              f"worst TP={world} vs TP=1 {max(r['tp_vs_tp1'] for r in rows):.2e} (tolerance {rtol})")
+        print("PASS" if totals.item() == 0 else f"FAIL: {int(totals.item())} batch sizes failed on some rank")
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"world": world, "backend": backend, "device": str(device), "rows": rows}, out, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if totals.item() == 0 else 1
+
+
+def report_scenario(scenario: str, rank: int, error: BaseException) -> int:
+    """In a disagreement scenario the error is the expected outcome."""
+    print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
+    return 0 if scenario != "agree" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Graph mode across tensor-parallel ranks, without hangs.
+
+Collectives inside a captured graph only work if every rank replays the same
+graph: same bucket list, same bucket each step, captures in the same order.
+A rank that disagrees would hang inside NCCL; :class:`RankSync` finds the
+disagreement first, on a separate gloo group that involves no device, and
+raises an error naming every rank's value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphmode.errors import ConfigError, InputError
+
+__all__ = ["RankSync", "init_process_group"]
+
+
+def init_process_group(vendor: Any, device: torch.device, **kwargs: Any) -> str:
+    """Initialise the default process group with the vendor's backend for
+    ``device`` (nccl on CUDA, hccl on Ascend, cncl on Cambricon, gloo on the
+    CPU emulator) and return the backend's name."""
+    backend = vendor.hook.graphmode_dist_backend(device=torch.device(device))
+    dist.init_process_group(backend, **kwargs)
+    return backend
+
+
+class RankSync:
+    """Agreement checks and a capture barrier for one process group.
+
+    check_replays: also agree on the batch before every graph step, not only
+    before captures. It costs one small host all-gather per step, and turns a
+    rank that would replay a different graph (and hang its peers inside the
+    graph's collectives) into an error.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, check_replays: bool = False) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.check_replays = check_replays
+        ranks = dist.get_process_group_ranks(group)
+        self.control = dist.new_group(ranks=ranks, backend="gloo")
+
+    def _gather(self, value: Any) -> list[Any]:
+        values: list[Any] = [None] * self.world
+        dist.all_gather_object(values, value, group=self.control)
+        return values
+
+    def agree_on_setup(self, execute_mode: str, capture_sizes: tuple[int, ...]) -> None:
+        values = self._gather((execute_mode, list(capture_sizes)))
+        if any(v != values[0] for v in values):
+            listing = "; ".join(f"rank {r}: {mode} mode, buckets {sizes}" for r, (mode, sizes) in enumerate(values))
+            raise ConfigError(
+                f"tensor-parallel ranks disagree on graph mode: {listing}. Every rank must capture the "
+                "same buckets in the same order: give every rank the same execute mode, "
+                "capture_batch_sizes and vendor options"
+            )
+
+    def agree_on_step(self, batch: int, bucket: int | None, what: str) -> None:
+        mine = torch.tensor([batch, bucket or 0], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(everyone, mine, group=self.control)
+        if any(not torch.equal(other, everyone[0]) for other in everyone):
+            values = [tuple(t.tolist()) for t in everyone]
+            listing = "; ".join(
+                f"rank {r}: batch {b} ({f'bucket {k}' if k else 'no graph'})" for r, (b, k) in enumerate(values)
+            )
+            raise InputError(
+                f"tensor-parallel ranks disagree on the step to {what}: {listing}. Every rank must run "
+                "the same batch in the same step; check how the engine sends the schedule to its ranks"
+            )
+
+    def barrier(self) -> None:
+        """Every rank ready, its device idle, before any of them captures."""
+        dist.barrier(group=self.control)

@@ -1,0 +1,42 @@
+"""Tensor parallel graph mode on the CPU: two processes on gloo, emulated
+graphs with the all-reduces recorded inside them. Each run is bounded by a
+timeout, so a hang fails the test instead of stalling CI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "-m", "graphmode_conformance.tensor_parallel", "--device", "cpu", "--timeout", "60", *args]
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"tensor-parallel run hung for {timeout}s: {error.stdout}")
+
+
+def test_graph_equals_eager_at_tp2_and_tp2_matches_tp1():
+    result = torchrun("--batches", "1-8,12,16")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "10/10 batch sizes bitwise identical" in result.stdout
+    assert "PASS" in result.stdout
+
+
+def test_ranks_with_different_capture_lists_raise_naming_both():
+    result = torchrun("--scenario", "different-capture-lists")
+    assert result.returncode == 0, result.stdout + result.stderr
+    message = "tensor-parallel ranks disagree on graph mode: rank 0: graph mode, buckets [1, 2, 4, 8, 16]; rank 1: graph mode, buckets [1, 2, 4]"
+    assert result.stdout.count(message) == 2  # both ranks say it
+
+
+def test_ranks_running_different_batches_raise_instead_of_hanging():
+    result = torchrun("--scenario", "different-batches")
+    assert result.returncode == 0, result.stdout + result.stderr
+    message = "tensor-parallel ranks disagree on the step to run: rank 0: batch 2 (bucket 2); rank 1: batch 1 (bucket 1)"
+    assert result.stdout.count(message) == 2
