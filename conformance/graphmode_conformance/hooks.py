@@ -67,7 +67,9 @@ class HookContractTests(ConformanceFixtures):
         missing = [name for name in REQUIRED_BUFFERS if name not in buffers]
         assert not missing, f"graphmode_make_buffers left out {missing}"
         for name, tensor in buffers.items():
-            assert tensor.device in (meta.device, torch.device("cpu")), f"buffer {name} is on {tensor.device}"
+            assert tensor.device in (meta.device, torch.device("cpu")), (
+                f"buffer {name} is on {tensor.device}, not GraphMeta.device={meta.device} or the host"
+            )
         for name in REQUIRED_BUFFERS:
             tensor = buffers[name]
             assert tensor.dtype in _INTEGER, f"buffer {name} has dtype {tensor.dtype}, not int32/int64"

@@ -61,14 +61,22 @@ def _decode_targets(meta: GraphMeta, n: int, width: int) -> tuple[list, list]:
     buffers = meta.input_buffers
     blocks = buffers["block_offsets"]
     destinations = [
-        buffers["input_ids"][:, :n],
-        buffers["position_ids"][:, :n],
+        _like_contiguous(buffers["input_ids"][:, :n]),
+        _like_contiguous(buffers["position_ids"][:, :n]),
         blocks[:n, :width],
         buffers["kv_seqlens"][:n],
         buffers["kv_start_indices"][:n].view(n),  # one slot per token, whatever the buffer's shape
     ]
     clear_tail = [(blocks[:n, width:], meta.padding_buffers["block_offsets"][:n, width:])] if width < meta.num_blocks else []
     return destinations, clear_tail
+
+
+def _like_contiguous(view: torch.Tensor) -> torch.Tensor:
+    """The same memory with a contiguous tensor's strides. A (1, n) slice of
+    a (1, max_tokens) buffer has stride max_tokens in its size-1 dimension, a
+    step's (1, n) tensor has n: harmless for a copy, but ``_foreach_copy_``
+    only takes its fused path when destination and source strides match."""
+    return view.as_strided(view.shape, torch.empty(view.shape, device="meta").stride(), view.storage_offset())
 
 
 def padding_rows(

@@ -61,7 +61,7 @@ class RunnerConfig:
     vendor_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.device = torch.device(self.device)
+        self.device = _with_index(torch.device(self.device))
         for name in ("max_batches", "num_blocks", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -71,6 +71,17 @@ class RunnerConfig:
             self.capture_batch_sizes = _clean_capture_sizes(
                 self.capture_batch_sizes, self.max_batches
             )
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """"cuda" means the current device: name it, so that it compares equal to
+    the devices of the tensors on it ("cuda:0")."""
+    if device.type == "cpu" or device.index is not None:
+        return device
+    module = getattr(torch, device.type, None)
+    if module is not None and hasattr(module, "current_device") and module.is_available():
+        return torch.device(device.type, module.current_device())
+    return device
 
 
 def _clean_capture_sizes(sizes: Any, max_batches: int) -> tuple[int, ...]:

@@ -61,10 +61,6 @@ def build_graph_runner(
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
-    if device.type != "cpu" and device.index is None:
-        module = getattr(torch, device.type, None)
-        if module is not None and hasattr(module, "current_device") and module.is_available():
-            device = torch.device(device.type, module.current_device())
     if num_layers is None:
         config = getattr(model, "config", None)
         num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "num_layers", None)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import graphmode
-from graphmode.bench.modes import Compiled, Eager, GraphmodeRunner, HandWrittenGraph, _sync
+from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
 from graphmode.bench.workload import Workload
 from graphmode.config import RunnerConfig
 from graphmode.model import ModelConfig
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         modes += [HandWrittenGraph(workload.model, workload), HandWrittenGraph(workload.model, workload, exact=True)]
         if not args.no_compile:
-            modes.append(Compiled(workload.model, workload))
+            modes += [Compiled(workload.model, workload), GraphmodeOverCompiled(workload.model, workload, "cuda")]
     for mode in modes:
         results["latency_ms"][mode.name] = {}
         results["prepare_s"][mode.name] = {}
@@ -165,9 +165,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             results["latency_ms"][mode.name][batch] = latency * 1e3
             results["prepare_s"][mode.name][batch] = prepare
-            if isinstance(mode, GraphmodeRunner) and mode.name == "graphmode[cuda]" or (
-                isinstance(mode, GraphmodeRunner) and device.type == "cpu" and mode is modes[1]
-            ):
+            if isinstance(mode, GraphmodeRunner) and mode is modes[1]:
                 results["host"][batch] = host_cost(mode.runner, steps[args.warmup:], device)
             print(f"{mode.name:36s} batch {batch:4d}: {latency * 1e3:8.3f} ms", flush=True)
         if isinstance(mode, (GraphmodeRunner, HandWrittenGraph)):
@@ -198,7 +196,7 @@ def print_table(results: dict[str, Any]) -> None:
     latency = results["latency_ms"]
     modes = list(latency)
     short = {m: m.replace("graphmode", "gm").replace("hand-written graph", "hand").replace("torch.compile reduce-overhead", "compile")
-             .replace(" (exact size)", "-exact") for m in modes}
+             .replace(" over torch.compile", "+compile").replace(" (exact size)", "-exact") for m in modes}
     print("\nmedian decode step, ms (device-synchronised)")
     print("batch " + " ".join(f"{short[m]:>13s}" for m in modes))
     for batch in results["batches"]:
@@ -219,6 +217,9 @@ def print_table(results: dict[str, Any]) -> None:
         compiled = latency.get("torch.compile reduce-overhead", {}).get(batch)
         if compiled and latency[ours].get(batch):
             parts.append(f"graphmode/compile {latency[ours][batch] / compiled - 1:+.1%}")
+        over = latency.get("graphmode[cuda] over torch.compile", {}).get(batch)
+        if compiled and over:
+            parts.append(f"graphmode-over-compile/compile {over / compiled - 1:+.1%}")
         print(f"{batch:5d} " + ", ".join(parts))
     if results["host"]:
         print("\ngraphmode host cost per step (runner call minus graph launch, us)")

@@ -17,7 +17,7 @@ import graphmode
 from graphmode.buckets import power_of_two_sizes
 from graphmode.context import AttnMetadata, StepInputs
 
-__all__ = ["Compiled", "Eager", "GraphmodeRunner", "HandWrittenGraph"]
+__all__ = ["Compiled", "Eager", "GraphmodeOverCompiled", "GraphmodeRunner", "HandWrittenGraph"]
 
 
 def _sync(device: torch.device) -> None:
@@ -54,6 +54,16 @@ class GraphmodeRunner:
 
     def __call__(self, step: StepInputs) -> Any:
         return self.runner(step.input_ids, step.position_ids, step.past_key_values, step.attn_metadata)
+
+
+class GraphmodeOverCompiled(GraphmodeRunner):
+    """graphmode's graphs around ``torch.compile`` (Inductor kernels, no CUDA
+    graphs of its own), compiled once for every batch size: how serving
+    engines combine the two."""
+
+    def __init__(self, model: Any, workload: Any, vendor: str) -> None:
+        super().__init__(torch.compile(model, dynamic=True), workload, vendor)
+        self.name = f"graphmode[{vendor}] over torch.compile"
 
 
 class HandWrittenGraph:
