@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario != "agree":
         print(f"rank {rank}: scenario {args.scenario} raised no error: FAIL", flush=True)
         return 1
-    totals = torch.tensor([failures], device=device if backend == "nccl" else "cpu")
-    dist.all_reduce(totals)
+    # Summed on the runner's gloo group: host values need no device collective.
+    totals = torch.tensor([failures])
+    dist.all_reduce(totals, group=runner.rank_sync.control)
     if rank == 0:
         print(f"\n{len(rows)} batch sizes x {args.steps} steps on {world} ranks in {time.perf_counter() - started:.0f}s; "
               f"{runner.stats.summary()}")
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"world": world, "backend": backend, "device": str(device), "rows": rows}, out, indent=1)
-    dist.barrier()
+    dist.barrier(group=runner.rank_sync.control)
     dist.destroy_process_group()
     return 0 if totals.item() == 0 else 1
 

@@ -39,8 +39,9 @@ class GraphMeta:
     output_buffers: name -> the tensors one captured graph writes its result to.
     vendor_flags: free-form switches a vendor plugin keeps with the graphs;
         the runner starts them from ``RunnerConfig.vendor_options``.
-    views: buffer views by step shape, made once: slicing a dozen buffers
-        costs more host time per replay than copying into them.
+    views: input-buffer views by step shape, made once (slicing a dozen
+        buffers costs more host time per replay than copying into them);
+        shared by every graph, so it must hold views of input buffers only.
     """
 
     max_batchs: int

@@ -281,6 +281,12 @@ class GraphRunner:
             module.empty_cache()
 
     @property
+    def rank_sync(self) -> Any:
+        """The :class:`graphmode.distributed.RankSync` of a tensor-parallel
+        runner (its gloo ``control`` group carries host-side agreement), or None."""
+        return self._ranks
+
+    @property
     def captured_buckets(self) -> list[int]:
         """The buckets with a graph, in the order they were captured."""
         return list(self._graphs)

@@ -51,6 +51,8 @@ def check_step(inputs: StepInputs, config: RunnerConfig) -> int:
         )
     tokens = inputs.input_ids.shape[-1]
     device = config.device
+    # is_cpu and get_device() (an int) are cheaper than building a device.
+    on_cpu, index = device.type == "cpu", device.index
     for name, tensor, shape in (
         ("input_ids", inputs.input_ids, (1, tokens)),
         ("position_ids", inputs.position_ids, (1, tokens)),
@@ -65,7 +67,7 @@ def check_step(inputs: StepInputs, config: RunnerConfig) -> int:
                 f"{name} has dtype {tensor.dtype}; it must be an integer tensor "
                 "(int64 or int32): convert it with .long() or .int()"
             )
-        if tensor.device != device:
+        if (not tensor.is_cpu) if on_cpu else tensor.get_device() != index:
             raise InputError(
                 f"{name} is on {tensor.device}, but the runner's device is {device}; "
                 f"move it with .to({str(device)!r})"
