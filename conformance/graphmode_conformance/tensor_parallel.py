@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"world": world, "backend": backend, "device": str(device), "rows": rows}, out, indent=1)
+    # Graphs hold NCCL kernels of the group's communicator: release them
+    # before the communicator goes (on H200s, tearing down with them alive hung).
+    runner.reset()
+    if on_gpu:
+        torch.cuda.synchronize(device)
     dist.barrier(group=runner.rank_sync.control)
     dist.destroy_process_group()
     return 0 if totals.item() == 0 else 1
