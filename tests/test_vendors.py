@@ -248,3 +248,25 @@ def test_ppu_fill_reads_nothing_on_the_host():
 def test_vendors_say_why_they_are_not_detected(vendor, reason):
     info = graphmode.load_vendor(vendor).info
     assert info.name == vendor and not info.detected and reason in info.reason
+
+
+# -- device graphs and process-group backends ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "vendor, kind",
+    [("cuda", "EmulatedGraph"), ("maca", "EmulatedGraph"), ("camb", "EmulatedGraph"), ("ascend", "AscendGraph")],
+)
+def test_graphmode_make_graph_on_the_cpu(vendor, kind):
+    meta = graphmode.GraphMeta(max_batchs=4, max_tokens=4, num_blocks=2, block_size=16, device="cpu",
+                               vendor_flags={"update_path": "graph_update"})
+    graph = graphmode.load_vendor(vendor).hook.graphmode_make_graph(meta=meta)
+    assert type(graph).__name__ == kind
+
+
+@pytest.mark.parametrize(
+    "vendor, device, backend",
+    [("cuda", "cpu", "gloo"), ("cuda", "cuda", "nccl"), ("ascend", "cpu", "gloo"), ("camb", "cpu", "gloo")],
+)
+def test_graphmode_dist_backend(vendor, device, backend):
+    assert graphmode.load_vendor(vendor).hook.graphmode_dist_backend(device=torch.device(device)) == backend
