@@ -28,7 +28,7 @@ def vendor_statuses() -> list[tuple[str, Vendor | None, str]]:
             rows.append((name, None, f"cannot load: {error}".splitlines()[0]))
             continue
         state = "detected" if info.detected else "not detected"
-        version = info.runtime_version or "not installed"
+        version = info.runtime_version or "unavailable"
         rows.append((
             name,
             vendor,
