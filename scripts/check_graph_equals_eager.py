@@ -29,16 +29,9 @@ import time
 import torch
 
 import graphmode
+from graphmode.buckets import parse_sizes
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine, pad_step
-
-
-def parse_batches(text: str) -> list[int]:
-    sizes: list[int] = []
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        sizes.extend(range(int(low), int(high or low) + 1))
-    return sizes
 
 
 def caches_equal(first, second) -> bool:
@@ -62,7 +55,7 @@ def main() -> int:
     config = ModelConfig.bench() if args.config == "bench" else ModelConfig.tiny()
     vendor = graphmode.select_vendor(args.vendor, device)
     model = build_reference_model(config, vendor, device)
-    batches = parse_batches(args.batches)
+    batches = parse_sizes(args.batches)
     max_batch = max(batches)
     width = -(-(args.context + args.steps) // args.block_size)
     cache_blocks = max_batch * width + 1

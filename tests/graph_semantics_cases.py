@@ -228,7 +228,7 @@ def case_reset_and_recapture(b: Backend):
     x = b.tensor([1.0, 2.0])
     g = b.graph()
     with g.capture():
-        y = x * 2
+        _first = x * 2
     g.replay()
     g.reset()
     with g.capture():

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 
@@ -26,18 +25,11 @@ import torch
 import torch.distributed as dist
 
 import graphmode
-from graphmode.distributed import init_process_group
+from graphmode.buckets import parse_sizes
+from graphmode.distributed import init_process_group, torchrun_rank
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine, pad_step
 from graphmode.model.parallel import shard_model
-
-
-def parse_batches(text: str) -> list[int]:
-    sizes: list[int] = []
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        sizes.extend(range(int(low), int(high or low) + 1))
-    return sizes
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -57,14 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    device = torch.device(args.device if args.device == "cpu" else f"{args.device}:{local}")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    rank, world, device = torchrun_rank(args.device)
     on_gpu = device.type != "cpu"
     config = ModelConfig.bench() if (args.config or ("bench" if on_gpu else "tiny")) == "bench" else ModelConfig.tiny()
-    batches = parse_batches(args.batches or ("1-64,128,256" if on_gpu else "1-8,12,16"))
+    batches = parse_sizes(args.batches or ("1-64,128,256" if on_gpu else "1-8,12,16"))
     rtol = args.rtol or (0.05 if config.dtype != torch.float32 else 1e-4)
     vendor = graphmode.select_vendor(args.vendor, device)
     backend = init_process_group(vendor, device, timeout=datetime.timedelta(seconds=args.timeout))

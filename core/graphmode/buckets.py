@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "next_power_of_2",
+    "parse_sizes",
     "power_of_two_sizes",
     "smallest_bucket",
     "three_stage_size",
@@ -62,3 +63,12 @@ def smallest_bucket(batch_size: int, capture_sizes: Sequence[int]) -> int | None
     """The smallest capture size >= batch_size, or None when none is."""
     index = bisect.bisect_left(capture_sizes, batch_size)
     return capture_sizes[index] if index < len(capture_sizes) else None
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Batch sizes written as on a command line: "1-64,100,200"."""
+    sizes: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        sizes.extend(range(int(low), int(high or low) + 1))
+    return sizes

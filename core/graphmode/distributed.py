@@ -9,6 +9,7 @@ raises an error naming every rank's value.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from graphmode.errors import ConfigError, InputError
 
-__all__ = ["RankSync", "init_process_group"]
+__all__ = ["RankSync", "init_process_group", "torchrun_rank"]
 
 
 def init_process_group(vendor: Any, device: torch.device, **kwargs: Any) -> str:
@@ -26,6 +27,18 @@ def init_process_group(vendor: Any, device: torch.device, **kwargs: Any) -> str:
     backend = vendor.hook.graphmode_dist_backend(device=torch.device(device))
     dist.init_process_group(backend, **kwargs)
     return backend
+
+
+def torchrun_rank(device_type: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device) in a process started by
+    torchrun, the device made current."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device(device_type if device_type == "cpu" else f"{device_type}:{local}")
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(module, "set_device"):
+        module.set_device(device)
+    return rank, world, device
 
 
 class RankSync:

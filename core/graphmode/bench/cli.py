@@ -22,6 +22,7 @@ import torch
 import graphmode
 from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
 from graphmode.bench.workload import Workload
+from graphmode.buckets import parse_sizes
 from graphmode.config import RunnerConfig
 from graphmode.model import ModelConfig
 from graphmode.plugins import installed_vendor_names, load_vendor
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     config_name = args.config or ("bench" if device.type == "cuda" else "tiny")
     config = ModelConfig.bench() if config_name == "bench" else ModelConfig.tiny()
-    batches = [int(b) for b in (args.batches or (DEFAULT_BATCHES if device.type == "cuda" else "1,2,3,4,8")).split(",")]
+    batches = parse_sizes(args.batches or (DEFAULT_BATCHES if device.type == "cuda" else "1,2,3,4,8"))
     total = args.warmup + args.steps
     workload = Workload.build(config, device, max_batches=max(256 if device.type == "cuda" else 8, *batches),
                               block_size=64 if config_name == "bench" else 16,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,7 +18,8 @@ import graphmode
 from graphmode.bench.cli import add_arguments, median_step
 from graphmode.bench.modes import Eager, GraphmodeRunner
 from graphmode.bench.workload import Workload
-from graphmode.distributed import init_process_group
+from graphmode.buckets import parse_sizes
+from graphmode.distributed import init_process_group, torchrun_rank
 from graphmode.model import ModelConfig
 
 
@@ -35,16 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphmode bench --tp")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    device = torch.device(args.device if args.device == "cpu" else f"{args.device}:{local}")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    rank, world, device = torchrun_rank(args.device)
     vendor = graphmode.select_vendor(args.vendors.split(",")[0], device)
     init_process_group(vendor, device)
     config = ModelConfig.bench() if (args.config or ("bench" if device.type == "cuda" else "tiny")) == "bench" else ModelConfig.tiny()
     small = device.type == "cpu"
-    batches = [int(b) for b in (args.batches or ("1,2,4,8" if small else "1,2,4,8,16,32,64,128,256")).split(",")]
+    batches = parse_sizes(args.batches or ("1,2,4,8" if small else "1,2,4,8,16,32,64,128,256"))
     sizes = dict(max_batches=max(batches), block_size=16 if small else 64, context=96 if small else 1024,
                  steps=args.warmup + args.steps, vendor=vendor.name)
     results: dict[str, Any] = {"tp": world, "device": torch.cuda.get_device_name(device) if not small else "CPU emulator",

@@ -1,6 +1,6 @@
 """Vendor plugins: discovery through entry points, loading, selection."""
 
-from graphmode.plugins.info import CAPABILITIES, VendorInfo
+from graphmode.plugins.info import CAPABILITIES, VendorInfo, probe_runtime
 from graphmode.plugins.manager import (
     BUILTIN_VENDOR,
     ENTRY_POINT_GROUP,
@@ -26,6 +26,7 @@ __all__ = [
     "installed_vendor_names",
     "load_vendor",
     "make_plugin_manager",
+    "probe_runtime",
     "select_vendor",
     "vendor_statuses",
 ]

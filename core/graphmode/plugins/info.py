@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CAPABILITIES", "VendorInfo"]
+__all__ = ["CAPABILITIES", "VendorInfo", "probe_runtime"]
 
 CAPABILITIES = {
     "host_kv_lengths": "the attention kernel takes kv lengths as host values, which a "
@@ -62,3 +64,21 @@ class VendorInfo:
         if available is None or not available():
             return False, f"no {device.type} device is available to torch here"
         return True, f"{device.type} graphs"
+
+
+def probe_runtime(module_name: str, device_type: str) -> tuple[str | None, bool, str]:
+    """A vendor runtime's version, whether its device is usable, and why (not).
+
+    Never raises: a runtime whose import fails (missing driver libraries) is
+    reported, so that listing vendors works on any machine."""
+    if importlib.util.find_spec(module_name) is None:
+        return None, False, f"{module_name} is not installed"
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        return None, False, f"{module_name} failed to import: {error}".splitlines()[0]
+    version = getattr(module, "__version__", "unknown")
+    device_module = getattr(torch, device_type, None)
+    if device_module is None or not device_module.is_available():
+        return version, False, f"{module_name} is installed but no {device_type} device is visible"
+    return version, True, f"{device_module.device_count()} {device_type} device(s)"

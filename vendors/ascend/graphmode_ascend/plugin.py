@@ -18,7 +18,6 @@ of ``build_graph_runner``): ``update_path`` ("auto", "graph_update",
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
@@ -29,6 +28,7 @@ from graphmode.buffers import ROW_BUFFERS, TOKEN_BUFFERS, decode_rows, host_zero
 from graphmode.config import RunnerConfig
 from graphmode.context import StepInputs
 from graphmode.meta import GraphMeta
+from graphmode.plugins import probe_runtime
 from graphmode_ascend.budget import DEFAULT_STREAM_BUDGET, capture_advice, trim_to_stream_budget
 from graphmode_ascend.graph import AscendGraph, resolve_update_path
 from graphmode_ascend.ops import AscendAttentionOps
@@ -38,16 +38,7 @@ OPTIONS = {"update_path": "auto", "stream_budget": DEFAULT_STREAM_BUDGET, "comm_
 
 def torch_npu_version() -> tuple[str | None, bool, str]:
     """torch_npu's version, whether an NPU is usable, and why (not)."""
-    if importlib.util.find_spec("torch_npu") is None:
-        return None, False, "torch_npu is not installed"
-    try:
-        import torch_npu
-    except Exception as error:  # CANN libraries missing: report, do not fail
-        return None, False, f"torch_npu failed to import: {error}".splitlines()[0]
-    version = getattr(torch_npu, "__version__", "unknown")
-    if not torch.npu.is_available():
-        return version, False, "torch_npu is installed but no NPU is visible"
-    return version, True, f"{torch.npu.device_count()} NPU(s)"
+    return probe_runtime("torch_npu", "npu")
 
 
 @hookimpl

@@ -13,8 +13,6 @@ step (upstream Camb left stale rows from an earlier, larger batch).
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from graphmode import ConfigError, VendorInfo, hookimpl
@@ -22,28 +20,15 @@ from graphmode.config import RunnerConfig
 from graphmode.context import StepInputs
 from graphmode.graphs import DeviceGraph, TorchGraph
 from graphmode.meta import GraphMeta
+from graphmode.plugins import probe_runtime
 from graphmode_camb.ops import CambAttentionOps
 
 BLOCK_SIZE = 16
 
 
-def _runtime() -> tuple[str | None, bool, str]:
-    """torch_mlu's version, whether an MLU is usable, and why (not)."""
-    if importlib.util.find_spec("torch_mlu") is None:
-        return None, False, "torch_mlu is not installed"
-    try:
-        import torch_mlu
-    except Exception as error:  # a broken driver install must not break listing
-        return None, False, f"torch_mlu failed to import: {error}"
-    version = getattr(torch_mlu, "__version__", "unknown")
-    if not torch.mlu.is_available():
-        return version, False, "torch_mlu is installed but no MLU is visible"
-    return version, True, f"{torch.mlu.device_count()} MLU(s)"
-
-
 @hookimpl
 def graphmode_vendor_info() -> VendorInfo:
-    version, detected, reason = _runtime()
+    version, detected, reason = probe_runtime("torch_mlu", "mlu")
     return VendorInfo(
         name="camb",
         device_types=("mlu", "cuda"),
