@@ -98,8 +98,12 @@ class ReferenceAttentionOps:
 
     layout = "[num_blocks, block_size, kv_heads, head_dim]"
 
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's key (or value) cache in this layout."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
     def make_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = self.cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         return [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)

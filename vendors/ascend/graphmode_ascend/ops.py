@@ -60,12 +60,8 @@ register_updatable(torch.ops.graphmode_ascend.fused_infer_attention_score)
 class AscendAttentionOps(ReferenceAttentionOps):
     layout = "[num_blocks, block_size, kv_heads * head_dim]"
 
-    def make_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        shape = (num_blocks, block_size, num_kv_heads * head_dim)
-        return [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+    def cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
+        return (num_blocks, block_size, num_kv_heads * head_dim)
 
     def block_view(self, cache: torch.Tensor, head_dim: int) -> torch.Tensor:
         return cache.view(cache.shape[0], cache.shape[1], -1, head_dim)

@@ -20,12 +20,8 @@ __all__ = ["CambAttentionOps"]
 class CambAttentionOps(ReferenceAttentionOps):
     layout = "[num_blocks, kv_heads, block_size, head_dim]"
 
-    def make_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        return [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+    def cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
+        return (num_blocks, num_kv_heads, block_size, head_dim)
 
     def block_view(self, cache: torch.Tensor, head_dim: int) -> torch.Tensor:
         return cache.transpose(1, 2)
