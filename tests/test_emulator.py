@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from setups import tiny_setup
 
 import graphmode
 from graphmode import CaptureError, ReplayError
 from graphmode.emulator import EmulatedGraph, mark_host, npu, register_updatable
 from graphmode.model.ops import ReferenceAttentionOps
-from setups import tiny_setup
 
 
 @torch.library.custom_op("graphmode_test::add_lengths", mutates_args=())

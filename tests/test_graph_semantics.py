@@ -4,10 +4,9 @@ on real CUDA graphs when a GPU is present."""
 
 from __future__ import annotations
 
+import graph_semantics_cases as cases
 import pytest
 import torch
-
-import graph_semantics_cases as cases
 
 
 @pytest.mark.parametrize("case", list(cases.CASES))

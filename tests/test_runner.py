@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from setups import tiny_setup
 
 import graphmode
 from graphmode import AttnMetadata, InputError
-from setups import tiny_setup
 
 
 def test_graph_equals_eager_for_every_batch_size_up_to_64():

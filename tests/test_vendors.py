@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from setups import tiny_setup
 
 import graphmode
 from graphmode import CaptureError, ConfigError, RunnerConfig
 from graphmode.buckets import three_stage_sizes
 from graphmode_ascend.budget import capture_advice, trim_to_stream_budget
 from graphmode_ascend.graph import AscendGraph, resolve_update_path, uses_graph_update
-from setups import tiny_setup
-
 
 # -- Ascend: which update path -------------------------------------------------
 

@@ -30,6 +30,7 @@ from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.meta import GraphMeta
 from graphmode.plugins.info import VendorInfo
 
+
 @hookimpl
 def graphmode_vendor_info() -> VendorInfo:
     available = torch.cuda.is_available()

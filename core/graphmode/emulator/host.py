@@ -32,6 +32,4 @@ def is_host(tensor: torch.Tensor) -> bool:
     if ref is None:
         return False
     owner = ref()
-    if owner is None or owner.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
-        return False
-    return True
+    return owner is not None and owner.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()

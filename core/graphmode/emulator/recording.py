@@ -13,8 +13,9 @@ Event steps and task groups model Ascend's ACL task updates (see ``npu.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
