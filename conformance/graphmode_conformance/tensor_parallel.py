@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     vendor = graphmode.select_vendor(args.vendor, device)
     backend = init_process_group(vendor, device, timeout=datetime.timedelta(seconds=args.timeout))
     group = dist.group.WORLD
+    assert group is not None  # init_process_group made it
 
     block_size = 64 if on_gpu else 16
     context = 1024 if on_gpu else 64
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     k.copy_(gk)
                     v.copy_(gv)
             bucket = runner.bucket_of(batch)
+            assert bucket is not None, f"batch {batch} has no bucket in {list(runner.capture_sizes)}"
             same_shape, graph_eager, tp_diff = 0, 0.0, 0.0
             for _ in range(args.steps):
                 step = engine.decode(seqs)

@@ -36,7 +36,7 @@ def torchrun_rank(device_type: str) -> tuple[int, int, torch.device]:
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device(device_type if device_type == "cpu" else f"{device_type}:{local}")
     module = getattr(torch, device.type, None)
-    if device.type != "cpu" and hasattr(module, "set_device"):
+    if device.type != "cpu" and module is not None and hasattr(module, "set_device"):
         module.set_device(device)
     return rank, world, device
 

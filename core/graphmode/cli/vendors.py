@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
             for ok, why in [info.runs_on(torch.device(t)) if _known(t) else (False, f"torch has no {t} device")]
         )
         print(f"  graphs on: {devices}")
-        config = RunnerConfig(args.max_batches, 1, 16, "cpu", num_layers=None)
+        config = RunnerConfig(args.max_batches, 1, 16, torch.device("cpu"), num_layers=None)
         vendor.hook.graphmode_check_config(config=config)
         sizes = vendor.hook.graphmode_capture_sizes(config=config)
         print(f"  capture list for max_batches={args.max_batches}: {len(sizes)} graphs {sizes}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["CaptureSession", "current_session", "register_updatable"]
 
 aten = torch.ops.aten
+E = TypeVar("E", bound=BaseException)
 _local = threading.local()
 _updatable: set[Any] = set()
 
@@ -171,7 +172,7 @@ class CaptureSession:
                 storage.copy_(saved)
             self.snapshots.clear()
 
-    def fail(self, error: BaseException) -> BaseException:
+    def fail(self, error: E) -> E:
         self.error = error
         return error
 

@@ -132,7 +132,11 @@ def _copy_back(func: Any, args: tuple, kwargs: dict, outputs: Any) -> Callable[[
         collective = call
         call = lambda *a, **k: wait(collective(*a, **k))  # noqa: E731
     if isinstance(outputs, torch.Tensor):
-        return lambda: outputs.copy_(call(*args, **kwargs))
+
+        def copy_one() -> None:
+            outputs.copy_(call(*args, **kwargs))
+
+        return copy_one
     targets = list(outputs)
 
     def step() -> None:

@@ -99,7 +99,10 @@ class ReferenceEngine:
         return self._step(seq_ids, [1] * len(seq_ids), is_decoding=True)
 
     def _step(self, seq_ids: list[int], lengths: list[int], is_decoding: bool) -> StepInputs:
-        tokens, positions, slots, starts = [], [], [], []
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
         for seq_id, length in zip(seq_ids, lengths):
             seq = self.sequences[seq_id]
             starts.append(len(tokens))

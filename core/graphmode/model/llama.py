@@ -93,6 +93,9 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The reference decoder. ``model.config`` is its :class:`ModelConfig`."""
 
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
         super().__init__()
         self.config = config

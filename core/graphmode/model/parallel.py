@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from graphmode.model.llama import LlamaModel
+from graphmode.model.llama import Attention, DecoderLayer, LlamaModel
 
 __all__ = ["AllReduce", "shard_model"]
 
@@ -54,6 +54,7 @@ def shard_model(model: LlamaModel, group: dist.ProcessGroup) -> LlamaModel:
     head_dim = config.head_dim
     with torch.no_grad():
         for layer in model.layers:
+            assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
             attn = layer.self_attn
             q, kv = attn.heads * head_dim, attn.kv_heads * head_dim
             attn.qkv_proj.weight = torch.nn.Parameter(_rows(attn.qkv_proj.weight, [q, kv, kv], rank, world))

@@ -19,7 +19,7 @@ ENV_VENDOR = "GRAPHMODE_VENDOR"
 
 def vendor_statuses() -> list[tuple[str, Vendor | None, str]]:
     """(name, loaded vendor or None, one-line status) per installed vendor."""
-    rows = []
+    rows: list[tuple[str, Vendor | None, str]] = []
     for name in installed_vendor_names():
         try:
             vendor = load_vendor(name)
