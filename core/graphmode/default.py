@@ -123,9 +123,11 @@ def graphmode_make_graph(meta: GraphMeta) -> DeviceGraph:
 
 @hookimpl
 def graphmode_attention_ops() -> Any:
-    from graphmode.model.ops import ReferenceAttentionOps
+    # Triton's paged decode kernel when Triton imports and a CUDA device is
+    # visible; $GRAPHMODE_ATTENTION=reference forces the PyTorch kernels.
+    from graphmode.kernels import cuda_attention_ops
 
-    return ReferenceAttentionOps()
+    return cuda_attention_ops()
 
 
 @hookimpl

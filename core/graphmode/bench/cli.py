@@ -20,14 +20,17 @@ from typing import Any
 import torch
 
 import graphmode
+from graphmode.bench.floor import bandwidth, step_bytes
 from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
 from graphmode.bench.workload import Workload
 from graphmode.buckets import parse_sizes
 from graphmode.config import RunnerConfig
+from graphmode.kernels import ATTENTION_CHOICES
 from graphmode.model import ModelConfig
 from graphmode.plugins import installed_vendor_names, load_vendor
 
 DEFAULT_BATCHES = "1,2,3,4,8,16,24,32,64,100,128,256"
+MODES = ("eager", "graphmode", "hand", "hand-exact", "compile", "graphmode-compile")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per batch size and mode")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (capture, compile)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"modes to time, of {','.join(MODES)} (graphmode: one per vendor; "
+                             "graphmode-compile: graphmode over torch.compile; default all)")
+    parser.add_argument("--attention", choices=ATTENTION_CHOICES, default=None,
+                        help="CUDA attention kernels: triton, reference, or auto (Triton when it imports "
+                             "on a CUDA device); default: the plugin's choice ($GRAPHMODE_ATTENTION, else auto)")
+    parser.add_argument("--hbm-tbps", type=float, default=None,
+                        help="HBM bandwidth for the floor, TB/s (default: the datasheet figure of a known "
+                             "device, else a measured device copy)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (see docs/tensor-parallel.md)")
     parser.add_argument("--json", help="write all figures here")
     parser.add_argument("--plot", help="write a PNG plot of latency against batch size here")
@@ -61,7 +73,11 @@ def host_cost(runner: graphmode.GraphRunner, steps: list, device: torch.device) 
     output slicing, checks): a runner call minus the graph launch alone, both
     timed on the host with the device idle."""
     batch = steps[0].attn_metadata.batch_size
-    graph = runner.graph(runner.bucket_of(batch)).graph
+    bucket = runner.bucket_of(batch)
+    captured = runner.graph(bucket) if bucket is not None else None
+    if captured is None:
+        raise RuntimeError(f"batch {batch} has no captured graph to time (bucket {bucket})")
+    graph = captured.graph
     calls, launches = [], []
     for step in steps:
         _sync(device)
@@ -105,7 +121,7 @@ def padding_waste(max_batches: int) -> dict[str, dict[str, Any]]:
     waste = {}
     for name in installed_vendor_names():
         vendor = load_vendor(name)
-        config = RunnerConfig(max_batches, 1, 16, "cpu", num_layers=None)
+        config = RunnerConfig(max_batches, 1, 16, torch.device("cpu"), num_layers=None)
         vendor.hook.graphmode_check_config(config=config)
         sizes = tuple(vendor.hook.graphmode_capture_sizes(config=config))
         shares = []
@@ -126,26 +142,51 @@ def run(args: argparse.Namespace) -> int:
     config = ModelConfig.bench() if config_name == "bench" else ModelConfig.tiny()
     batches = parse_sizes(args.batches or (DEFAULT_BATCHES if device.type == "cuda" else "1,2,3,4,8"))
     total = args.warmup + args.steps
+    wanted = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(wanted) - set(MODES))
+    if unknown:
+        raise SystemExit(f"graphmode bench: --modes {','.join(unknown)} unknown; choose from {','.join(MODES)}")
     workload = Workload.build(config, device, max_batches=max(256 if device.type == "cuda" else 8, *batches),
                               block_size=64 if config_name == "bench" else 16,
-                              context=1024 if config_name == "bench" else 96, steps=total)
+                              context=1024 if config_name == "bench" else 96, steps=total,
+                              attention=args.attention)
+    attention = type(workload.model.ops).__name__
+    bw, copy = bandwidth(device, args.hbm_tbps)
     results: dict[str, Any] = {
         "machine": machine(device), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
-        "model": config_name, "batches": batches, "latency_ms": {}, "prepare_s": {}, "host": {},
+        "model": config_name, "batches": batches, "attention": attention, "latency_ms": {}, "prepare_s": {},
+        "host": {}, "floor": None,
     }
     print(f"graphmode bench on {results['machine']['device']}, torch {torch.__version__}, model {config_name} "
-          f"({config.num_hidden_layers} layers, {str(config.dtype).replace('torch.', '')})", flush=True)
+          f"({config.num_hidden_layers} layers, {str(config.dtype).replace('torch.', '')}), attention {attention}",
+          flush=True)
+    if bw is not None:
+        results["floor"] = {"bandwidth_Bps": bw.bytes_per_s, "source": bw.source, "measured_copy_Bps": copy, "ms": {}}
+        copied = f"; a device copy measured {copy / 1e12:.2f} TB/s" if copy else ""
+        print(f"HBM floor at {bw.bytes_per_s / 1e12:.2f} TB/s ({bw.source}){copied}", flush=True)
+        for batch in batches:
+            timed = workload.steps(batch, total)[args.warmup:]
+            floor = statistics.mean(step_bytes(workload.model, step) for step in timed) / bw.bytes_per_s
+            results["floor"]["ms"][batch] = floor * 1e3
 
     if device.type == "cuda":
         results["capture"] = {"all_buckets": capture_cost(workload, None), "largest_alone": capture_cost(workload, [workload.max_batches])}
         print(f"capture: {results['capture']}", flush=True)
 
-    modes: list[Any] = [Eager(workload.model)]
-    modes += [GraphmodeRunner(workload.model, workload, v) for v in args.vendors.split(",") if v]
+    modes: list[Any] = [Eager(workload.model)] if "eager" in wanted else []
+    if "graphmode" in wanted:
+        modes += [GraphmodeRunner(workload.model, workload, v) for v in args.vendors.split(",") if v]
     if device.type == "cuda":
-        modes += [HandWrittenGraph(workload.model, workload), HandWrittenGraph(workload.model, workload, exact=True)]
+        if "hand" in wanted:
+            modes.append(HandWrittenGraph(workload.model, workload))
+        if "hand-exact" in wanted:
+            modes.append(HandWrittenGraph(workload.model, workload, exact=True))
         if not args.no_compile:
-            modes += [Compiled(workload.model, workload), GraphmodeOverCompiled(workload.model, workload, "cuda")]
+            if "compile" in wanted:
+                modes.append(Compiled(workload.model, workload))
+            if "graphmode-compile" in wanted:
+                modes.append(GraphmodeOverCompiled(workload.model, workload, "cuda"))
+    first_runner = next((m for m in modes if type(m) is GraphmodeRunner), None)
     for mode in modes:
         results["latency_ms"][mode.name] = {}
         results["prepare_s"][mode.name] = {}
@@ -166,9 +207,10 @@ def run(args: argparse.Namespace) -> int:
                 continue
             results["latency_ms"][mode.name][batch] = latency * 1e3
             results["prepare_s"][mode.name][batch] = prepare
-            if isinstance(mode, GraphmodeRunner) and mode is modes[1]:
-                results["host"][batch] = host_cost(mode.runner, steps[args.warmup:], device)
-            print(f"{mode.name:36s} batch {batch:4d}: {latency * 1e3:8.3f} ms", flush=True)
+            if first_runner is not None and mode is first_runner:
+                results["host"][batch] = host_cost(first_runner.runner, steps[args.warmup:], device)
+            against = f" ({latency * 1e3 / results['floor']['ms'][batch]:.1f}x the HBM floor)" if results["floor"] else ""
+            print(f"{mode.name:36s} batch {batch:4d}: {latency * 1e3:8.3f} ms{against}", flush=True)
         if isinstance(mode, (GraphmodeRunner, HandWrittenGraph)):
             del mode  # release graphs before the next mode captures
         _release(device)
@@ -206,12 +248,36 @@ def print_table(results: dict[str, Any]) -> None:
             value = latency[mode].get(batch)
             cells.append(f"{value:13.3f}" if value is not None else f"{'failed':>13s}")
         print(f"{batch:5d} " + " ".join(cells))
+    floor = results["floor"]
+    if floor:
+        print_floor(results, modes, short)
+    else:
+        print(f"\nno HBM floor off CUDA (give --hbm-tbps); attention {results['attention']}")
+    print_ratios(results, modes)
+    print_costs(results)
+
+
+def print_floor(results: dict[str, Any], modes: list[str], short: dict[str, str]) -> None:
+    latency, floor = results["latency_ms"], results["floor"]
+    print(f"\nstep time / HBM floor (weights + KV read once at {floor['bandwidth_Bps'] / 1e12:.2f} TB/s, "
+          f"{floor['source']}); attention {results['attention']}")
+    print("batch  floor ms " + " ".join(f"{short[m]:>13s}" for m in modes))
+    for batch in results["batches"]:
+        least = floor["ms"][batch]
+        cells = [f"{latency[m][batch] / least:12.2f}x" if latency[m].get(batch) else f"{'-':>13s}" for m in modes]
+        print(f"{batch:5d} {least:9.3f} " + " ".join(cells))
+
+
+def print_ratios(results: dict[str, Any], modes: list[str]) -> None:
+    latency = results["latency_ms"]
     reference = "hand-written graph" if "hand-written graph" in latency else None
-    ours = "graphmode[cuda]" if "graphmode[cuda]" in latency else modes[1]
-    print("\nratios")
+    ours = "graphmode[cuda]" if "graphmode[cuda]" in latency else next((m for m in modes if m.startswith("graphmode[")), None)
+    lines = []
     for batch in results["batches"]:
         parts = []
-        if latency[ours].get(batch) and latency["eager"].get(batch):
+        if ours is None:
+            break
+        if latency[ours].get(batch) and latency.get("eager", {}).get(batch):
             parts.append(f"eager/graphmode {latency['eager'][batch] / latency[ours][batch]:.2f}x")
         if reference and latency[reference].get(batch) and latency[ours].get(batch):
             parts.append(f"graphmode/hand-written {latency[ours][batch] / latency[reference][batch] - 1:+.1%}")
@@ -221,7 +287,13 @@ def print_table(results: dict[str, Any]) -> None:
         over = latency.get("graphmode[cuda] over torch.compile", {}).get(batch)
         if compiled and over:
             parts.append(f"graphmode-over-compile/compile {over / compiled - 1:+.1%}")
-        print(f"{batch:5d} " + ", ".join(parts))
+        if parts:
+            lines.append(f"{batch:5d} " + ", ".join(parts))
+    if lines:
+        print("\nratios", *lines, sep="\n")
+
+
+def print_costs(results: dict[str, Any]) -> None:
     if results["host"]:
         print("\ngraphmode host cost per step (runner call minus graph launch, us)")
         for batch, cost in results["host"].items():

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from graphmode.context import AttnMetadata, StepInputs
-from graphmode.model import ModelConfig, build_reference_model
+from graphmode.kernels import cuda_attention_ops
+from graphmode.model import LlamaModel, ModelConfig, build_reference_model
 from graphmode.model.parallel import shard_model
 
 __all__ = ["Workload"]
@@ -19,7 +20,7 @@ __all__ = ["Workload"]
 
 @dataclass
 class Workload:
-    model: torch.nn.Module
+    model: LlamaModel
     kv_cache: list
     device: torch.device
     block_size: int
@@ -31,10 +32,13 @@ class Workload:
     @classmethod
     def build(cls, config: ModelConfig, device: torch.device, *, vendor: str = "cuda", max_batches: int = 256,
               block_size: int = 64, context: int = 1024, steps: int = 64, seed: int = 0,
-              process_group: Any = None) -> Workload:
+              process_group: Any = None, attention: str | None = None) -> Workload:
         """The workload; with ``process_group``, the model is this rank's
-        tensor-parallel shard (every rank builds the same weights first)."""
-        model = build_reference_model(config, vendor, device, seed=seed)
+        tensor-parallel shard (every rank builds the same weights first).
+        ``attention`` chooses the CUDA attention kernels (see
+        :func:`graphmode.kernels.cuda_attention_ops`); None takes the vendor's."""
+        ops = cuda_attention_ops(attention) if attention is not None else None
+        model = build_reference_model(config, vendor, device, seed=seed, ops=ops)
         if process_group is not None:
             model = shard_model(model, process_group)
         width = -(-(context + steps) // block_size)

@@ -20,15 +20,18 @@ __all__ = [
 
 
 def build_reference_model(
-    config: ModelConfig, vendor=None, device: torch.device | str = "cpu", seed: int = 0
+    config: ModelConfig, vendor=None, device: torch.device | str = "cpu", seed: int = 0,
+    ops: AttentionOps | None = None,
 ) -> LlamaModel:
     """The reference model on ``device`` with the vendor's attention ops
-    (a :class:`graphmode.Vendor`, a vendor name, or None for the default)."""
+    (a :class:`graphmode.Vendor`, a vendor name, or None for the default),
+    or with ``ops`` when given (in the vendor's cache layout)."""
     from graphmode.plugins import Vendor, load_vendor
 
-    if not isinstance(vendor, Vendor):
-        vendor = load_vendor(vendor or "cuda")
-    ops = vendor.hook.graphmode_attention_ops()
+    if ops is None:
+        if not isinstance(vendor, Vendor):
+            vendor = load_vendor(vendor or "cuda")
+        ops = vendor.hook.graphmode_attention_ops()
     model = LlamaModel(config, ops).init_weights(seed).to(device=device, dtype=config.dtype)
     # Rotary angles stay in float32 whatever the weights' dtype.
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()

@@ -1,0 +1,136 @@
+"""The Triton kernels behind :mod:`graphmode.kernels.triton_decode`.
+
+Imported only when a kernel first runs: importing this module imports
+Triton. ``TRITON_INTERPRET=1`` must be set before that import for the
+kernels to run on CPU tensors in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_partition_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    scale_log2,
+    stride_qb, stride_qh,
+    stride_kn, stride_kt, stride_kh,
+    stride_vn, stride_vt, stride_vh,
+    stride_tb,
+    stride_ob, stride_oh,
+    capacity, tokens_per_split,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One (sequence, KV head, partition of the KV length) per program: the
+    GROUP query heads sharing that KV head attend over the partition's
+    tokens with an online softmax in float32 (base 2).
+
+    With one partition the normalised result goes straight to ``out``;
+    otherwise the unnormalised accumulator and its (max, sum) go to the
+    partial buffers for :func:`combine_kernel`. A partition past the
+    sequence's length writes an empty partial (max -inf, sum 0)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    length = tl.load(lens_ptr + seq)
+    length = tl.minimum(tl.maximum(length, 0), capacity)  # the reference reads no further than the table
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, length)
+
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + group
+    head_ok = group < GROUP
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    table = table_ptr + seq.to(tl.int64) * stride_tb
+    for start in range(lo, hi, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        live = tokens < hi
+        block = tl.load(table + tokens // PAGE, mask=live, other=0).to(tl.int64)
+        offset = (tokens % PAGE).to(tl.int64)
+        mask = live[:, None] & dim_ok[None, :]
+        k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
+        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every iteration has a live token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # nothing visible: zeros, as the reference
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+    else:
+        # partials are (B, H, SPLITS, BLOCK_D) and (B, H, SPLITS, 2), contiguous
+        row = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * SPLITS + split
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + dims[None, :], acc, mask=head_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=head_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=head_ok)
+
+
+@triton.jit
+def combine_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One (sequence, query head) per program: merge the partitions'
+    partial softmaxes into the normalised output."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < SPLITS
+    row = (seq * num_heads + head).to(tl.int64) * SPLITS + splits
+    m = tl.load(part_ml_ptr + row * 2, mask=split_ok, other=float("-inf"))
+    l_part = tl.load(part_ml_ptr + row * 2 + 1, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every partition empty: weights 0, output 0
+    weight = tl.exp2(m - m_max)
+    total = tl.sum(l_part * weight, 0)
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + dims[None, :], mask=split_ok[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_key_t, stride_key_h, stride_value_t, stride_value_h,
+    stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    """One token per program: its key and value (KV_HEADS, HEAD_DIM) to its
+    slot; slot < 0 writes nothing."""
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if slot >= 0:
+        block = slot // PAGE
+        offset = slot % PAGE
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads < KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+        key = tl.load(key_ptr + token * stride_key_t + heads[:, None] * stride_key_h + dims[None, :], mask=mask)
+        value = tl.load(value_ptr + token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :],
+                        mask=mask)
+        k_dest = k_cache_ptr + block * stride_kn + offset * stride_kt + heads[:, None] * stride_kh + dims[None, :]
+        v_dest = v_cache_ptr + block * stride_vn + offset * stride_vt + heads[:, None] * stride_vh + dims[None, :]
+        tl.store(k_dest, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dest, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
