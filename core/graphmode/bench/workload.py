@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from graphmode.context import AttnMetadata, StepInputs
-from graphmode.model import ModelConfig, build_reference_model
+from graphmode.model import LlamaModel, ModelConfig, build_reference_model
 from graphmode.model.parallel import shard_model
 
 __all__ = ["Workload"]
@@ -19,7 +19,7 @@ __all__ = ["Workload"]
 
 @dataclass
 class Workload:
-    model: torch.nn.Module
+    model: LlamaModel
     kv_cache: list
     device: torch.device
     block_size: int
