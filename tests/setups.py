@@ -54,19 +54,20 @@ def tiny_setup(
     width: int = 8,
     cache_blocks: int | None = None,
     plugin: Any = None,
+    device: str = "cpu",
     **runner_options: Any,
 ) -> Setup:
     config = ModelConfig.tiny()
     chosen = graphmode.load_vendor(vendor, plugin=plugin)
-    model = build_reference_model(config, chosen, "cpu")
+    model = build_reference_model(config, chosen, device)
     cache_blocks = cache_blocks or max_batches * width + 1
-    engine = ReferenceEngine(cache_blocks, block_size, "cpu", vocab_size=config.vocab_size, table_width=width, seed=7)
+    engine = ReferenceEngine(cache_blocks, block_size, device, vocab_size=config.vocab_size, table_width=width, seed=7)
     runner = graphmode.build_graph_runner(
-        model, max_batches=max_batches, num_blocks=width, block_size=block_size, device="cpu", vendor=vendor,
+        model, max_batches=max_batches, num_blocks=width, block_size=block_size, device=device, vendor=vendor,
         **runner_options,
     ) if plugin is None else graphmode.GraphRunner(
         model,
-        graphmode.RunnerConfig(max_batches, width, block_size, "cpu", **runner_options),
+        graphmode.RunnerConfig(max_batches, width, block_size, torch.device(device), **runner_options),
         chosen,
     )
     return Setup(

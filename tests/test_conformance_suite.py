@@ -16,12 +16,12 @@ pytestmark = pytest.mark.slow
 # What the first failure of each broken plugin must say.
 DIAGNOSES = {
     "slot_zero_padding": "kv_start_indices padding [0] (must be -1: no KV write)",
-    "stale_padding": "padding rows 7..7 are not neutral",
+    "stale_padding": "padding rows 9..9 are not neutral",
     "context_not_on_buffer": "attn_metadata.kv_seqlens of the graph context is not a view of an input buffer",
     "frozen_max_len": "A graph freezes host values, so every replay would use the capture step's max length",
     "kv_lengths_never_pushed": "on the device this replay would hang",
-    "bucket_below_batch": "graphmode_compatible_size(3) returned 2; it must be a capture size >= 3",
-    "captured_at_batch_size": "has 3 rows for a batch of 3 in bucket 4; graphs must be captured at their bucket's size",
+    "bucket_below_batch": "graphmode_compatible_size(9) returned 8; it must be a capture size >= 9",
+    "captured_at_batch_size": "has 9 rows for a batch of 9 in bucket 10; graphs must be captured at their bucket's size",
     "unsliced_outputs": "Likely cause: outputs not cut to the live tokens",
 }
 

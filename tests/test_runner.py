@@ -23,12 +23,14 @@ def test_graph_equals_eager_for_every_batch_size_up_to_64():
         for seq in seqs:
             setup.engine.finish(seq)
     stats = setup.runner.stats
-    assert stats.captures == 7 and stats.replays == 64 * 3 - 7
+    buckets = len(setup.runner.capture_sizes)  # the default list: 24 graphs up to 64
+    assert stats.captures == buckets and stats.replays == 64 * 3 - buckets
+    assert stats.padded_tokens > 0  # batches were padded into larger graphs
     assert stats.eager_steps["prefill"] == 64
 
 
 def test_first_step_of_a_bucket_captures_later_steps_replay():
-    setup = tiny_setup()
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4, 8, 16])
     seqs = setup.prefill(3)
     setup.decode(seqs)
     assert setup.runner.captured_buckets == [4]
@@ -107,19 +109,19 @@ def test_eager_mode_runs_everything_eagerly(how, monkeypatch):
 
 
 def test_warmup_captures_every_bucket_largest_first_into_one_pool_and_writes_nothing(capsys):
-    setup = tiny_setup()
+    setup = tiny_setup()  # the default list for 16: 1..8, 10, 12, 14, 16
     before = [t.clone() for pair in setup.graph_cache for t in pair]
     setup.runner.warmup(setup.graph_cache)
-    assert setup.runner.captured_buckets == [16, 8, 4, 2, 1]
+    assert setup.runner.captured_buckets == [16, 14, 12, 10, 8, 7, 6, 5, 4, 3, 2, 1]
     pools = {id(setup.runner.graph(b).graph.pool()) for b in setup.runner.captured_buckets}
     assert len(pools) == 1
     after = [t for pair in setup.graph_cache for t in pair]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert "graphmode: capturing bucket 16 (1/5)" in capsys.readouterr().err
+    assert "graphmode: capturing bucket 16 (1/12)" in capsys.readouterr().err
     seqs = setup.prefill(5)
     graph, eager = setup.decode(seqs)
     torch.testing.assert_close(graph, eager)
-    assert setup.runner.stats.captures == 5 and setup.runner.stats.replays == 1
+    assert setup.runner.stats.captures == 12 and setup.runner.stats.replays == 1
 
 
 def test_reset_drops_graphs_and_capture_works_again():
@@ -285,7 +287,7 @@ class UnsortedSizes:
 
 
 def test_a_bucket_smaller_than_the_batch_is_refused_at_start_up():
-    with pytest.raises(graphmode.ConfigError, match=r"graphmode_compatible_size\(2\) returned 1; it must be a capture size >= 2 from \[1, 2, 4, 8, 16\]"):
+    with pytest.raises(graphmode.ConfigError, match=r"graphmode_compatible_size\(2\) returned 1; it must be a capture size >= 2 from \[1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16\]"):
         tiny_setup("shrinking", plugin=ShrinkingBuckets())
 
 
@@ -339,7 +341,7 @@ def test_capture_errors_without_advice_keep_their_type_and_say_where():
 
 def test_runner_repr_names_vendor_device_and_buckets():
     setup = tiny_setup()
-    assert repr(setup.runner) == "<GraphRunner cuda on cpu, graph mode, buckets [1, 2, 4, 8, 16], captured []>"
+    assert repr(setup.runner) == "<GraphRunner cuda on cpu, graph mode, buckets [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16], captured []>"
 
 
 def test_attn_metadata_replace_leaves_the_original():

@@ -162,7 +162,7 @@ def test_ascend_refuses_unknown_and_bad_options():
 
 
 def _filled(vendor: str, batch: int = 3):
-    setup = tiny_setup(vendor)
+    setup = tiny_setup(vendor, capture_batch_sizes=[1, 2, 4, 8, 16])  # batch 3 pads to 4
     step = setup.engine.decode(setup.prefill(batch))
     meta = setup.runner.graph_meta()
     bucket = setup.runner.bucket_of(batch)

@@ -3,15 +3,26 @@
 A vendor chooses its capture list; the bucket of a batch is then always the
 smallest captured size that holds it. Deriving the bucket from the list keeps
 one bucket list per vendor, used everywhere (graph keys, padding, ranks).
+
+Padding waste, the measure a list is judged by: a batch of n sequences run in
+bucket b computes b rows of which b - n are padding, a waste of (b - n) / b.
+The mean waste of a list over 1..max_batches is the mean of that share over
+every batch size n = 1..max_batches, each counted once (:func:`padding_waste`).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 __all__ = [
+    "GRADED_STEPS",
+    "PaddingWaste",
+    "graded_sizes",
     "next_power_of_2",
+    "padding_waste",
     "parse_sizes",
     "power_of_two_sizes",
     "smallest_bucket",
@@ -25,9 +36,40 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+# (up to this size, step): every size to 8, every 2nd to 16, every 4th to 64,
+# every 8th to 256 (vLLM's step there), every 16th beyond (vLLM's and SGLang's).
+GRADED_STEPS: tuple[tuple[int | None, int], ...] = ((8, 1), (16, 2), (64, 4), (256, 8), (None, 16))
+
+
+def graded_sizes(max_batches: int) -> list[int]:
+    """The default capture list: every size up to 8, then every 2 to 16,
+    every 4 to 64, every 8 to 256, every 16 beyond; capped at max_batches,
+    which is always the last size.
+
+    A step s starts only at sizes >= 4 s, so a batch wastes less than a fifth
+    of its bucket (worst: 15%, batch 17 in bucket 20), and the mean padding
+    waste over 1..m is at most 4.0% for every m up to 1024 (the peak is at
+    m = 36; 3.5% at 64, 2.7% at 256, 2.4% at 512). vLLM's list (1, 2, 4, then
+    every 8 to 256) wastes 12.5% at m = 8 and 11.0% at m = 64: too few small
+    buckets. The price is captures: 48 buckets up to 256, vLLM 35, powers of
+    two 9."""
+    if not isinstance(max_batches, int) or max_batches < 1:
+        raise ValueError(f"max_batches={max_batches!r}: must be a positive integer")
+    sizes: list[int] = []
+    size = 0
+    for limit, step in GRADED_STEPS:
+        while size + step <= min(limit or max_batches, max_batches):
+            size += step
+            sizes.append(size)
+    if sizes[-1] != max_batches:
+        sizes.append(max_batches)
+    return sizes
+
+
 def power_of_two_sizes(max_batches: int) -> list[int]:
-    """The generic capture list: powers of two up to min(256, max), then
-    steps of 256, then max itself."""
+    """lmdeploy's capture list (graphmode's default until 2026-11): powers of
+    two up to min(256, max), then steps of 256, then max itself. Mean padding
+    waste 24.1% over 1..256, worst 49.6%."""
     sizes = []
     size = 1
     while size <= min(256, max_batches):
@@ -63,6 +105,47 @@ def smallest_bucket(batch_size: int, capture_sizes: Sequence[int]) -> int | None
     """The smallest capture size >= batch_size, or None when none is."""
     index = bisect.bisect_left(capture_sizes, batch_size)
     return capture_sizes[index] if index < len(capture_sizes) else None
+
+
+@dataclass(frozen=True)
+class PaddingWaste:
+    """A capture list's padding over batch sizes 1..max_batches.
+
+    graphs: capture sizes that serve some batch in 1..max_batches.
+    mean: mean over n = 1..max_batches of (bucket(n) - n) / bucket(n).
+    worst: the largest such share, and worst_batch the n it occurs at.
+    """
+
+    max_batches: int
+    graphs: int
+    mean: float
+    worst: float
+    worst_batch: int
+
+
+def padding_waste(
+    capture_sizes: Sequence[int],
+    max_batches: int,
+    bucket_of: Callable[[int], int | None] | None = None,
+) -> PaddingWaste:
+    """The padding waste of ``capture_sizes`` over batch sizes 1..max_batches.
+
+    bucket_of: the bucket of a batch size; the smallest capture size that
+    holds it by default. A batch without a bucket is an error: it would run
+    eagerly, and no waste figure describes that."""
+    sizes = sorted(capture_sizes)
+    shares, used = [], set()
+    for batch in range(1, max_batches + 1):
+        bucket = bucket_of(batch) if bucket_of is not None else smallest_bucket(batch, sizes)
+        if bucket is None or bucket < batch:
+            raise ValueError(
+                f"batch size {batch} has bucket {bucket} in {sizes}: every batch in 1..{max_batches} "
+                "needs a capture size that holds it"
+            )
+        used.add(bucket)
+        shares.append((bucket - batch) / bucket)
+    worst = max(shares)
+    return PaddingWaste(max_batches, len(used), statistics.mean(shares), worst, shares.index(worst) + 1)
 
 
 def parse_sizes(text: str) -> list[int]:

@@ -14,10 +14,17 @@ import torch
 
 from graphmode.errors import ConfigError
 
-__all__ = ["EXECUTE_MODES", "ENV_EXECUTE_MODE", "RunnerConfig", "resolve_execute_mode"]
+__all__ = ["EXECUTE_MODES", "ENV_EXECUTE_MODE", "GRAPHED_COMPILE_MODES", "RunnerConfig", "resolve_execute_mode"]
 
 EXECUTE_MODES = ("graph", "eager")
 ENV_EXECUTE_MODE = "GRAPHMODE_EXECUTE_MODE"
+# torch.compile modes that leave graph capture to graphmode: "reduce-overhead"
+# and "max-autotune" record CUDA graphs of their own, which cannot nest in ours.
+GRAPHED_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# What compile=True passes to torch.compile unless compile_options says else:
+# one compilation with a symbolic batch serves every bucket (vLLM's choice);
+# dynamic=False would compile every bucket anew (SGLang, for small batches).
+DEFAULT_COMPILE_OPTIONS: dict[str, Any] = {"dynamic": True}
 
 
 def resolve_execute_mode(requested: str | None) -> str:
@@ -49,6 +56,12 @@ class RunnerConfig:
     num_layers: decoder layers of the model, for vendors that budget graph
         resources per layer; None when unknown.
     vendor_options: free-form settings for the vendor plugin.
+    compile: run the decode graphs over ``torch.compile(model)`` (Inductor
+        kernels captured inside graphmode's graphs); eager steps run the
+        model uncompiled. Only in graph mode, only for vendors declaring the
+        ``inductor_graphs`` capability, never on the CPU emulator.
+    compile_options: keyword arguments for ``torch.compile``, over
+        ``{"dynamic": True}``; ``mode`` must be one of GRAPHED_COMPILE_MODES.
     """
 
     max_batches: int
@@ -59,6 +72,8 @@ class RunnerConfig:
     capture_batch_sizes: tuple[int, ...] | None = None
     num_layers: int | None = None
     vendor_options: dict[str, Any] = field(default_factory=dict)
+    compile: bool = False
+    compile_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.device = _with_index(torch.device(self.device))
@@ -71,6 +86,34 @@ class RunnerConfig:
             self.capture_batch_sizes = _clean_capture_sizes(
                 self.capture_batch_sizes, self.max_batches
             )
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile={self.compile!r}: must be True or False")
+        self.compile_options = _clean_compile_options(self.compile, self.compile_options)
+
+    @property
+    def torch_compile_options(self) -> dict[str, Any]:
+        """The keyword arguments given to ``torch.compile`` when compile=True."""
+        return {**DEFAULT_COMPILE_OPTIONS, **self.compile_options}
+
+
+def _clean_compile_options(compile: bool, options: Any) -> dict[str, Any]:
+    """A dict of torch.compile arguments that leave capture to graphmode."""
+    if not isinstance(options, dict):
+        raise ConfigError(f"compile_options={options!r}: must be a dict of torch.compile arguments")
+    if options and not compile:
+        raise ConfigError(f"compile_options={options!r} given with compile=False; pass compile=True to use them")
+    mode = options.get("mode") or "default"
+    if mode not in GRAPHED_COMPILE_MODES:
+        raise ConfigError(
+            f"compile_options mode={mode!r} records CUDA graphs of its own, which cannot run inside "
+            f"graphmode's graphs; use one of {', '.join(GRAPHED_COMPILE_MODES)}"
+        )
+    if (options.get("options") or {}).get("triton.cudagraphs"):
+        raise ConfigError(
+            "compile_options options={'triton.cudagraphs': True} records CUDA graphs inside "
+            "graphmode's graphs; leave it False"
+        )
+    return dict(options)
 
 
 def _with_index(device: torch.device) -> torch.device:

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from graphmode import hookimpl
-from graphmode.buckets import power_of_two_sizes, smallest_bucket
+from graphmode.buckets import graded_sizes, smallest_bucket
 from graphmode.buffers import ROW_BUFFERS, TOKEN_BUFFERS, decode_rows, padding_rows, stage
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
@@ -47,6 +47,7 @@ def graphmode_vendor_info() -> VendorInfo:
         runtime_version=torch.version.cuda,
         detected=available,
         reason=reason,
+        capabilities=frozenset({"inductor_graphs"}),
     )
 
 
@@ -54,7 +55,7 @@ def graphmode_vendor_info() -> VendorInfo:
 def graphmode_capture_sizes(config: RunnerConfig) -> list[int]:
     if config.capture_batch_sizes is not None:
         return list(config.capture_batch_sizes)
-    return power_of_two_sizes(config.max_batches)
+    return graded_sizes(config.max_batches)
 
 
 @hookimpl

@@ -35,6 +35,8 @@ def build_graph_runner(
     vendor_options: dict[str, Any] | None = None,
     process_group: Any = None,
     check_ranks: str = "always",
+    compile: bool = False,
+    compile_options: dict[str, Any] | None = None,
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -58,6 +60,13 @@ def build_graph_runner(
         every rank runs the same batch before each graph step, so that a
         disagreement raises instead of hanging; "capture" checks only at
         start-up and before captures, for engines that guarantee agreement.
+    compile: capture ``torch.compile(model)`` (Inductor kernels) in the
+        graphs; eager steps run the model uncompiled. Refused for vendors
+        without the ``inductor_graphs`` capability and on the CPU emulator.
+        Compile time shows in ``runner.stats.compile_seconds``.
+    compile_options: arguments for ``torch.compile`` (default
+        ``dynamic=True``: one compilation serves every bucket); modes that
+        record their own CUDA graphs are refused.
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -73,5 +82,7 @@ def build_graph_runner(
         capture_batch_sizes=tuple(capture_batch_sizes) if capture_batch_sizes is not None else None,
         num_layers=num_layers,
         vendor_options=dict(vendor_options or {}),
+        compile=compile,
+        compile_options=dict(compile_options or {}),
     )
     return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)

@@ -3,7 +3,8 @@
 Per batch size and mode: the median wall time of a decode step, each step
 with new inputs, the device synchronised before and after (warm-up, capture
 and compilation excluded). Also: graphmode's host-side cost per step, the time
-and device memory to capture every bucket, and each vendor's padding waste.
+and device memory to capture every bucket, compile times, and each vendor's
+padding waste.
 Prints a table, and writes a JSON file and a plot when asked.
 """
 
@@ -23,13 +24,13 @@ import graphmode
 from graphmode.bench.floor import bandwidth, step_bytes
 from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
 from graphmode.bench.workload import Workload
-from graphmode.buckets import parse_sizes
+from graphmode.buckets import padding_waste, parse_sizes
 from graphmode.config import RunnerConfig
 from graphmode.kernels import ATTENTION_CHOICES
 from graphmode.model import ModelConfig
 from graphmode.plugins import installed_vendor_names, load_vendor
 
-DEFAULT_BATCHES = "1,2,3,4,8,16,24,32,64,100,128,256"
+DEFAULT_BATCHES = "1,2,3,4,8,16,24,32,64,100,128,200,256"
 MODES = ("eager", "graphmode", "hand", "hand-exact", "compile", "graphmode-compile")
 
 
@@ -76,7 +77,7 @@ def host_cost(runner: graphmode.GraphRunner, steps: list, device: torch.device) 
     bucket = runner.bucket_of(batch)
     captured = runner.graph(bucket) if bucket is not None else None
     if captured is None:
-        raise RuntimeError(f"batch {batch} has no captured graph to time (bucket {bucket})")
+        raise ValueError(f"batch {batch} has no captured graph to time (bucket {bucket})")
     graph = captured.graph
     calls, launches = [], []
     for step in steps:
@@ -116,19 +117,21 @@ def capture_cost(workload: Workload, buckets: list[int] | None) -> dict[str, flo
     return result
 
 
-def padding_waste(max_batches: int) -> dict[str, dict[str, Any]]:
-    """Share of computed rows that are padding, over batch sizes 1..max."""
+def vendor_padding_waste(max_batches: int) -> dict[str, dict[str, Any]]:
+    """Each installed vendor's default capture list and its padding waste
+    over batch sizes 1..max (see graphmode.buckets.padding_waste)."""
     waste = {}
     for name in installed_vendor_names():
         vendor = load_vendor(name)
         config = RunnerConfig(max_batches, 1, 16, torch.device("cpu"), num_layers=None)
         vendor.hook.graphmode_check_config(config=config)
         sizes = tuple(vendor.hook.graphmode_capture_sizes(config=config))
-        shares = []
-        for batch in range(1, max_batches + 1):
-            bucket = vendor.hook.graphmode_compatible_size(batch_size=batch, capture_sizes=sizes)
-            shares.append((bucket - batch) / bucket)
-        waste[name] = {"graphs": len(sizes), "mean": statistics.mean(shares), "worst": max(shares)}
+
+        def bucket_of(batch: int, hook: Any = vendor.hook, sizes: tuple[int, ...] = sizes) -> int | None:
+            return hook.graphmode_compatible_size(batch_size=batch, capture_sizes=sizes)
+
+        result = padding_waste(sizes, max_batches, bucket_of)
+        waste[name] = {"graphs": result.graphs, "mean": result.mean, "worst": result.worst}
     return waste
 
 
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "machine": machine(device), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
         "model": config_name, "batches": batches, "attention": attention, "latency_ms": {}, "prepare_s": {},
-        "host": {}, "floor": None,
+        "host": {}, "floor": None, "compile_s": {},
     }
     print(f"graphmode bench on {results['machine']['device']}, torch {torch.__version__}, model {config_name} "
           f"({config.num_hidden_layers} layers, {str(config.dtype).replace('torch.', '')}), attention {attention}",
@@ -207,14 +210,20 @@ def run(args: argparse.Namespace) -> int:
                 continue
             results["latency_ms"][mode.name][batch] = latency * 1e3
             results["prepare_s"][mode.name][batch] = prepare
+            if isinstance(mode, Compiled):
+                results["compile_s"][mode.name] = results["compile_s"].get(mode.name, 0.0) + prepare
             if first_runner is not None and mode is first_runner:
                 results["host"][batch] = host_cost(first_runner.runner, steps[args.warmup:], device)
             against = f" ({latency * 1e3 / results['floor']['ms'][batch]:.1f}x the HBM floor)" if results["floor"] else ""
             print(f"{mode.name:36s} batch {batch:4d}: {latency * 1e3:8.3f} ms{against}", flush=True)
+        if isinstance(mode, GraphmodeOverCompiled):
+            results["compile_s"][mode.name] = mode.runner.stats.compile_seconds
+        if mode.name in results["compile_s"]:
+            print(f"{mode.name}: compile {results['compile_s'][mode.name]:.1f} s", flush=True)
         if isinstance(mode, (GraphmodeRunner, HandWrittenGraph)):
             del mode  # release graphs before the next mode captures
         _release(device)
-    results["padding_waste"] = padding_waste(256)
+    results["padding_waste"] = vendor_padding_waste(256)
     print_table(results)
     if args.json:
         with open(args.json, "w") as out:
@@ -304,7 +313,11 @@ def print_costs(results: dict[str, Any]) -> None:
         print(f"\ncapture: {every['buckets']} buckets in {every['seconds']:.2f} s, graph memory "
               f"{every['graph_memory_bytes'] / 2**20:.0f} MiB; largest alone {alone['graph_memory_bytes'] / 2**20:.0f} MiB "
               f"in {alone['seconds']:.2f} s; ratio {ratio:.2f}")
-    print("\npadding waste over batch sizes 1..256 (padded rows / computed rows)")
+    if results.get("compile_s"):
+        print("\ncompile time (s, outside the timed steps)")
+        for mode, seconds in results["compile_s"].items():
+            print(f"  {mode:36s} {seconds:7.1f}")
+    print("\npadding waste over batch sizes 1..256: mean over n of (bucket(n) - n) / bucket(n)")
     for vendor, waste in results["padding_waste"].items():
         print(f"  {vendor:8s} {waste['graphs']:3d} graphs: mean {waste['mean']:.1%}, worst {waste['worst']:.1%}")
 

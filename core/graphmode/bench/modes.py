@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import graphmode
-from graphmode.buckets import power_of_two_sizes
+from graphmode.buckets import graded_sizes
 from graphmode.context import AttnMetadata, StepInputs
 
 __all__ = ["Compiled", "Eager", "GraphmodeOverCompiled", "GraphmodeRunner", "HandWrittenGraph"]
@@ -40,13 +40,14 @@ class Eager:
 
 
 class GraphmodeRunner:
-    """graphmode's runner with a vendor's plugin."""
+    """graphmode's runner with a vendor's plugin; ``options`` go to
+    :func:`graphmode.build_graph_runner`."""
 
-    def __init__(self, model: Any, workload: Any, vendor: str) -> None:
+    def __init__(self, model: Any, workload: Any, vendor: str, **options: Any) -> None:
         self.name = f"graphmode[{vendor}]"
         self.runner = graphmode.build_graph_runner(
             model, max_batches=workload.max_batches, num_blocks=workload.width,
-            block_size=workload.block_size, device=workload.device, vendor=vendor,
+            block_size=workload.block_size, device=workload.device, vendor=vendor, **options,
         )
 
     def prepare(self, batch: int) -> float:
@@ -58,18 +59,19 @@ class GraphmodeRunner:
 
 class GraphmodeOverCompiled(GraphmodeRunner):
     """graphmode's graphs around ``torch.compile`` (Inductor kernels, no CUDA
-    graphs of its own), compiled once for every batch size: how serving
-    engines combine the two."""
+    graphs of its own): ``build_graph_runner(..., compile=True)``, compiled
+    once with a symbolic batch for every bucket (its compile time is in
+    ``runner.stats.compile_seconds``): how serving engines combine the two."""
 
     def __init__(self, model: Any, workload: Any, vendor: str) -> None:
-        super().__init__(torch.compile(model, dynamic=True), workload, vendor)
+        super().__init__(model, workload, vendor, compile=True)
         self.name = f"graphmode[{vendor}] over torch.compile"
 
 
 class HandWrittenGraph:
     """What a careful engineer writes by hand for one model: static inputs,
-    one ``torch.cuda.CUDAGraph`` per bucket in a shared pool, and direct
-    copies into the static inputs before each replay. With ``exact=True`` it
+    one ``torch.cuda.CUDAGraph`` per bucket (graphmode's default buckets) in a
+    shared pool, and direct copies into the static inputs before each replay. With ``exact=True`` it
     captures a graph at every batch size measured: no padding at all."""
 
     def __init__(self, model: Any, workload: Any, exact: bool = False) -> None:
@@ -84,7 +86,7 @@ class HandWrittenGraph:
         self.q_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.kv_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
-        self.sizes = power_of_two_sizes(rows)
+        self.sizes = graded_sizes(rows)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 

@@ -47,12 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "latency_ms": {}}
 
     def measure(label: str, workload: Workload, process_group: Any) -> None:
-        modes = {"eager": Eager(workload.model), "graph": GraphmodeRunner(workload.model, workload, vendor.name)}
-        if process_group is not None:
-            modes["graph"].runner = graphmode.build_graph_runner(
-                workload.model, max_batches=workload.max_batches, num_blocks=workload.width,
-                block_size=workload.block_size, device=device, vendor=vendor.name, process_group=process_group,
-            )
+        modes: dict[str, Any] = {
+            "eager": Eager(workload.model),
+            "graph": GraphmodeRunner(workload.model, workload, vendor.name, process_group=process_group),
+        }
         for name, mode in modes.items():
             key = f"{label} {name}"
             results["latency_ms"][key] = {}

@@ -11,6 +11,8 @@ import torch
 __all__ = ["CAPABILITIES", "VendorInfo", "probe_runtime"]
 
 CAPABILITIES = {
+    "inductor_graphs": "Inductor's kernels (torch.compile) run inside the vendor's graphs on "
+    "its device types: build_graph_runner(compile=True) is supported",
     "host_kv_lengths": "the attention kernel takes kv lengths as host values, which a "
     "graph freezes: the vendor must push them into the graph before every replay",
     "positive_max_len_limits": "the attention kernel reads only max_kv_seq_len tokens "
@@ -32,7 +34,8 @@ class VendorInfo:
     detected: whether the vendor's own hardware and runtime are present here.
     reason: why it was or was not detected, in words.
     capabilities: what the vendor's kernels do that tests must know, from
-        ``CAPABILITIES``; the conformance suite gates on these, never on names.
+        ``CAPABILITIES``; the conformance suite and the runner gate on these,
+        never on names.
     """
 
     name: str

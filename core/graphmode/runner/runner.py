@@ -5,6 +5,11 @@ outside any graph (that result is returned) and captures the same forward;
 every later step of the bucket fills the buffers and replays. Everything that
 is not a decode step runs eagerly and returns the same results.
 
+With ``compile=True`` the graphs hold ``torch.compile(model)``: the warm-up
+forward of a capture compiles (Dynamo traces, Inductor generates kernels and
+autotunes, outside any graph), and the capture records the compiled kernels.
+Eager steps run the model uncompiled.
+
 What it deliberately does not do: it never reads device values on the host
 (no synchronisation per step), never captures prefill, and never copies the
 output: a replay result is a view of the graph's output, valid until the next
@@ -17,6 +22,7 @@ import contextlib
 import dataclasses
 import gc
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +81,9 @@ class GraphRunner:
         self._graphs: dict[int, CapturedGraph] = {}
         self._pool: Any = None
         self.stats = RunnerStats()
+        # What warm-ups and captures run: the model, or its compiled forward.
+        self._compiled = config.compile and config.execute_mode == "graph"
+        self._forward = self._compile_model() if self._compiled else model
         update = self._hook.graphmode_update_graph_params
         self._update_params = update if update.get_hookimpls() else None
 
@@ -98,6 +107,40 @@ class GraphRunner:
                 f"{problem}; fix the plugin (or pass capture_batch_sizes explicitly)"
             )
         return tuple(sizes)
+
+    def _compile_model(self) -> Any:
+        """``torch.compile(model)`` for the graphs, where its kernels can be
+        captured; refused, naming the reason, where they cannot."""
+        name = self.vendor.name
+        if "inductor_graphs" not in self.vendor.info.capabilities:
+            raise ConfigError(
+                f"compile=True: vendor {name!r} does not declare that Inductor's kernels run inside its "
+                "graphs (VendorInfo capability 'inductor_graphs'); build the runner with compile=False "
+                "(and compile the model with the vendor's own compiler, if it has one)"
+            )
+        if self.config.device.type == "cpu":
+            # Seen with torch 2.13: under the emulator's capture modes the
+            # compiled function runs its original Python, so the capture holds
+            # the uncompiled aten operators; and Inductor's CPU kernels are
+            # C++ calls the dispatcher (where the emulator records) never sees.
+            raise ConfigError(
+                "compile=True on the CPU graph emulator: the emulator records operators at PyTorch's "
+                "dispatcher, where Inductor's kernels never pass (with its capture modes active, "
+                "torch.compile runs the model's uncompiled code instead), so an emulated graph cannot "
+                "hold compiled kernels. Use compile=True on a GPU, and compile=False on cpu"
+            )
+        options = self.config.torch_compile_options
+        config = torch._dynamo.config
+        limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        limit = getattr(config, limit_name)
+        if options.get("dynamic") is False and len(self.capture_sizes) > limit:
+            raise ConfigError(
+                f"compile_options dynamic=False compiles each of the {len(self.capture_sizes)} buckets "
+                f"anew, above torch._dynamo.config.{limit_name}={limit}: Dynamo would run the "
+                f"buckets past the limit uncompiled. Raise the limit to >= {len(self.capture_sizes)}, "
+                "pass fewer capture_batch_sizes, or leave dynamic=True"
+            )
+        return torch.compile(self.model, **options)
 
     def _bucket_table(self) -> list[int | None]:
         """bucket_of[batch] for every batch size, asked once and checked."""
@@ -144,6 +187,7 @@ class GraphRunner:
             self.stats.eager_steps[reason] += 1
             return self.model(**inputs.as_kwargs())
         bucket = self._bucket_of[batch]
+        assert bucket is not None  # _eager_reason said "no_bucket" otherwise
         captured = self._graphs.get(bucket)
         if captured is None:
             return self._capture(inputs, batch, bucket)
@@ -181,14 +225,18 @@ class GraphRunner:
         hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
         static = hook.graphmode_update_context(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
         # The warm-up runs the real step outside any graph: its result is this
-        # step's answer, and it leaves lazy initialisation out of the graph.
-        warm_output = self.model(**static.as_kwargs())
+        # step's answer, and it leaves lazy initialisation (and compilation)
+        # out of the graph.
+        started = time.perf_counter()
+        warm_output = self._forward(**static.as_kwargs())
+        if self._compiled:
+            self.stats.compile_seconds += time.perf_counter() - started
         graph = hook.graphmode_make_graph(meta=meta)
         if self._ranks is not None:
             self._ranks.barrier()
         try:
             with graph.capture(pool=self._pool):
-                meta.output_buffers["output"] = self.model(**static.as_kwargs())
+                meta.output_buffers["output"] = self._forward(**static.as_kwargs())
         except Exception as error:
             advice = hook.graphmode_capture_error(error=error, meta=meta, bucket=bucket)
             if advice is not None:
@@ -271,12 +319,13 @@ class GraphRunner:
     def reset(self) -> None:
         """Drop every graph, their captured parameters and the memory pool.
         The next decode step of each bucket captures again (after a weight
-        reload, say)."""
+        reload, say). A compiled forward is kept: it reads the weights as
+        inputs, so weights changed in place need no recompilation."""
         for captured in self._graphs.values():
             captured.graph.reset()
         self._graphs.clear()
         self._pool = None
-        module = getattr(torch, self.config.device.type, None)
+        module: Any = getattr(torch, self.config.device.type, None)
         if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
             module.empty_cache()
 
@@ -302,8 +351,9 @@ class GraphRunner:
         return self._graphs.get(bucket)
 
     def __repr__(self) -> str:
+        compiled = ", compiled" if self._compiled else ""
         return (
-            f"<GraphRunner {self.vendor.name} on {self.config.device}, {self.config.execute_mode} mode, "
+            f"<GraphRunner {self.vendor.name} on {self.config.device}, {self.config.execute_mode} mode{compiled}, "
             f"buckets {list(self.capture_sizes)}, captured {self.captured_buckets}>"
         )
 
@@ -349,7 +399,7 @@ def _model_attr(model: Any, name: str) -> Any:
 
 
 def _free_memory(device: torch.device) -> str:
-    module = getattr(torch, device.type, None)
+    module: Any = getattr(torch, device.type, None)
     if device.type == "cpu" or not hasattr(module, "mem_get_info"):
         return "emulated graphs (host memory)"
     free, _ = module.mem_get_info(device)

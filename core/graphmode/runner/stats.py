@@ -19,13 +19,18 @@ EAGER_REASONS = {
 class RunnerStats:
     """captures: graphs captured. replays: steps served by replaying a graph.
     eager_steps: steps run eagerly, by reason (see ``EAGER_REASONS``).
-    real_tokens / padded_tokens: live and padding tokens of graph steps."""
+    real_tokens / padded_tokens: live and padding tokens of graph steps.
+    compile_seconds: with compile=True, host seconds spent in the compiled
+        forward's warm-up calls before captures: Dynamo tracing, Inductor
+        compilation and autotuning (on the first call of each shape it
+        compiles for), plus the launch of each warm-up step."""
 
     captures: int = 0
     replays: int = 0
     eager_steps: Counter = field(default_factory=Counter)
     real_tokens: int = 0
     padded_tokens: int = 0
+    compile_seconds: float = 0.0
 
     @property
     def padding_fraction(self) -> float:
@@ -35,8 +40,9 @@ class RunnerStats:
 
     def summary(self) -> str:
         eager = ", ".join(f"{n} {reason}" for reason, n in sorted(self.eager_steps.items())) or "none"
+        compiled = f"; compile {self.compile_seconds:.1f} s" if self.compile_seconds else ""
         return (
             f"{self.captures} captures, {self.replays} replays, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
-            f"({self.padding_fraction:.1%})"
+            f"({self.padding_fraction:.1%}){compiled}"
         )
