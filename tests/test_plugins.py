@@ -154,3 +154,19 @@ def test_a_plugin_object_can_be_loaded_without_an_entry_point():
 def test_installed_package_registers_its_vendors_through_entry_points():
     names = installed_vendor_names()
     assert {"ascend", "camb", "maca", "ppu"} <= set(names)
+
+
+def test_vendors_command_lists_a_plugin_that_raises_with_its_error(installed, capsys):
+    from graphmode.cli.vendors import add_arguments, run
+
+    installed(refuses_config="refuses_config", absent="absent")
+    parser = __import__("argparse").ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args([])) == 0
+    out = capsys.readouterr().out
+    assert "error: ConfigError: block_size=16: this vendor takes blocks of 128 tokens" in out
+    assert "Traceback" not in out
+    assert out.count("capture list for max_batches=256") == 2  # cuda and absent: listing went on
+    assert out.rstrip().splitlines()[-1] == (
+        "chosen here: cuda (no other vendor's hardware is detected, so the built-in default answers)"
+    )

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from graphmode.errors import GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, installed_vendor_names, select_vendor
+from graphmode_conformance.plugin import describe, resolve_target
 
 SUITE = Path(__file__).with_name("test_conformance.py")
 
@@ -29,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--xfails", help="file of test ids expected to fail (# comments)")
     parser.add_argument("--report", help="write a JSON report (one record per test) here")
     parser.add_argument("-k", dest="keyword", help="only tests matching this pytest expression")
-    parser.add_argument("--plugin", help=argparse.SUPPRESS)  # module:object on top of the vendor (suite self-tests)
+    parser.add_argument("--plugin", metavar="MODULE:OBJECT",
+                        help="test this plugin object (a plugin in development, not installed) instead of an entry point")
     parser.add_argument("pytest_args", nargs="*", help="further pytest arguments, after --")
 
 
@@ -46,8 +49,24 @@ def targets(vendor: str | None, device: str | None, plugin: str | None = None) -
 
 
 def run(args: argparse.Namespace) -> int:
+    # Resolve every target here, once: a mistaken vendor or device is one
+    # clear line, not the same error from every test of a pytest process.
+    try:
+        plan = targets(args.vendor, args.device, args.plugin)
+        resolved = [resolve_target(vendor, device, args.plugin) for vendor, device in plan]
+    except GraphModeError as error:
+        print(f"graphmode conformance: {error}", file=sys.stderr)
+        return 2
     runs = []
-    for vendor, device in targets(args.vendor, args.device, args.plugin):
+    for index, ((vendor, device), target) in enumerate(zip(plan, resolved, strict=True), start=1):
+        print(f"== vendor {index}/{len(plan)}: {target.vendor.name} on {target.device} ==", flush=True)
+        for line in describe(target):
+            print(f"   {line}", flush=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if target.device.type == "cpu":
+            # The suite's model is tiny: a second thread per process only adds
+            # contention (eight times slower on a loaded 2-core machine).
+            env.setdefault("OMP_NUM_THREADS", "1")
         with tempfile.TemporaryDirectory() as scratch:
             report = Path(scratch) / "report.json"
             command = [
@@ -66,9 +85,8 @@ def run(args: argparse.Namespace) -> int:
             if args.keyword:
                 command += ["-k", args.keyword]
             command += args.pytest_args
-            print(f"== graphmode conformance: {vendor or args.plugin} on {device or 'its device'} ==", flush=True)
             started = time.perf_counter()
-            status = subprocess.call(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            status = subprocess.call(command, env=env)
             elapsed = time.perf_counter() - started
             data = json.loads(report.read_text()) if report.exists() else {"records": [], "device": device}
         data.update(vendor=data.get("vendor") or vendor, exit_status=status, seconds=round(elapsed, 1))

@@ -28,6 +28,7 @@ import torch
 
 import graphmode
 from graphmode.plugins import load_vendor, select_vendor
+from graphmode_conformance.harness import Sizes
 
 ENV_PREFIXES = ("GRAPHMODE_", "ASCEND_", "CUDA_VISIBLE", "MLU_VISIBLE", "TORCH_NPU", "NCCL_")
 
@@ -165,10 +166,18 @@ def describe(target: Target) -> list[str]:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    sizes = Sizes()
+    try:
+        config = graphmode.RunnerConfig(sizes.max_batches, sizes.table_width, sizes.block_size, device)
+        target.vendor.hook.graphmode_check_config(config=config)
+        capture = f"{target.vendor.hook.graphmode_capture_sizes(config=config)}"
+    except Exception as error:  # the header reports; the tests diagnose
+        capture = f"not available ({type(error).__name__}: {error})".splitlines()[0]
     return [
         f"vendor {target.vendor.name} (plugin {target.vendor.version}), runtime {info.runtime} "
         f"{info.runtime_version or 'not installed'}, capabilities {sorted(info.capabilities) or 'none'}",
         f"device {device} ({device_name}); torch {torch.__version__}; graphmode {version}",
+        f"capture list at the suite's max_batches={sizes.max_batches}: {capture}",
         f"environment: {env or 'no graphmode-related variables set'}",
     ]
 

@@ -4,11 +4,13 @@ runtime version, and its capture list for a given maximum batch."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from graphmode.config import RunnerConfig
-from graphmode.plugins import vendor_statuses
+from graphmode.errors import GraphModeError
+from graphmode.plugins import BUILTIN_VENDOR, ENV_VENDOR, Vendor, select_vendor, vendor_statuses
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,20 +23,43 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {status}")
         if vendor is None:
             continue
-        info = vendor.info
-        devices = ", ".join(
-            f"{t}: {'yes' if ok else 'no'} ({why})"
-            for t in (*info.device_types, "cpu")
-            for ok, why in [info.runs_on(torch.device(t)) if _known(t) else (False, f"torch has no {t} device")]
-        )
-        print(f"  graphs on: {devices}")
-        config = RunnerConfig(args.max_batches, 1, 16, torch.device("cpu"), num_layers=None)
-        vendor.hook.graphmode_check_config(config=config)
-        sizes = vendor.hook.graphmode_capture_sizes(config=config)
-        print(f"  capture list for max_batches={args.max_batches}: {len(sizes)} graphs {sizes}")
-        if info.capabilities:
-            print(f"  capabilities: {', '.join(sorted(info.capabilities))}")
+        try:
+            _describe(vendor, args.max_batches)
+        except Exception as error:  # one broken plugin must not hide the others
+            print(f"  error: {type(error).__name__}: {error}".splitlines()[0])
+    print(_choice())
     return 0
+
+
+def _choice() -> str:
+    """Which vendor graphmode would take here with no vendor= and why."""
+    try:
+        chosen = select_vendor()
+    except GraphModeError as error:
+        return f"chosen here: none ({error})".splitlines()[0]
+    if os.environ.get(ENV_VENDOR):
+        why = f"${ENV_VENDOR}={os.environ[ENV_VENDOR]}"
+    elif chosen.name != BUILTIN_VENDOR:
+        why = f"the only vendor whose hardware is detected: {chosen.info.reason}"
+    else:
+        why = "no other vendor's hardware is detected, so the built-in default answers"
+    return f"chosen here: {chosen.name} ({why})"
+
+
+def _describe(vendor: Vendor, max_batches: int) -> None:
+    info = vendor.info
+    devices = ", ".join(
+        f"{t}: {'yes' if ok else 'no'} ({why})"
+        for t in (*info.device_types, "cpu")
+        for ok, why in [info.runs_on(torch.device(t)) if _known(t) else (False, f"torch has no {t} device")]
+    )
+    print(f"  graphs on: {devices}")
+    if info.capabilities:
+        print(f"  capabilities: {', '.join(sorted(info.capabilities))}")
+    config = RunnerConfig(max_batches, 1, 16, torch.device("cpu"), num_layers=None)
+    vendor.hook.graphmode_check_config(config=config)
+    sizes = vendor.hook.graphmode_capture_sizes(config=config)
+    print(f"  capture list for max_batches={max_batches}: {len(sizes)} graphs {sizes}")
 
 
 def _known(device_type: str) -> bool:
