@@ -23,6 +23,7 @@ DIAGNOSES = {
     "bucket_below_batch": "graphmode_compatible_size(3) returned 2; it must be a capture size >= 3",
     "captured_at_batch_size": "has 3 rows for a batch of 3 in bucket 4; graphs must be captured at their bucket's size",
     "unsliced_outputs": "Likely cause: outputs not cut to the live tokens",
+    "minus_one_max_len": "max_kv_seq_len=-1: PPU's FlashAttention varlen kernel needs a positive upper bound",
 }
 
 
