@@ -23,6 +23,7 @@ DIAGNOSES = {
     "bucket_below_batch": "graphmode_compatible_size(9) returned 8; it must be a capture size >= 9",
     "captured_at_batch_size": "has 9 rows for a batch of 9 in bucket 10; graphs must be captured at their bucket's size",
     "unsliced_outputs": "Likely cause: outputs not cut to the live tokens",
+    "minus_one_max_len": "max_kv_seq_len=-1: PPU's FlashAttention varlen kernel needs a positive upper bound",
 }
 
 

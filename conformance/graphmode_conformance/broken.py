@@ -14,6 +14,7 @@ from typing import Any
 import graphmode.default as cuda
 import graphmode_ascend.plugin as ascend
 import graphmode_camb.plugin as camb
+import graphmode_ppu.plugin as ppu
 from graphmode import hookimpl
 from graphmode.buckets import smallest_bucket
 from graphmode.buffers import decode_rows, stage
@@ -94,6 +95,15 @@ def _unsliced_outputs(meta, batch_size, num_tokens):
     return meta.output_buffers["output"]
 
 
+# 9. A -1 ("derive it") max length given to a kernel without that rule: PPU's
+#    FlashAttention varlen kernel returns zeros for max_seqlen_k <= 0.
+@hookimpl(wrapper=True)
+def _minus_one_max_len(meta, inputs, batch_size, bucket):
+    static = yield
+    static.attn_metadata.max_kv_seq_len = -1
+    return static
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -103,6 +113,7 @@ BROKEN = {
     "bucket_below_batch": variant(cuda, "bucket_below_batch", graphmode_compatible_size=_bucket_below_batch),
     "captured_at_batch_size": variant(cuda, "captured_at_batch_size", graphmode_update_context=_capture_at_batch_size),
     "unsliced_outputs": variant(cuda, "unsliced_outputs", graphmode_get_outputs=_unsliced_outputs),
+    "minus_one_max_len": variant(ppu, "minus_one_max_len", graphmode_update_context=_minus_one_max_len),
 }
 
 # The correct plugins the broken ones vary, loaded the same way.

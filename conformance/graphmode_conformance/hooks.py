@@ -156,9 +156,11 @@ class HookContractTests(ConformanceFixtures):
                     f"{bucket}; graphs must be captured at their bucket's size"
                 )
         assert attn.is_decoding
-        if attn.max_kv_seq_len > 0:
+        capacity = attn.block_offsets.shape[1] * meta.block_size
+        if 0 < attn.max_kv_seq_len < capacity:
             raise ConformanceFailure(
                 f"[step context] vendor {vendor.name}: the graph context has max_kv_seq_len="
                 f"{attn.max_kv_seq_len}. A graph freezes host values, so every replay would use the "
-                "capture step's max length; graph contexts must pass -1 (derive it on the device)"
+                "capture step's max length; graph contexts must pass -1 where the kernel derives it on "
+                f"the device, or a bound valid at every replay: the block table's capacity, {capacity}"
             )

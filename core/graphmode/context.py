@@ -33,9 +33,12 @@ class AttnMetadata:
     kv_seqlens: (batch,) tokens in the cache per sequence, this step's included.
     kv_start_indices: (T,) the cache slot (``block * block_size + offset``)
         each new token's key and value are written to; -1 writes nothing.
-    max_q_seq_len, max_kv_seq_len: host maxima of the lengths. A graph freezes
-        host values, so in graph mode graphmode sets them to -1, meaning
-        "derive on the device from the length tensors".
+    max_q_seq_len, max_kv_seq_len: host maxima of the lengths (or upper
+        bounds of them). A graph freezes host values, so graph contexts pass
+        values that hold at every replay: -1 ("derive on the device from the
+        length tensors") where the vendor's kernel has that rule (CUDA
+        default, Camb), an upper bound where it needs one (PPU: the block
+        table's capacity).
     kv_seqlens_cpu: optional host copy of ``kv_seqlens`` for kernels that take
         lengths as host values (Ascend). Engines know the lengths on the host;
         passing them avoids a device-to-host copy per step.

@@ -3,27 +3,40 @@
     graphmode conformance [--vendor NAME] [--device DEV] [--xfails FILE] [--report FILE.json] [-k EXPR]
     graphmode vendors [--max-batches N]
     graphmode bench [--device cuda] [--json FILE] [--plot FILE.png] ...
+
+Every command needs torch, which is imported here first, inside ``main``: when
+it fails (an auto-loaded device backend missing its libraries), the command
+prints advice and exits 1 instead of a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from types import ModuleType
+
+from graphmode.cli.advice import torch_import_failure
 
 
 def main(argv: list[str] | None = None) -> int:
+    failure = torch_import_failure()
+    if failure is not None:
+        print(failure, file=sys.stderr)
+        return 1
     parser = argparse.ArgumentParser(prog="graphmode", description="graph mode for LLM decode steps")
     commands = parser.add_subparsers(dest="command", required=True)
 
     conformance_parser = commands.add_parser("conformance", help="prove a vendor's graphs equal eager")
+    conformance: ModuleType | None
     try:
-        from graphmode_conformance import cli as conformance
+        from graphmode_conformance import cli as conformance_cli
     except ModuleNotFoundError as error:
         if error.name != "pytest":
             raise
         conformance = None
         conformance_parser.add_argument("arguments", nargs=argparse.REMAINDER)
     else:
+        conformance = conformance_cli
         conformance.add_arguments(conformance_parser)
 
     from graphmode.cli import vendors

@@ -4,7 +4,9 @@ A recording is a list of steps. Each operator record knows how it replays:
 
 - views (and ops whose result shares its input's memory) are skipped: their
   result keeps aliasing the same fixed memory, as on a device;
-- operators that write into their arguments run again as recorded;
+- operators that write into their arguments run again as recorded, and so do
+  operators that return nothing (``torch._assert_async``): they exist for a
+  side effect, which a device graph repeats at every replay;
 - other operators write their result into the tensors the capture returned,
   through their ``out=`` overload when there is one, else by a copy.
 
@@ -97,7 +99,7 @@ class OpRecord:
         func, args, kwargs = self.func, self.args, self.kwargs
         if changes_metadata_only(func):
             return None
-        if is_mutating(func):
+        if is_mutating(func) or not func._schema.returns:
             return _bind(func, args, kwargs)
         outputs = _tensors(self.outputs)
         if not outputs:
@@ -132,9 +134,10 @@ def _copy_back(func: Any, args: tuple, kwargs: dict, outputs: Any) -> Callable[[
         collective = call
         call = lambda *a, **k: wait(collective(*a, **k))  # noqa: E731
     if isinstance(outputs, torch.Tensor):
+        target = outputs
 
         def copy_one() -> None:
-            outputs.copy_(call(*args, **kwargs))
+            target.copy_(call(*args, **kwargs))
 
         return copy_one
     targets = list(outputs)
