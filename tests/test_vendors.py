@@ -1,5 +1,5 @@
-"""Vendor plugins: the Ascend update-path switch, stream budget, error advice
-and configuration refusals; each vendor's buffers and graph contexts; and
+"""Vendor plugins: the Ascend update-path switch, error advice and
+configuration refusals (more in test_ascend_runtime.py); each vendor's buffers and graph contexts; and
 upstream weaknesses done right."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from setups import tiny_setup
 import graphmode
 from graphmode import CaptureError, ConfigError, RunnerConfig
 from graphmode.buckets import three_stage_sizes
-from graphmode_ascend.budget import capture_advice, trim_to_stream_budget
+from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import AscendGraph, resolve_update_path, uses_graph_update
 
 # -- Ascend: which update path -------------------------------------------------
@@ -63,41 +63,10 @@ def test_each_update_path_pushes_new_lengths_into_the_graph(path, monkeypatch):
     if path == "graph_update":
         assert captured.npu_graph.num_updatable == setup.model.config.num_hidden_layers
     else:
-        assert len(captured._task_groups.tasks) == setup.model.config.num_hidden_layers
+        assert len(captured._capture.tasks) == setup.model.config.num_hidden_layers
 
 
-# -- Ascend: the stream budget -------------------------------------------------
-
-
-def test_budget_keeps_the_list_when_it_fits():
-    sizes = three_stage_sizes(256)
-    assert trim_to_stream_budget(sizes, num_layers=24, budget=1800) == sizes  # 20 graphs x 25 streams = 500
-
-
-def test_budget_trims_to_an_evenly_spaced_subset_keeping_smallest_and_largest():
-    sizes = three_stage_sizes(256)  # 20 sizes
-    trimmed = trim_to_stream_budget(sizes, num_layers=99, budget=800)  # room for 8 graphs
-    assert len(trimmed) == 8 and trimmed[0] == 1 and trimmed[-1] == 256
-    assert trimmed == sorted(set(trimmed)) and set(trimmed) <= set(sizes)
-    assert trimmed == [1, 8, 32, 80, 128, 176, 208, 256]
-
-
-def test_budget_counts_communication_groups_and_keeps_at_least_two_graphs():
-    sizes = three_stage_sizes(256)
-    assert len(trim_to_stream_budget(sizes, num_layers=24, budget=1800, comm_groups=2)) == 20  # 1800 // 75 = 24
-    assert len(trim_to_stream_budget(sizes, num_layers=24, budget=1800, comm_groups=3)) == 18
-    assert trim_to_stream_budget(sizes, num_layers=200, budget=100) == [1, 256]
-
-
-def test_budget_without_a_layer_count_trims_nothing():
-    sizes = three_stage_sizes(64)
-    assert trim_to_stream_budget(sizes, num_layers=None, budget=10) == sizes
-
-
-def test_ascend_runner_uses_the_trimmed_three_stage_list():
-    setup = tiny_setup("ascend", max_batches=64, vendor_options={"stream_budget": 15}, num_layers=2)
-    assert setup.runner.capture_sizes == (1, 4, 16, 32, 64)  # 15 // (2 + 1) = 5 graphs, evenly spaced
-    assert setup.runner.bucket_of(5) == 16 and setup.runner.bucket_of(33) == 64
+# -- Ascend: the capture list ---------------------------------------------------
 
 
 def test_ascend_capture_list_for_256_is_the_three_stage_list():
@@ -114,23 +83,23 @@ def test_ascend_capture_list_for_256_is_the_three_stage_list():
     "message, advice",
     [
         ("ACL error 207008: stream resources exhausted", "ran out of NPU streams"),
-        ("EE1001: insufficient stream resources for capture", "ran out of NPU streams"),
+        ("error code is 207008\n[Error]: Stream resources are insufficient.", "ran out of NPU streams"),
         ("rtStreamCreate: alloc sq cq fail", "the Ascend driver (HDK) is too old"),
     ],
 )
 def test_known_capture_errors_become_advice(message, advice):
-    result = capture_advice(RuntimeError(message), bucket=48, capture_sizes=(1, 2, 4, 48))
+    result = capture_advice(RuntimeError(message), bucket=48, captured=1, asked=(1, 2, 4, 48))
     assert isinstance(result, CaptureError) and advice in str(result)
 
 
 def test_unknown_capture_errors_are_left_alone():
-    assert capture_advice(RuntimeError("out of memory"), bucket=4, capture_sizes=(4,)) is None
+    assert capture_advice(RuntimeError("out of memory"), bucket=4, captured=0, asked=(4,)) is None
 
 
 def test_the_runner_raises_the_advice_from_the_original_error():
     def model(input_ids, position_ids, past_key_values, attn_metadata):
         if torch.is_grad_enabled() is False and graphmode.emulator.current_session() is not None:
-            raise RuntimeError("ACL error 207008")
+            raise RuntimeError("ACL error 207008: Stream resources are insufficient.")
         return input_ids[..., None].float()
 
     setup = tiny_setup("ascend")
@@ -138,7 +107,7 @@ def test_the_runner_raises_the_advice_from_the_original_error():
     step = setup.engine.decode(setup.prefill(2))
     with pytest.raises(CaptureError, match="capturing bucket 2 ran out of NPU streams") as error:
         runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
-    assert str(error.value.__cause__) == "ACL error 207008"
+    assert str(error.value.__cause__) == "ACL error 207008: Stream resources are insufficient."
 
 
 # -- Ascend: configuration refusals --------------------------------------------
@@ -154,7 +123,7 @@ def test_ascend_refuses_launch_blocking_with_graphs(monkeypatch):
 def test_ascend_refuses_unknown_and_bad_options():
     with pytest.raises(ConfigError, match=r"unknown Ascend vendor_options \['stream_budgt'\]"):
         tiny_setup("ascend", vendor_options={"stream_budgt": 10})
-    with pytest.raises(ConfigError, match="stream_budget=-1: must be a non-negative integer"):
+    with pytest.raises(ConfigError, match="Ascend vendor_options 'stream_budget' was removed"):
         tiny_setup("ascend", vendor_options={"stream_budget": -1})
 
 

@@ -39,11 +39,11 @@ from graphmode.errors import CaptureError, ReplayError
 if TYPE_CHECKING:
     from graphmode.emulator.graph import EmulatedGraph
 
-__all__ = ["CaptureSession", "current_session", "register_updatable"]
+__all__ = ["CaptureSession", "current_session", "is_updatable", "register_updatable"]
 
 aten = torch.ops.aten
-E = TypeVar("E", bound=BaseException)
 _local = threading.local()
+_Error = TypeVar("_Error", bound=BaseException)
 _updatable: set[Any] = set()
 
 # Operators whose output shape depends on tensor values: the host must read
@@ -87,6 +87,11 @@ def register_updatable(op: Any) -> None:
     if isinstance(op, torch._ops.OpOverloadPacket):
         op = op.default
     _updatable.add(op)
+
+
+def is_updatable(op: Any) -> bool:
+    """Whether ``op`` was declared with :func:`register_updatable`."""
+    return op in _updatable
 
 
 def current_session() -> CaptureSession | None:
@@ -172,7 +177,7 @@ class CaptureSession:
                 storage.copy_(saved)
             self.snapshots.clear()
 
-    def fail(self, error: E) -> E:
+    def fail(self, error: _Error) -> _Error:
         self.error = error
         return error
 
@@ -294,7 +299,7 @@ class _Recorder(TorchDispatchMode):
         indices = args[1] if len(args) > 1 else kwargs.get("indices")
         if func in _BOOL_INDEXED and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(indices)):
             raise session.refuse(f"{func} with a boolean mask", "its output size depends on tensor values")
-        if func in _updatable and session.graph.auto_dispatch_capture:
+        if session.graph.records_updatable(func):
             return session.record_updatable(func, args, kwargs)
         return session.record(func, args, kwargs)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from graphmode.emulator.capture import CaptureSession
+from graphmode.emulator.capture import CaptureSession, is_updatable
 from graphmode.emulator.recording import EventReset, EventWait, OpRecord, TaskGroup, compile_steps
 from graphmode.errors import CaptureError, ReplayError
 from graphmode.graphs.base import DeviceGraph
@@ -143,6 +143,12 @@ class EmulatedGraph(DeviceGraph):
             )
         for record, changes in zip(records, cpu_update_input):
             record.update(changes)
+
+    def records_updatable(self, func: Any) -> bool:
+        """Whether the capture under way records ``func`` for :meth:`update`:
+        here, any registered operator while ``auto_dispatch_capture`` is set
+        (the emulated ``NPUGraph`` narrows this to torch_npu's behaviour)."""
+        return self.auto_dispatch_capture and is_updatable(func)
 
     @property
     def num_updatable(self) -> int:

@@ -52,8 +52,35 @@ def fused_infer_attention_score_out(
     out.copy_(_reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size))
 
 
+@torch.library.custom_op("graphmode_ascend::fused_infer_attention_score_v2", mutates_args=())
+def fused_infer_attention_score_v2(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
+    actual_seq_kvlen: list[int], num_query_heads: int, num_key_value_heads: int, softmax_scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """Stands for ``npu_fused_infer_attention_score_v2``, whose kv lengths are
+    named ``actual_seq_kvlen`` (op-plugin's op_plugin_functions.yaml)."""
+    return _reference(query, key, value, block_table, actual_seq_kvlen, num_query_heads, num_key_value_heads,
+                      softmax_scale, block_size)
+
+
+@torch.library.custom_op("graphmode_ascend::paged_attention", mutates_args=("out",))
+def paged_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int, num_heads: int,
+    scale_value: float, block_table: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
+) -> None:
+    """Stands for ``torch_npu._npu_paged_attention`` (op-plugin's
+    ops/atb/PagedAttentionAtb.cpp): query (T, heads, D), kv lengths as a host
+    tensor ``context_lens``, result written into ``out``."""
+    bsh = query.reshape(query.shape[0], 1, -1)
+    result = _reference(bsh, key_cache, value_cache, block_table, context_lens.tolist(), num_heads, num_kv_heads,
+                        scale_value, key_cache.shape[1])
+    out.copy_(result.view_as(out))
+
+
 # On the emulator, graphs captured with auto_dispatch_capture can update this
-# operator's host arguments, as torch_npu's NPUGraph.update does for FIA.
+# operator's host arguments, as torch_npu's NPUGraph.update does for FIA. The
+# other stand-ins are not registered: the emulated torch_npu leaves them alone.
 register_updatable(torch.ops.graphmode_ascend.fused_infer_attention_score)
 
 

@@ -13,12 +13,15 @@ Buffers (at maximum size), as the Ascend kernels take them:
 
 Every padding region is reset every step. Vendor options (``vendor_options``
 of ``build_graph_runner``): ``update_path`` ("auto", "graph_update",
-"task_group"), ``stream_budget`` (default 1800) and ``comm_groups``.
+"task_group"). Every capture size asked for is captured (no stream-budget
+trimming, as vllm-ascend since PR 9962); running out of streams at capture
+becomes advice.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -29,11 +32,15 @@ from graphmode.config import RunnerConfig
 from graphmode.context import StepInputs
 from graphmode.meta import GraphMeta
 from graphmode.plugins import probe_runtime
-from graphmode_ascend.budget import DEFAULT_STREAM_BUDGET, capture_advice, trim_to_stream_budget
+from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import AscendGraph, resolve_update_path
 from graphmode_ascend.ops import AscendAttentionOps
 
-OPTIONS = {"update_path": "auto", "stream_budget": DEFAULT_STREAM_BUDGET, "comm_groups": 0}
+OPTIONS = {"update_path": "auto"}
+# Options of earlier releases, which fed the stream-budget trimming.
+REMOVED_OPTIONS = ("stream_budget", "comm_groups")
+# Kept in vendor_options by the plugin itself, for its capture advice.
+DERIVED = "capture_sizes"
 
 
 def torch_npu_version() -> tuple[str | None, bool, str]:
@@ -62,24 +69,39 @@ def graphmode_check_config(config: RunnerConfig) -> None:
             "ASCEND_LAUNCH_BLOCKING=1 makes every NPU launch synchronous, which graph capture "
             "cannot record; unset it, or run with execute_mode='eager' to debug launches"
         )
-    unknown = set(config.vendor_options) - set(OPTIONS)
+    for name in REMOVED_OPTIONS:
+        if name in config.vendor_options:
+            raise ConfigError(
+                f"Ascend vendor_options {name!r} was removed: graphmode no longer trims the capture sizes to a "
+                "stream budget (vllm-ascend removed that heuristic in PR 9962); it captures the sizes asked for "
+                "and explains a stream shortage when one occurs. Drop the option; pass capture_batch_sizes to "
+                "capture fewer graphs"
+            )
+    sizes = _sizes(config)
+    if config.vendor_options.get(DERIVED, sizes) != sizes:
+        raise ConfigError(
+            f"Ascend vendor_options {DERIVED!r} is graphmode's own record of the capture sizes; "
+            "pass capture_batch_sizes to choose them"
+        )
+    unknown = set(config.vendor_options) - set(OPTIONS) - {DERIVED}
     if unknown:
         raise ConfigError(
             f"unknown Ascend vendor_options {sorted(unknown)}; the options are {sorted(OPTIONS)}"
         )
     options = {**OPTIONS, **config.vendor_options}
     options["update_path"] = resolve_update_path(options["update_path"], torch_npu_version()[0])
-    for name in ("stream_budget", "comm_groups"):
-        if not isinstance(options[name], int) or options[name] < 0:
-            raise ConfigError(f"Ascend vendor_options {name}={options[name]!r}: must be a non-negative integer")
+    options[DERIVED] = sizes
     config.vendor_options.update(options)
+
+
+def _sizes(config: RunnerConfig) -> list[int]:
+    """The user's capture sizes, else the three-stage list: all of them."""
+    return list(config.capture_batch_sizes or three_stage_sizes(config.max_batches))
 
 
 @hookimpl
 def graphmode_capture_sizes(config: RunnerConfig) -> list[int]:
-    sizes = list(config.capture_batch_sizes or three_stage_sizes(config.max_batches))
-    options = config.vendor_options
-    return trim_to_stream_budget(sizes, config.num_layers, options["stream_budget"], options["comm_groups"])
+    return _sizes(config)
 
 
 @hookimpl
@@ -132,7 +154,10 @@ def graphmode_update_context(meta: GraphMeta, inputs: StepInputs, batch_size: in
 def graphmode_make_graph(meta: GraphMeta) -> AscendGraph | None:
     if meta.device.type not in ("npu", "cpu"):
         return None
-    return AscendGraph(meta.device, meta.vendor_flags["update_path"])
+    # The graphs captured and alive, for the advice on stream exhaustion; in
+    # vendor_flags, which every graph's GraphMeta shares.
+    captured = meta.vendor_flags.setdefault("captured_graphs", weakref.WeakSet())
+    return AscendGraph(meta.device, meta.vendor_flags["update_path"], captured)
 
 
 @hookimpl
@@ -142,7 +167,8 @@ def graphmode_update_graph_params(graph: AscendGraph, meta: GraphMeta, batch_siz
 
 @hookimpl
 def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int):
-    return capture_advice(error, bucket, tuple(meta.vendor_flags.get("capture_sizes", ())))
+    flags = meta.vendor_flags
+    return capture_advice(error, bucket, len(flags["captured_graphs"]), flags[DERIVED])
 
 
 @hookimpl
