@@ -22,14 +22,16 @@ TOKEN_BUFFERS = ("input_ids", "position_ids")
 ROW_BUFFERS = ("block_offsets", "kv_seqlens", "kv_start_indices")
 
 
-def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host (CPU) buffer, for kernels that take host values.
+def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
+    """A zeroed host (CPU) buffer, for kernels that take host values;
+    ``pinned``: page-locked, so that a graph can copy it to the device.
 
     On the emulator the buffer is marked as host memory, so reading it inside
     a capture freezes the value read, exactly as on a device."""
-    tensor = torch.zeros(tuple(shape), dtype=dtype, device="cpu")
-    if meta.device.type == "cpu":
-        mark_host(tensor)
+    on_device = meta.device.type != "cpu"
+    tensor = torch.zeros(tuple(shape), dtype=dtype, device="cpu", pin_memory=pinned and on_device)
+    if not on_device:
+        mark_host(tensor, pinned=pinned)
     return tensor
 
 
