@@ -54,13 +54,16 @@ def tiny_setup(
     width: int = 8,
     cache_blocks: int | None = None,
     plugin: Any = None,
+    host_inputs: bool = False,
     **runner_options: Any,
 ) -> Setup:
     config = ModelConfig.tiny()
     chosen = graphmode.load_vendor(vendor, plugin=plugin)
     model = build_reference_model(config, chosen, "cpu")
     cache_blocks = cache_blocks or max_batches * width + 1
-    engine = ReferenceEngine(cache_blocks, block_size, "cpu", vocab_size=config.vocab_size, table_width=width, seed=7)
+    engine = ReferenceEngine(
+        cache_blocks, block_size, "cpu", vocab_size=config.vocab_size, table_width=width, seed=7, host_inputs=host_inputs
+    )
     runner = graphmode.build_graph_runner(
         model, max_batches=max_batches, num_blocks=width, block_size=block_size, device="cpu", vendor=vendor,
         **runner_options,

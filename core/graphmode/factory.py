@@ -35,6 +35,7 @@ def build_graph_runner(
     vendor_options: dict[str, Any] | None = None,
     process_group: Any = None,
     check_ranks: str = "always",
+    host_staging: bool | None = None,
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -58,6 +59,9 @@ def build_graph_runner(
         every rank runs the same batch before each graph step, so that a
         disagreement raises instead of hanging; "capture" checks only at
         start-up and before captures, for engines that guarantee agreement.
+    host_staging: True to feed the graphs from one pinned host mirror (step
+        inputs on the host), False for the device-side fill, None to decide at
+        the first graph step from where its inputs are (docs/architecture.md).
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -73,5 +77,6 @@ def build_graph_runner(
         capture_batch_sizes=tuple(capture_batch_sizes) if capture_batch_sizes is not None else None,
         num_layers=num_layers,
         vendor_options=dict(vendor_options or {}),
+        host_staging=host_staging,
     )
     return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)
