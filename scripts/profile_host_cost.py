@@ -2,6 +2,7 @@
 the kernel launches of one step (torch.profiler). Needs a GPU.
 
     python scripts/profile_host_cost.py --batches 1,64,100,128,256
+    python scripts/profile_host_cost.py --host-bound --batches 1,8,64,256   # see host_bound.py
 """
 
 from __future__ import annotations
@@ -33,8 +34,17 @@ def timed(function, repeats: int = 50) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,64,100,128,256")
+    parser.add_argument("--host-bound", action="store_true",
+                        help="a 2-layer model: graphmode against bare replay and hand-written graphs (host_bound.py)")
+    parser.add_argument("--repeats", type=int, default=200, help="calls per measurement (--host-bound)")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu (the emulator) only checks --host-bound runs")
     args = parser.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    if args.host_bound:
+        from host_bound import run
+
+        run([int(b) for b in args.batches.split(",")], device, args.repeats)
+        return
     workload = Workload.build(ModelConfig.bench(), device, steps=8)
     runner = graphmode.build_graph_runner(workload.model, max_batches=256, num_blocks=workload.width,
                                           block_size=workload.block_size, device=device)

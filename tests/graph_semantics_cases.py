@@ -40,6 +40,13 @@ class Backend:
         tensor.copy_(torch.tensor(values))
         return tensor
 
+    def pinned(self, values) -> torch.Tensor:
+        """A pinned (page-locked) host tensor, as host staging's mirror is made."""
+        meta = GraphMeta(max_batchs=1, max_tokens=1, num_blocks=1, block_size=1, device=self.device)
+        tensor = host_zeros(meta, (len(values),), torch.int64, pinned=True)
+        tensor.copy_(torch.tensor(values))
+        return tensor
+
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -268,9 +275,63 @@ def case_frozen_size(b: Backend):
     return values(visible)
 
 
+def case_pinned_copy_in_capture_is_live(b: Backend):
+    """A non-blocking copy from pinned host memory inside a capture is a
+    memcpy node: every replay reads the host memory as it is then (host
+    staging's one copy). The capture itself copies nothing."""
+    mirror = b.pinned([1, 2, 3])
+    arena = b.tensor([0, 0, 0], dtype=torch.int64)
+    g = b.graph()
+    with g.capture():
+        arena.copy_(mirror, non_blocking=True)
+        y = arena * 2
+    after_capture = values(arena)
+    results = []
+    for new in ([10, 20, 30], [4, 5, 6]):
+        mirror.copy_(torch.tensor(new))  # a host write, no device work
+        g.replay()
+        b.sync()
+        results.append(values(y))
+    return {"after_capture": after_capture, "replays": results}
+
+
+def case_pageable_copy_in_capture_refused(b: Backend):
+    """A copy from pageable host memory inside a capture is refused (torch
+    2.11's CUDA copy checks that the host tensor is pinned; the emulator
+    raises CaptureError), even non-blocking."""
+    source = b.host([1, 2, 3])
+    x = b.tensor([0, 0, 0], dtype=torch.int64)
+    g = b.graph()
+    try:
+        with g.capture():
+            x.copy_(source, non_blocking=True)
+    except Exception as error:  # noqa: BLE001 - CUDA raises RuntimeError, the emulator CaptureError
+        return {"raised": isinstance(error, RuntimeError), "says pinned": "pinned" in str(error)}
+    return "did not raise"
+
+
+def case_blocking_copy_in_capture_refused(b: Backend):
+    """A blocking copy from pinned host memory inside a capture is refused:
+    it synchronises the stream (CUDA: cudaStreamSynchronize during capture)."""
+    source = b.pinned([1, 2, 3])
+    x = b.tensor([0, 0, 0], dtype=torch.int64)
+    g = b.graph()
+    try:
+        with g.capture():
+            x.copy_(source)
+    except Exception as error:  # noqa: BLE001 - CUDA raises a RuntimeError subclass, the emulator CaptureError
+        return {"raised": isinstance(error, RuntimeError)}
+    return "did not raise"
+
+
 # Cases that fail a capture run last: a failed CUDA capture must not be what
 # breaks the cases after it.
-_FAILING = ("host_list_index", "host_sync_raises")
+_FAILING = (
+    "host_list_index",
+    "host_sync_raises",
+    "pageable_copy_in_capture_refused",
+    "blocking_copy_in_capture_refused",
+)
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 CASES = {**{k: v for k, v in CASES.items() if k not in _FAILING}, **{k: CASES[k] for k in _FAILING}}
 
@@ -293,6 +354,9 @@ EXPECTED = {
     "reset_and_recapture": [15.0, 18.0],
     "random_is_fresh": True,
     "frozen_size": [3, 3],
+    "pinned_copy_in_capture_is_live": {"after_capture": [0, 0, 0], "replays": [[20, 40, 60], [8, 10, 12]]},
+    "pageable_copy_in_capture_refused": {"raised": True, "says pinned": True},
+    "blocking_copy_in_capture_refused": {"raised": True},
 }
 
 # Cases whose expectation differs by nature between CUDA and the emulator.

@@ -55,13 +55,16 @@ def tiny_setup(
     cache_blocks: int | None = None,
     plugin: Any = None,
     device: str = "cpu",
+    host_inputs: bool = False,
     **runner_options: Any,
 ) -> Setup:
     config = ModelConfig.tiny()
     chosen = graphmode.load_vendor(vendor, plugin=plugin)
     model = build_reference_model(config, chosen, device)
     cache_blocks = cache_blocks or max_batches * width + 1
-    engine = ReferenceEngine(cache_blocks, block_size, device, vocab_size=config.vocab_size, table_width=width, seed=7)
+    engine = ReferenceEngine(
+        cache_blocks, block_size, device, vocab_size=config.vocab_size, table_width=width, seed=7, host_inputs=host_inputs
+    )
     runner = graphmode.build_graph_runner(
         model, max_batches=max_batches, num_blocks=width, block_size=block_size, device=device, vendor=vendor,
         **runner_options,

@@ -1,7 +1,8 @@
 """Helpers for vendor buffer hooks: host buffers, and staging a step's rows.
 
 Filling buffers is on the replay path, so it is batched: every live-row copy
-and every padding reset of one step go to the device as one ``_foreach_copy_``.
+and every padding reset of one step go to the device as one ``_foreach_copy_``
+per dtype, or, with host staging, into the pinned host mirror on the host.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from graphmode.context import StepInputs
 from graphmode.emulator.host import mark_host
 from graphmode.meta import GraphMeta
+from graphmode.staging import route
 
 __all__ = ["ROW_BUFFERS", "TOKEN_BUFFERS", "decode_rows", "host_zeros", "padding_rows", "stage"]
 
@@ -22,14 +24,16 @@ TOKEN_BUFFERS = ("input_ids", "position_ids")
 ROW_BUFFERS = ("block_offsets", "kv_seqlens", "kv_start_indices")
 
 
-def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host (CPU) buffer, for kernels that take host values.
+def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
+    """A zeroed host (CPU) buffer, for kernels that take host values;
+    ``pinned``: page-locked, so that a graph can copy it to the device.
 
     On the emulator the buffer is marked as host memory, so reading it inside
     a capture freezes the value read, exactly as on a device."""
-    tensor = torch.zeros(tuple(shape), dtype=dtype, device="cpu")
-    if meta.device.type == "cpu":
-        mark_host(tensor)
+    on_device = meta.device.type != "cpu"
+    tensor = torch.zeros(tuple(shape), dtype=dtype, device="cpu", pin_memory=pinned and on_device)
+    if not on_device:
+        mark_host(tensor, pinned=pinned)
     return tensor
 
 
@@ -101,9 +105,14 @@ def padding_rows(
 def stage(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy every source into its destination: one ``_foreach_copy_`` per
     destination device and dtype, so that each group takes the fused path (one
-    kernel on a GPU) rather than one copy per buffer."""
+    kernel on a GPU) rather than one copy per buffer.
+
+    In a runner with host staging (``graphmode.staging``), a destination in
+    the device arena is written through its pinned host mirror instead, on the
+    host: its source must then be a host tensor (or a view of the padding
+    snapshot, whose host copy is used); a device source raises InputError."""
     groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
-    for destination, source in pairs:
+    for destination, source in route(pairs):
         destinations, sources = groups.setdefault((destination.device, destination.dtype), ([], []))
         destinations.append(destination)
         sources.append(source)

@@ -62,6 +62,11 @@ class RunnerConfig:
         ``inductor_graphs`` capability, never on the CPU emulator.
     compile_options: keyword arguments for ``torch.compile``, over
         ``{"dynamic": True}``; ``mode`` must be one of GRAPHED_COMPILE_MODES.
+    host_staging: feed the graphs' input buffers from one pinned host mirror
+        (see ``graphmode.staging``): True requires it (the step inputs must
+        then be host tensors), False keeps the device-side fill, None decides
+        at the first graph step: on when that step's inputs are host tensors
+        and the vendor allows it.
     """
 
     max_batches: int
@@ -74,8 +79,11 @@ class RunnerConfig:
     vendor_options: dict[str, Any] = field(default_factory=dict)
     compile: bool = False
     compile_options: dict[str, Any] = field(default_factory=dict)
+    host_staging: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.host_staging not in (True, False, None):
+            raise ConfigError(f"host_staging={self.host_staging!r}: use True, False or None (decide at the first graph step)")
         self.device = _with_index(torch.device(self.device))
         for name in ("max_batches", "num_blocks", "block_size"):
             value = getattr(self, name)

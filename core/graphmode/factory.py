@@ -37,6 +37,7 @@ def build_graph_runner(
     check_ranks: str = "always",
     compile: bool = False,
     compile_options: dict[str, Any] | None = None,
+    host_staging: bool | None = None,
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -67,6 +68,9 @@ def build_graph_runner(
     compile_options: arguments for ``torch.compile`` (default
         ``dynamic=True``: one compilation serves every bucket); modes that
         record their own CUDA graphs are refused.
+    host_staging: True to feed the graphs from one pinned host mirror (step
+        inputs on the host), False for the device-side fill, None to decide at
+        the first graph step from where its inputs are (docs/architecture.md).
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -84,5 +88,6 @@ def build_graph_runner(
         vendor_options=dict(vendor_options or {}),
         compile=compile,
         compile_options=dict(compile_options or {}),
+        host_staging=host_staging,
     )
     return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from graphmode.emulator.host import is_host, mark_host
+from graphmode.emulator.host import is_host, is_pinned_host, mark_host
 from graphmode.emulator.recording import (
     EventReset,
     EventWait,
@@ -200,6 +200,9 @@ class CaptureSession:
             for tensor in _tensors(outputs):
                 mark_host(tensor)
             return outputs
+        # A copy between host and device memory is a memcpy node: it reads (or
+        # writes) the host memory at every replay, so its host tensor is not frozen.
+        transfer = bool(host) and func is aten.copy_.default and self._check_transfer(func, args, kwargs)
         input_keys = {_storage_key(t) for t in tensors}
         if is_mutating(func):
             for tensor in _written(func, args, kwargs):
@@ -215,9 +218,8 @@ class CaptureSession:
         # Keep our own containers: the caller may reuse its lists. A host
         # tensor given to device work is read when the work is launched, so
         # the graph keeps the value it had at capture.
-        args, kwargs = tree_map(
-            lambda x: x.clone() if isinstance(x, torch.Tensor) and host and is_host(x) else x, (args, kwargs)
-        )
+        if host and not transfer:
+            args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) and is_host(x) else x, (args, kwargs))
         targets = tree_map(lambda x: frozen_view(x) if isinstance(x, torch.Tensor) else x, outputs)
         self.append(OpRecord(func, args, kwargs, outputs, targets))
         if not is_mutating(func):
@@ -226,6 +228,30 @@ class CaptureSession:
                 if key not in input_keys:
                     self.allocated.add(key)
         return outputs
+
+    def _check_transfer(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """A ``copy_`` between host and device memory inside a capture, as
+        PyTorch's CUDA copy allows it: only from or to pinned host memory
+        (pytorch aten/src/ATen/native/cuda/Copy.cu refuses pageable memory
+        during capture), and only ``non_blocking`` (a blocking copy
+        synchronises the stream, which a capture cannot contain)."""
+        named = _normalise(func, args, kwargs)
+        destination, source = named["self"], named["src"]
+        host = source if is_host(source) else destination
+        if not is_pinned_host(host):
+            raise self.fail(
+                CaptureError(
+                    "copy between pageable host memory and device memory inside graph capture: "
+                    "a device graph can only copy from or to pinned host memory (CUDA refuses "
+                    "it: 'Cannot copy between CPU and CUDA tensors during CUDA graph capture "
+                    f"unless the CPU tensor is pinned'). Called at {call_site()}. Pin the host "
+                    "tensor (tensor.pin_memory(), or graphmode.buffers.host_zeros(..., pinned=True)), "
+                    "or copy before the capture."
+                )
+            )
+        if not named.get("non_blocking", False):
+            raise self.refuse("a blocking copy between host and device memory", "it synchronises the stream")
+        return True
 
     def record_updatable(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """As torch_npu's dispatch capture does: the operator waits on an

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphmode.context import AttnMetadata, StepInputs
+from graphmode.staging import to_host
 
 __all__ = ["ReferenceEngine", "Sequence", "pad_step"]
 
@@ -29,7 +30,9 @@ class Sequence:
 class ReferenceEngine:
     """num_cache_blocks: blocks in the KV cache, block 0 included (reserved).
     table_width: columns of every block table (the runner's num_blocks);
-    None sizes each step's table to its longest sequence."""
+    None sizes each step's table to its longest sequence.
+    host_inputs: build each step's tensors on the host, as engines that
+    schedule on the CPU do (marked as host memory on the emulator)."""
 
     def __init__(
         self,
@@ -40,11 +43,13 @@ class ReferenceEngine:
         vocab_size: int,
         table_width: int | None = None,
         seed: int = 0,
+        host_inputs: bool = False,
     ) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.table_width = table_width
+        self.host_inputs = host_inputs
         self.rng = random.Random(seed)
         # Blocks in random order, so that block tables are not sorted.
         self.free_blocks = list(range(1, num_cache_blocks))
@@ -129,7 +134,8 @@ class ReferenceEngine:
         )
         ids = torch.tensor([tokens], dtype=torch.int64, device=device)
         pos = torch.tensor([positions], dtype=torch.int64, device=device)
-        return StepInputs(ids, pos, None, attn)
+        step = StepInputs(ids, pos, None, attn)
+        return to_host(step, device) if self.host_inputs else step
 
 
 def pad_step(step: StepInputs, bucket: int) -> StepInputs:

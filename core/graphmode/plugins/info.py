@@ -18,6 +18,8 @@ CAPABILITIES = {
     "positive_max_len_limits": "the attention kernel reads only max_kv_seq_len tokens "
     "when it is positive, so graphs must pass -1",
     "x_active_mask": "the step context carries x_active_mask, False for padding tokens",
+    "host_staging": "every write of the plugin's graphmode_fill_buffers goes through "
+    "graphmode.buffers.stage, so the runner may stage the buffers in a pinned host mirror",
 }
 
 

@@ -37,7 +37,8 @@ from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
 from graphmode.runner.stats import RunnerStats
-from graphmode.runner.validate import check_step
+from graphmode.runner.validate import check_inputs
+from graphmode.staging import HostStaging, staging_refusal, to_device, to_host
 
 __all__ = ["GraphRunner"]
 
@@ -86,6 +87,11 @@ class GraphRunner:
         self._forward = self._compile_model() if self._compiled else model
         update = self._hook.graphmode_update_graph_params
         self._update_params = update if update.get_hookimpls() else None
+        self._staging_refusal = staging_refusal(vendor, config.device)
+        if config.host_staging and self._staging_refusal is not None:
+            raise ConfigError(f"host_staging=True: {self._staging_refusal}; build the runner with host_staging=None or False")
+        self.staging: HostStaging | None = None
+        self._staging_decided = False
 
     # -- start-up checks ----------------------------------------------------
 
@@ -178,14 +184,17 @@ class GraphRunner:
             return self._step(inputs)
 
     def _step(self, inputs: StepInputs) -> Any:
-        batch = check_step(inputs, self.config)
+        batch, on_host = check_inputs(inputs, self.config)
         reason = self._eager_reason(inputs, batch)
         if self._ranks is not None and self._ranks.check_replays and reason in (None, "no_bucket"):
             # Before any collective: a rank on another graph would hang the rest.
             self._ranks.agree_on_step(batch, self._bucket_of[batch], "run")
         if reason is not None:
             self.stats.eager_steps[reason] += 1
+            if on_host:
+                inputs = to_device(inputs, self.config.device)
             return self.model(**inputs.as_kwargs())
+        inputs = self._placed(inputs, on_host)
         bucket = self._bucket_of[batch]
         assert bucket is not None  # _eager_reason said "no_bucket" otherwise
         captured = self._graphs.get(bucket)
@@ -204,13 +213,44 @@ class GraphRunner:
             return "no_bucket"
         return None
 
+    def _placed(self, inputs: StepInputs, on_host: bool) -> StepInputs:
+        """The inputs of a graph step where this runner's fill needs them;
+        the first graph step decides host staging when the config leaves it open."""
+        if not self._staging_decided:
+            self._decide_staging(on_host)
+        if self.staging is not None:
+            if not on_host:
+                raise InputError(
+                    "this runner stages its inputs on the host (host staging: its graphs copy them "
+                    "from a pinned host mirror), but this step's tensors are on "
+                    f"{inputs.input_ids.device}; reading them back would cost a device-to-host copy "
+                    "every step. Pass the step's inputs as host (CPU) tensors, or build the runner "
+                    "with host_staging=False"
+                )
+            return inputs
+        return to_device(inputs, self.config.device) if on_host else inputs
+
+    def _decide_staging(self, on_host: bool) -> None:
+        """Once, before the first capture: with host staging, the device input
+        buffers move into one arena with a pinned host mirror."""
+        wanted = self.config.host_staging
+        if wanted is None:
+            wanted = on_host and self._staging_refusal is None
+        if wanted:
+            self.staging = HostStaging(self.graph_meta())
+        self._staging_decided = True
+
     def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int) -> Any:
         _check_same_objects(captured, inputs)
-        meta, bucket = captured.meta, captured.bucket
+        meta, bucket, staging = captured.meta, captured.bucket, self.staging
+        if staging is not None:
+            staging.wait()  # the previous replay has copied the mirror: it may be written
         self._hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
         if self._update_params is not None:
             self._update_params(graph=captured.graph, meta=meta, batch_size=batch, bucket=bucket)
         captured.graph.replay()
+        if staging is not None:
+            staging.copied()
         self.stats.replays += 1
         self.stats.real_tokens += batch
         self.stats.padded_tokens += bucket - batch
@@ -221,8 +261,13 @@ class GraphRunner:
             # Before the warm-up's collectives: disagreeing ranks would hang in them.
             self._ranks.agree_on_step(batch, bucket, "capture")
         meta = self.graph_meta().for_graph()
-        hook = self._hook
+        hook, staging = self._hook, self.staging
+        if staging is not None:
+            staging.wait()
         hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+        if staging is not None:
+            staging.copy_in(bucket)  # the warm-up reads the arena
+            staging.copied()
         static = hook.graphmode_update_context(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
         # The warm-up runs the real step outside any graph: its result is this
         # step's answer, and it leaves lazy initialisation (and compilation)
@@ -236,6 +281,8 @@ class GraphRunner:
             self._ranks.barrier()
         try:
             with graph.capture(pool=self._pool):
+                if staging is not None:
+                    staging.copy_in(bucket)  # the graph's first node: the mirror, read live
                 meta.output_buffers["output"] = self._forward(**static.as_kwargs())
         except Exception as error:
             advice = hook.graphmode_capture_error(error=error, meta=meta, bucket=bucket)
@@ -285,6 +332,8 @@ class GraphRunner:
         if self.config.execute_mode == "eager":
             return
         todo = [b for b in reversed(self.capture_sizes) if b not in self._graphs]
+        if todo and not self._staging_decided:
+            self._decide_staging(on_host=False)  # no step seen: host_staging=None means off
         with _frozen_gc(), torch.inference_mode():
             for index, bucket in enumerate(todo):
                 if progress:
@@ -305,7 +354,9 @@ class GraphRunner:
             kv_seqlens_cpu=torch.ones(batch, dtype=int32),
         )
         zeros = torch.zeros((1, batch), dtype=torch.int64, device=device)
-        return StepInputs(zeros, zeros.clone(), past_key_values, attn, dict(extras))
+        step = StepInputs(zeros, zeros.clone(), past_key_values, attn, dict(extras))
+        # With host staging the step comes from the host, as an engine's steps do.
+        return to_host(step, device) if self.staging is not None else step
 
     def _report(self, message: str, last: bool) -> None:
         free = _free_memory(self.config.device)

@@ -1,6 +1,6 @@
 """Checks of a step's inputs against the runner's limits.
 
-Only host-side facts are checked (shapes, dtypes, devices, host maxima):
+Only host-side facts are checked (shapes, dtypes, placement, host maxima):
 reading device values would synchronise every step. Each error names the
 value, the limit, and the fix.
 """
@@ -11,15 +11,29 @@ import torch
 
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
+from graphmode.emulator.host import is_host
 from graphmode.errors import InputError
 
-__all__ = ["check_step"]
+__all__ = ["check_inputs", "check_step"]
 
 _INTEGER = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
 
 
 def check_step(inputs: StepInputs, config: RunnerConfig) -> int:
     """The step's batch size, after checking its inputs."""
+    return check_inputs(inputs, config)[0]
+
+
+def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
+    """The step's batch size and whether its per-step tensors are on the host,
+    after checking its inputs.
+
+    The per-step tensors (ids, positions, block table, lengths, slots) are
+    either all on the runner's device or all host (CPU) tensors: an engine
+    that builds its steps on the host passes them as they are (see host
+    staging in docs/architecture.md). On the emulator (device "cpu"), host
+    tensors are those marked as host memory (``graphmode.emulator.mark_host``).
+    """
     attn = inputs.attn_metadata
     if not isinstance(attn, AttnMetadata):
         raise InputError(
@@ -52,7 +66,8 @@ def check_step(inputs: StepInputs, config: RunnerConfig) -> int:
     tokens = inputs.input_ids.shape[-1]
     device = config.device
     # is_cpu and get_device() (an int) are cheaper than building a device.
-    on_cpu, index = device.type == "cpu", device.index
+    emulated, index = device.type == "cpu", device.index
+    first_side: tuple[str, bool] | None = None
     for name, tensor, shape in (
         ("input_ids", inputs.input_ids, (1, tokens)),
         ("position_ids", inputs.position_ids, (1, tokens)),
@@ -67,10 +82,27 @@ def check_step(inputs: StepInputs, config: RunnerConfig) -> int:
                 f"{name} has dtype {tensor.dtype}; it must be an integer tensor "
                 "(int64 or int32): convert it with .long() or .int()"
             )
-        if (not tensor.is_cpu) if on_cpu else tensor.get_device() != index:
+        if emulated:
+            if not tensor.is_cpu:
+                raise InputError(
+                    f"{name} is on {tensor.device}, but the runner's device is {device}; "
+                    "move it with .to('cpu')"
+                )
+            on_host = is_host(tensor)
+        else:
+            on_host = tensor.is_cpu
+            if not on_host and tensor.get_device() != index:
+                raise InputError(
+                    f"{name} is on {tensor.device}, but the runner's device is {device}; "
+                    f"move it with .to({str(device)!r}), or pass it as a host (CPU) tensor"
+                )
+        if first_side is None:
+            first_side = (name, on_host)
+        elif on_host != first_side[1]:
+            where = {True: "the host", False: str(device)}
             raise InputError(
-                f"{name} is on {tensor.device}, but the runner's device is {device}; "
-                f"move it with .to({str(device)!r})"
+                f"{name} is on {where[on_host]} but {first_side[0]} is on {where[first_side[1]]}: "
+                f"pass every per-step tensor on the host, or every one on {device}"
             )
         if tensor.shape != shape:
             raise InputError(
@@ -83,4 +115,4 @@ def check_step(inputs: StepInputs, config: RunnerConfig) -> int:
             f"attn_metadata.kv_seqlens_cpu has shape {tuple(host.shape)} on "
             f"{host.device}; it must be a ({batch},) host tensor or None"
         )
-    return batch
+    return batch, bool(first_side and first_side[1])

@@ -1,0 +1,280 @@
+"""Host staging: a runner's device input buffers fed from one pinned host mirror.
+
+With host staging, the device input buffers (what ``graphmode_make_buffers``
+returned on the device) are views of ONE device byte arena, and the arena has
+a pinned host mirror of identical layout. Every captured graph begins with one
+copy of the mirror into the arena: inside the capture, that copy is a memcpy
+node reading the pinned memory at its fixed address at every replay. A replay
+step is then: the host writes the step's rows into the mirror (CPU copies, no
+kernel launch), then ``graph.replay()``. Nothing is launched before the replay,
+which is what makes the launch path short.
+
+Layout: buffers in the order ``graphmode_make_buffers`` returned them, each at
+a 256-byte aligned offset, ``block_offsets`` (the largest) last, so that the
+graph of bucket ``b`` copies one prefix: every other buffer whole and the
+first ``b`` rows of the block table (the rows its context reads).
+
+Ordering: replays are asynchronous, so the host must not write the mirror
+while an earlier replay's copy has not run. An event is recorded on the
+stream after every replay and after the eager copy of a capture; the host
+waits on it before writing the mirror again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphmode.context import StepInputs
+from graphmode.emulator.host import is_host, mark_host
+from graphmode.errors import InputError
+from graphmode.meta import GraphMeta
+
+__all__ = ["ALIGNMENT", "HostStaging", "route", "staging_refusal", "to_device", "to_host"]
+
+ALIGNMENT = 256
+_TABLE = "block_offsets"
+
+# Live stagings, and the route of each destination seen (by object id; the
+# entry holds the tensor, so the id cannot be reused while it is cached).
+_stagings: weakref.WeakSet[HostStaging] = weakref.WeakSet()
+_routes: dict[int, tuple[torch.Tensor, torch.Tensor | None, HostStaging | None]] = {}
+_ROUTE_CACHE_LIMIT = 4096
+
+
+class HostStaging:
+    """The arena, its pinned mirror and the host copy of the padding values
+    of one runner's device input buffers. Building it re-homes the device
+    tensors of ``meta.input_buffers`` into the arena (same shapes, dtypes and
+    values); host buffers stay where they are."""
+
+    def __init__(self, meta: GraphMeta) -> None:
+        self.device = meta.device
+        self.max_batches = meta.max_batchs
+        emulated = meta.device.type == "cpu"
+        # On the emulator every tensor is a CPU tensor: host memory is marked.
+        self.on_host: Callable[[torch.Tensor], bool] = is_host if emulated else _is_cpu
+        names = [n for n, t in meta.input_buffers.items() if not self.on_host(t)]
+        if _TABLE in names:
+            names.remove(_TABLE)
+            names.append(_TABLE)
+        self.offsets: dict[str, int] = {}
+        size = 0
+        for name in names:
+            size = _aligned(size)
+            self.offsets[name] = size
+            size += _nbytes(meta.input_buffers[name])
+        self.nbytes = _aligned(size)
+        self.arena = torch.zeros(self.nbytes, dtype=torch.uint8, device=meta.device)
+        if emulated:
+            self.mirror = mark_host(torch.zeros(self.nbytes, dtype=torch.uint8), pinned=True)
+        else:
+            self.mirror = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self.padding = torch.zeros(self.nbytes, dtype=torch.uint8)
+        for name in names:
+            old = meta.input_buffers[name]
+            meta.input_buffers[name] = view = self._view(self.arena, name, old)
+            view.copy_(old)
+            self._view(self.padding, name, old).copy_(meta.padding_buffers[name])
+            # Padding sources are recognised by storage: make each one its own.
+            meta.padding_buffers[name] = meta.padding_buffers[name].contiguous()
+        self.mirror.copy_(self.arena)
+        self._padding_of = {
+            meta.padding_buffers[name].untyped_storage().data_ptr(): name for name in names
+        }
+        self._buffers = {name: meta.input_buffers[name] for name in names}
+        self._arena_range = (self.arena.data_ptr(), self.arena.data_ptr() + self.nbytes)
+        self._host_padding: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Host staging runs on CUDA and the emulator only (see staging_refusal).
+        self._event: Any = None if emulated else torch.cuda.Event()
+        meta.views.clear()  # views of the old buffers
+        _stagings.add(self)
+
+    def _view(self, memory: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
+        start = self.offsets[name]
+        return memory[start:start + _nbytes(like)].view(like.dtype).view(like.shape)
+
+    # -- the copy every graph begins with -----------------------------------
+
+    def region(self, bucket: int) -> int:
+        """Bytes of the arena the graph of ``bucket`` copies: every buffer but
+        the block table whole, and the block table's first ``bucket`` rows."""
+        table = self._buffers.get(_TABLE)
+        if table is None or table.shape[0] != self.max_batches:
+            return self.nbytes
+        return self.offsets[_TABLE] + bucket * table.stride(0) * table.element_size()
+
+    def copy_in(self, bucket: int) -> None:
+        """Copy the mirror's region for ``bucket`` into the arena: inside a
+        capture this is the graph's first node; outside, the eager copy a
+        capture's warm-up step reads."""
+        end = self.region(bucket)
+        self.arena[:end].copy_(self.mirror[:end], non_blocking=True)
+
+    # -- ordering -------------------------------------------------------------
+
+    def copied(self) -> None:
+        """Call after launching a replay (or the eager copy): the mirror may be
+        written again once this point of the stream is reached."""
+        if self._event is not None:
+            self._event.record()
+
+    def wait(self) -> None:
+        """Block the host until the last launched copy of the mirror has run."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    # -- routing the step's copies --------------------------------------------
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        low, high = self._arena_range
+        return low <= tensor.data_ptr() < high
+
+    def mirror_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The view of the mirror (or another host byte tensor) with the
+        tensor's place in the arena."""
+        return _like(self.mirror, tensor, tensor.storage_offset())
+
+    def host_source(self, source: torch.Tensor, destination: torch.Tensor) -> torch.Tensor:
+        """``source`` as a host tensor: itself when on the host, the host
+        copy of a padding view, the mirror of an arena view; a step input on
+        the device is refused."""
+        if self.on_host(source):
+            return source
+        cached = self._host_padding.get(id(source))
+        if cached is not None and cached[0] is source:
+            return cached[1]
+        name = self._padding_of.get(source.untyped_storage().data_ptr())
+        if name is not None:
+            start = self.offsets[name] // source.element_size()
+            host = _like(self.padding, source, start + source.storage_offset())
+        elif self.holds(source):
+            host = self.mirror_of(source)
+        else:
+            raise InputError(
+                f"the step's rows for the {self.buffer_name(destination)!r} buffer are a device "
+                f"tensor ({source.device}), but this runner stages its inputs on the host (host "
+                "staging): reading them would need a device-to-host copy every step. Pass the "
+                "step's inputs as host (CPU) tensors, or build the runner with host_staging=False"
+            )
+        if len(self._host_padding) > _ROUTE_CACHE_LIMIT:
+            self._host_padding.clear()
+        self._host_padding[id(source)] = (source, host)
+        return host
+
+    def buffer_name(self, tensor: torch.Tensor) -> str:
+        offset = tensor.data_ptr() - self._arena_range[0]
+        return max((start, name) for name, start in self.offsets.items() if start <= offset)[1]
+
+
+def route(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
+    """The (destination, source) pairs with every destination in a staging
+    arena replaced by its mirror view, and its source by a host tensor."""
+    if not _stagings:
+        return pairs
+    routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for destination, source in pairs:
+        entry = _routes.get(id(destination))
+        if entry is None or entry[0] is not destination:
+            entry = _route(destination)
+        _, mirror, staging = entry
+        if staging is None or mirror is None:
+            routed.append((destination, source))
+        else:
+            routed.append((mirror, staging.host_source(source, destination)))
+    return routed
+
+
+def _route(destination: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, HostStaging | None]:
+    entry: tuple[torch.Tensor, torch.Tensor | None, HostStaging | None] = (destination, None, None)
+    for staging in list(_stagings):
+        if staging.holds(destination):
+            entry = (destination, staging.mirror_of(destination), staging)
+            break
+    if len(_routes) > _ROUTE_CACHE_LIMIT:
+        _routes.clear()
+    _routes[id(destination)] = entry
+    return entry
+
+
+def _like(memory: torch.Tensor, tensor: torch.Tensor, offset: Any) -> torch.Tensor:
+    """A view of byte tensor ``memory`` with ``tensor``'s dtype, shape and
+    strides at element ``offset``."""
+    return memory.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), offset)
+
+
+def _is_cpu(tensor: torch.Tensor) -> bool:
+    return tensor.is_cpu
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGNMENT) * ALIGNMENT
+
+
+def staging_refusal(vendor: Any, device: torch.device) -> str | None:
+    """Why host staging cannot be used with ``vendor`` on ``device``, or None.
+
+    The in-graph copy overwrites the arena at every replay, so every write of
+    the vendor's fill hook must go through :func:`graphmode.buffers.stage`:
+    true of the built-in fill, and of plugins that declare the
+    ``host_staging`` capability. A live pinned-memory copy inside a capture
+    is checked on CUDA and the emulator only."""
+    from graphmode import default
+
+    if device.type not in ("cuda", "cpu"):
+        return f"host staging runs on CUDA and the cpu emulator, not {device.type}"
+    fill = vendor.hook.graphmode_fill_buffers.get_hookimpls()
+    if any(impl.plugin is not default for impl in fill) and "host_staging" not in vendor.info.capabilities:
+        return (
+            f"vendor {vendor.name!r} fills its buffers with its own graphmode_fill_buffers and does not "
+            "declare the 'host_staging' capability (every buffer write through graphmode.buffers.stage)"
+        )
+    return None
+
+
+def to_host(inputs: StepInputs, device: torch.device) -> StepInputs:
+    """``inputs`` with its per-step tensors as host tensors, as an engine that
+    builds its steps on the host passes them (for a runner on ``device``; on
+    the emulator, host copies marked as host memory)."""
+    if device.type == "cpu":
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if is_host(tensor) else mark_host(tensor.clone())
+    else:
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.cpu()
+    return _moved(inputs, move)
+
+
+def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
+    """``inputs`` with its per-step host tensors copied to ``device`` (a copy
+    on the emulator, whose "device" memory is unmarked CPU memory)."""
+    if device.type == "cpu":
+        move: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.clone
+    else:
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device, non_blocking=True)
+    return _moved(inputs, move)
+
+
+def _moved(inputs: StepInputs, move: Callable[[torch.Tensor], torch.Tensor]) -> StepInputs:
+    attn = inputs.attn_metadata
+    return dataclasses.replace(
+        inputs,
+        input_ids=move(inputs.input_ids),
+        position_ids=move(inputs.position_ids),
+        attn_metadata=attn.replace(
+            block_offsets=move(attn.block_offsets),
+            q_start_loc=move(attn.q_start_loc),
+            q_seqlens=move(attn.q_seqlens),
+            kv_seqlens=move(attn.kv_seqlens),
+            kv_start_indices=move(attn.kv_start_indices),
+        ),
+    )

@@ -1,0 +1,185 @@
+"""Host staging: step inputs from the host, one pinned mirror copied inside
+every graph. On the emulator, and the ordering on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from setups import tiny_setup
+
+import graphmode
+from graphmode import ConfigError, InputError
+from graphmode.emulator import is_host, is_pinned_host
+from graphmode.staging import to_device, to_host
+
+
+def churn(setup, batches):
+    """Decode steps over ``batches`` (sequences added or finished between
+    steps), checking graph against eager at every step."""
+    seqs = setup.prefill(max(batches))
+    for batch in batches:
+        graph, eager = setup.decode(seqs[:batch])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5, msg=f"batch {batch}")
+    assert setup.caches_close()
+
+
+def test_host_inputs_turn_host_staging_on_and_graph_equals_eager_across_buckets():
+    setup = tiny_setup(max_batches=16, host_inputs=True)
+    # Within a bucket (5..8), across buckets, and a smaller batch after a
+    # larger one: the padding rows must be reset in the mirror.
+    churn(setup, [8, 7, 5, 16, 3, 1, 12, 2, 8])
+    runner = setup.runner
+    assert runner.staging is not None
+    assert runner.stats.captures == 5 and runner.stats.replays == 4
+    meta = runner.graph_meta()
+    arena = runner.staging.arena
+    for name in ("input_ids", "block_offsets", "kv_seqlens", "kv_start_indices"):
+        assert meta.input_buffers[name].untyped_storage().data_ptr() == arena.untyped_storage().data_ptr(), name
+    assert is_pinned_host(runner.staging.mirror) and not is_host(arena)
+
+
+def test_host_and_device_staged_runners_give_identical_results():
+    host = tiny_setup(host_inputs=True)
+    device = tiny_setup()
+    seqs = host.prefill(9)
+    assert device.prefill(9) == seqs
+    for batch in (9, 4, 9, 6, 1):
+        host_out, _ = host.decode(seqs[:batch])
+        device_out, _ = device.decode(seqs[:batch])
+        assert torch.equal(host_out, device_out), f"batch {batch}"
+    assert host.runner.staging is not None and device.runner.staging is None
+
+
+def test_the_graph_copies_only_its_bucket_rows_of_the_block_table():
+    setup = tiny_setup(max_batches=16, width=8, host_inputs=True)
+    churn(setup, [2])
+    staging = setup.runner.staging
+    table = setup.runner.graph_meta().input_buffers["block_offsets"]
+    assert staging.offsets["block_offsets"] == max(staging.offsets.values())  # the table is last
+    assert staging.region(2) == staging.offsets["block_offsets"] + 2 * 8 * table.element_size()
+    assert staging.region(16) == staging.offsets["block_offsets"] + table.numel() * table.element_size()
+
+
+def test_device_inputs_on_a_host_staged_runner_are_refused():
+    setup = tiny_setup(host_inputs=True)
+    seqs = setup.prefill(3)
+    setup.decode(seqs)
+    step = to_device(setup.engine.decode(seqs), torch.device("cpu"))  # unmarked: device memory
+    with pytest.raises(InputError, match="stages its inputs on the host") as error:
+        setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    assert "host_staging=False" in str(error.value)
+
+
+def test_host_inputs_on_a_device_staged_runner_are_copied_to_the_device():
+    setup = tiny_setup(host_staging=False)
+    churn(setup, [4, 3])
+    setup.engine.host_inputs = True
+    churn(setup, [4, 2])
+    assert setup.runner.staging is None
+
+
+def test_mixed_placement_is_refused_naming_both_fields():
+    setup = tiny_setup(host_inputs=True)
+    seqs = setup.prefill(2)
+    step = setup.engine.decode(seqs)
+    attn = step.attn_metadata.replace(kv_seqlens=step.attn_metadata.kv_seqlens.clone())  # device memory
+    with pytest.raises(InputError, match="attn_metadata.kv_seqlens is on cpu but input_ids is on the host"):
+        setup.runner(step.input_ids, step.position_ids, setup.graph_cache, attn)
+
+
+def test_prefill_with_host_inputs_runs_eagerly_on_a_host_staged_runner():
+    setup = tiny_setup(host_inputs=True, host_staging=True)
+    churn(setup, [3, 3])  # prefill (eager) then decode (graph)
+    assert setup.runner.stats.eager_steps["prefill"] == 1
+
+
+def test_warmup_of_a_host_staged_runner_captures_from_the_host():
+    setup = tiny_setup(max_batches=8, host_inputs=True, host_staging=True)
+    with torch.inference_mode():
+        setup.runner.warmup(setup.graph_cache, progress=False)
+    assert sorted(setup.runner.captured_buckets) == [1, 2, 4, 8]
+    churn(setup, [5, 2, 8])
+    assert setup.runner.stats.captures == 4
+
+
+def test_warmup_before_any_step_with_host_staging_none_keeps_the_device_fill():
+    setup = tiny_setup(max_batches=4)
+    with torch.inference_mode():
+        setup.runner.warmup(setup.graph_cache, progress=False)
+    assert setup.runner.staging is None
+    setup.engine.host_inputs = True
+    churn(setup, [3])  # host inputs are still served, copied to the device
+
+
+def test_a_plugin_with_its_own_fill_hook_does_not_get_host_staging():
+    setup = tiny_setup("ascend", host_inputs=True)
+    churn(setup, [3, 2])
+    assert setup.runner.staging is None
+    with pytest.raises(ConfigError, match="its own graphmode_fill_buffers"):
+        tiny_setup("ascend", host_staging=True)
+
+
+def test_a_plugin_declaring_the_capability_gets_host_staging():
+    from graphmode import default
+
+    class Declared:
+        @graphmode.hookimpl
+        def graphmode_vendor_info(self):
+            return graphmode.VendorInfo("declared", ("cuda",), "torch", None, False, "test",
+                                        capabilities={"host_staging"})
+
+        @graphmode.hookimpl
+        def graphmode_fill_buffers(self, meta, inputs, batch_size, bucket):
+            return default.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch_size, bucket=bucket)
+
+    setup = tiny_setup("declared", plugin=Declared(), host_inputs=True)
+    churn(setup, [3, 2, 4])
+    assert setup.runner.staging is not None
+
+
+def test_a_device_source_in_stage_is_refused_naming_the_buffer():
+    setup = tiny_setup(host_inputs=True)
+    churn(setup, [2])
+    meta = setup.runner.graph_meta()
+    with pytest.raises(InputError, match="'kv_seqlens' buffer are a device tensor"):
+        graphmode.buffers.stage([(meta.input_buffers["kv_seqlens"][:2], torch.ones(2, dtype=torch.int32))])
+
+
+def test_to_host_marks_host_memory_on_the_emulator():
+    setup = tiny_setup()
+    seqs = setup.prefill(2)
+    step = to_host(setup.engine.decode(seqs), torch.device("cpu"))
+    assert is_host(step.input_ids) and is_host(step.attn_metadata.block_offsets)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the ordering hazard needs an asynchronous device")
+def test_writing_the_mirror_waits_for_the_previous_replays_copy():
+    """Two host-staged steps back to back, the first one's graph slow: the
+    second step's mirror write must not reach the first graph's copy."""
+    torch.manual_seed(0)
+    weight = torch.randn(512, 512, device="cuda") / 512**0.5
+
+    def model(input_ids, position_ids, past_key_values, attn_metadata):
+        x = weight[:, :1].T.repeat(input_ids.shape[1], 1) * 0
+        for _ in range(200):  # long enough that the host runs ahead
+            x = torch.tanh(x @ weight)
+        return (x.sum(-1, keepdim=True) * 0 + input_ids[0, :, None].float())[None]
+
+    runner = graphmode.build_graph_runner(model, max_batches=4, num_blocks=2, block_size=16, device="cuda",
+                                          host_staging=True, capture_batch_sizes=[4])
+
+    def step(value):
+        attn = graphmode.AttnMetadata(
+            is_decoding=True, block_offsets=torch.ones((4, 1), dtype=torch.int32),
+            q_start_loc=torch.arange(4, dtype=torch.int32), q_seqlens=torch.ones(4, dtype=torch.int32),
+            kv_seqlens=torch.ones(4, dtype=torch.int32), kv_start_indices=torch.full((4,), -1),
+            max_q_seq_len=1, max_kv_seq_len=1)
+        return runner(torch.full((1, 4), value), torch.zeros((1, 4), dtype=torch.int64), None, attn)
+
+    with torch.inference_mode():
+        step(0)  # capture
+        outputs = []
+        for value in range(1, 20):
+            outputs.append(step(value).clone())  # queued behind the replay that produced it
+        torch.cuda.synchronize()
+    assert [int(o[0, 0, 0]) for o in outputs] == list(range(1, 20))
