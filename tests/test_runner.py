@@ -41,7 +41,7 @@ def test_first_step_of_a_bucket_captures_later_steps_replay():
     stats = setup.runner.stats
     assert (stats.captures, stats.replays) == (2, 1)
     assert (stats.real_tokens, stats.padded_tokens) == (8, 2)
-    assert stats.summary() == "2 captures, 1 replays, eager steps: 1 prefill; padding 2/10 tokens (20.0%)"
+    assert stats.summary() == "2 captures (0 in warm-up), 1 replays, eager steps: 1 prefill; padding 2/10 tokens (20.0%)"
 
 
 def test_replay_result_is_a_view_of_the_graph_output_valid_until_the_next_step():

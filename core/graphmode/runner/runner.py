@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import threading
 import sys
 import time
 from collections.abc import Iterator
@@ -52,6 +53,7 @@ class CapturedGraph:
     meta: GraphMeta
     past_key_values: Any
     extras: dict[str, Any]
+    cache_tensors: list[Any]
 
 
 class GraphRunner:
@@ -82,6 +84,7 @@ class GraphRunner:
         self._graphs: dict[int, CapturedGraph] = {}
         self._pool: Any = None
         self.stats = RunnerStats()
+        self._busy = threading.Lock()
         # What warm-ups and captures run: the model, or its compiled forward.
         self._compiled = config.compile and config.execute_mode == "graph"
         self._forward = self._compile_model() if self._compiled else model
@@ -177,11 +180,23 @@ class GraphRunner:
         **extras: Any,
     ) -> Any:
         inputs = StepInputs(input_ids, position_ids, past_key_values, attn_metadata, extras)
-        # Always in inference mode: buffers made in it can only be written in it.
-        if torch.is_inference_mode_enabled():
-            return self._step(inputs)
-        with torch.inference_mode():
-            return self._step(inputs)
+        # One step at a time: steps share the input buffers, and a result is a
+        # view of its graph's output until the next step. A second thread would
+        # overwrite both mid-step, so it is refused rather than queued.
+        if not self._busy.acquire(blocking=False):
+            raise InputError(
+                "GraphRunner called while another call is running (from another thread): a "
+                "runner's buffers and outputs belong to one step at a time. Call it from one "
+                "thread, or serialise the calls and copy each result before the next call"
+            )
+        try:
+            # Always in inference mode: buffers made in it can only be written in it.
+            if torch.is_inference_mode_enabled():
+                return self._step(inputs)
+            with torch.inference_mode():
+                return self._step(inputs)
+        finally:
+            self._busy.release()
 
     def _step(self, inputs: StepInputs) -> Any:
         batch, on_host = check_inputs(inputs, self.config)
@@ -256,7 +271,7 @@ class GraphRunner:
         self.stats.padded_tokens += bucket - batch
         return self._hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
 
-    def _capture(self, inputs: StepInputs, batch: int, bucket: int) -> Any:
+    def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
         if self._ranks is not None and not self._ranks.check_replays:
             # Before the warm-up's collectives: disagreeing ranks would hang in them.
             self._ranks.agree_on_step(batch, bucket, "capture")
@@ -293,10 +308,15 @@ class GraphRunner:
             raise
         if self._pool is None:
             self._pool = graph.pool()
-        self._graphs[bucket] = CapturedGraph(bucket, graph, meta, static.past_key_values, dict(static.extras))
+        self._graphs[bucket] = CapturedGraph(
+            bucket, graph, meta, static.past_key_values, dict(static.extras), cache_tensors(static.past_key_values)
+        )
         self.stats.captures += 1
-        self.stats.real_tokens += batch
-        self.stats.padded_tokens += bucket - batch
+        if warmup:  # an inert step: no served tokens
+            self.stats.warmup_captures += 1
+        else:
+            self.stats.real_tokens += batch
+            self.stats.padded_tokens += bucket - batch
         warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})
         return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch)
 
@@ -338,7 +358,7 @@ class GraphRunner:
             for index, bucket in enumerate(todo):
                 if progress:
                     self._report(f"capturing bucket {bucket} ({index + 1}/{len(todo)})", last=index + 1 == len(todo))
-                self._capture(self._inert_step(bucket, past_key_values, extras), bucket, bucket)
+                self._capture(self._inert_step(bucket, past_key_values, extras), bucket, bucket, warmup=True)
 
     def _inert_step(self, batch: int, past_key_values: Any, extras: dict[str, Any]) -> StepInputs:
         device, int32 = self.config.device, torch.int32
@@ -423,17 +443,27 @@ def _rank_sync(process_group: Any, check_ranks: str) -> Any:
     return RankSync(process_group, check_replays=check_ranks == "always")
 
 
+def cache_tensors(past_key_values: Any) -> list[Any]:
+    """The KV cache's tensors in order. The usual list of (key, value) pairs
+    is walked directly, which costs a fraction of a general tree flatten."""
+    if isinstance(past_key_values, (list, tuple)) and all(type(layer) in (tuple, list) for layer in past_key_values):
+        return [tensor for layer in past_key_values for tensor in layer]
+    return tree_flatten(past_key_values)[0]
+
+
 def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
-    """A graph reads what it captured: a new KV cache or a changed extra
-    input would be silently ignored, so refuse it."""
-    if inputs.past_key_values is not captured.past_key_values:
-        now, then = tree_flatten(inputs.past_key_values)[0], tree_flatten(captured.past_key_values)[0]
-        if len(now) != len(then) or any(a is not b for a, b in zip(now, then)):
-            raise InputError(
-                f"past_key_values are not the tensors the graph of bucket {captured.bucket} "
-                "captured; the graph would keep using the old cache. Call runner.reset() "
-                "after reallocating the KV cache"
-            )
+    """A graph reads what it captured: a new KV cache (or a cache tensor
+    replaced inside the same container) or a changed extra input would be
+    silently ignored, so refuse it."""
+    now, then = cache_tensors(inputs.past_key_values), captured.cache_tensors
+    if len(now) != len(then) or any(a is not b for a, b in zip(now, then)):
+        changed = next((i for i, (a, b) in enumerate(zip(now, then)) if a is not b), min(len(now), len(then)))
+        raise InputError(
+            f"past_key_values are not the tensors the graph of bucket {captured.bucket} captured "
+            f"(tensor {changed} of {len(then)} differs; {len(now)} given): the graph would keep "
+            "reading and writing the old cache. Call runner.reset() after reallocating or "
+            "replacing any KV-cache tensor"
+        )
     if inputs.extras or captured.extras:
         for name in inputs.extras.keys() | captured.extras.keys():
             if inputs.extras.get(name) is not captured.extras.get(name):

@@ -17,7 +17,8 @@ EAGER_REASONS = {
 
 @dataclass
 class RunnerStats:
-    """captures: graphs captured. replays: steps served by replaying a graph.
+    """captures: graphs captured, warm-up included. warmup_captures: those
+    captured by ``warmup()`` from inert steps, which serve no tokens. replays: steps served by replaying a graph.
     eager_steps: steps run eagerly, by reason (see ``EAGER_REASONS``).
     real_tokens / padded_tokens: live and padding tokens of graph steps.
     compile_seconds: with compile=True, host seconds spent in the compiled
@@ -26,6 +27,7 @@ class RunnerStats:
         compiles for), plus the launch of each warm-up step."""
 
     captures: int = 0
+    warmup_captures: int = 0
     replays: int = 0
     eager_steps: Counter = field(default_factory=Counter)
     real_tokens: int = 0
@@ -42,7 +44,7 @@ class RunnerStats:
         eager = ", ".join(f"{n} {reason}" for reason, n in sorted(self.eager_steps.items())) or "none"
         compiled = f"; compile {self.compile_seconds:.1f} s" if self.compile_seconds else ""
         return (
-            f"{self.captures} captures, {self.replays} replays, eager steps: {eager}; "
+            f"{self.captures} captures ({self.warmup_captures} in warm-up), {self.replays} replays, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
             f"({self.padding_fraction:.1%}){compiled}"
         )

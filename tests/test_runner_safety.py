@@ -1,0 +1,72 @@
+"""Engine mistakes that would otherwise give silently wrong results: a KV
+cache tensor replaced inside the captured container, two threads in one
+runner, and warm-up steps counted as served tokens."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from setups import tiny_setup
+
+from graphmode import InputError
+
+
+def test_a_cache_tensor_replaced_inside_the_same_container_is_refused():
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4])
+    seqs = setup.prefill(2)
+    setup.decode(seqs)  # captures bucket 2 with the cache's current tensors
+    key, value = setup.graph_cache[1]
+    setup.graph_cache[1] = (key.clone(), value)  # same list object, a new key tensor
+    with pytest.raises(InputError, match=r"tensor 2 of 4 differs.*Call runner.reset\(\)"):
+        setup.decode(seqs)
+    setup.runner.reset()
+    graph, eager = setup.decode(seqs)  # recaptured on the new tensors
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+
+
+class _Gate(torch.nn.Module):
+    """The model, paused inside its forward until released."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def forward(self, *args, **kwargs):
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the gate"
+        return self.model(*args, **kwargs)
+
+
+def test_a_second_thread_calling_during_a_step_is_refused():
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4])
+    seqs = setup.prefill(2)
+    gate = _Gate(setup.model)
+    setup.runner.model = gate  # eager steps (and captures) now pause in the forward
+    step = setup.engine.prefill([setup.engine.add()], [3])
+    first = threading.Thread(
+        target=lambda: setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    )
+    first.start()
+    assert gate.entered.wait(10)
+    decode = setup.engine.decode(seqs)
+    with pytest.raises(InputError, match="another call is running"):
+        setup.runner(decode.input_ids, decode.position_ids, setup.graph_cache, decode.attn_metadata)
+    gate.release.set()
+    first.join()
+    setup.runner(decode.input_ids, decode.position_ids, setup.graph_cache, decode.attn_metadata)  # free again
+
+
+def test_warmup_captures_count_apart_from_served_tokens():
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4])
+    with torch.inference_mode():
+        setup.runner.warmup(setup.graph_cache, progress=False)
+    stats = setup.runner.stats
+    assert (stats.captures, stats.warmup_captures, stats.real_tokens, stats.padded_tokens) == (3, 3, 0, 0)
+    seqs = setup.prefill(3)
+    setup.decode(seqs)
+    assert (stats.replays, stats.real_tokens, stats.padded_tokens) == (1, 3, 1)
+    assert stats.summary().startswith("3 captures (3 in warm-up), 1 replays")
