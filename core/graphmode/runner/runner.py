@@ -21,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import threading
+import itertools
+import operator
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -446,9 +448,12 @@ def _rank_sync(process_group: Any, check_ranks: str) -> Any:
 def cache_tensors(past_key_values: Any) -> list[Any]:
     """The KV cache's tensors in order. The usual list of (key, value) pairs
     is walked directly, which costs a fraction of a general tree flatten."""
-    if isinstance(past_key_values, (list, tuple)) and all(type(layer) in (tuple, list) for layer in past_key_values):
-        return [tensor for layer in past_key_values for tensor in layer]
+    if type(past_key_values) in _SEQUENCES and all(type(layer) in _SEQUENCES for layer in past_key_values):
+        return list(itertools.chain.from_iterable(past_key_values))
     return tree_flatten(past_key_values)[0]
+
+
+_SEQUENCES = (list, tuple)
 
 
 def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
@@ -456,7 +461,7 @@ def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
     replaced inside the same container) or a changed extra input would be
     silently ignored, so refuse it."""
     now, then = cache_tensors(inputs.past_key_values), captured.cache_tensors
-    if len(now) != len(then) or any(a is not b for a, b in zip(now, then)):
+    if len(now) != len(then) or not all(map(operator.is_, now, then)):
         changed = next((i for i, (a, b) in enumerate(zip(now, then)) if a is not b), min(len(now), len(then)))
         raise InputError(
             f"past_key_values are not the tensors the graph of bucket {captured.bucket} captured "
