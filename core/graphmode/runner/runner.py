@@ -26,7 +26,7 @@ import operator
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,7 @@ class CapturedGraph:
     past_key_values: Any
     extras: dict[str, Any]
     cache_tensors: list[Any]
+    flatten_cache: Callable[[Any], list[Any]]
 
 
 class GraphRunner:
@@ -310,8 +311,9 @@ class GraphRunner:
             raise
         if self._pool is None:
             self._pool = graph.pool()
+        flatten = cache_flattener(static.past_key_values)
         self._graphs[bucket] = CapturedGraph(
-            bucket, graph, meta, static.past_key_values, dict(static.extras), cache_tensors(static.past_key_values)
+            bucket, graph, meta, static.past_key_values, dict(static.extras), flatten(static.past_key_values), flatten
         )
         self.stats.captures += 1
         if warmup:  # an inert step: no served tokens
@@ -445,11 +447,24 @@ def _rank_sync(process_group: Any, check_ranks: str) -> Any:
     return RankSync(process_group, check_replays=check_ranks == "always")
 
 
-def cache_tensors(past_key_values: Any) -> list[Any]:
-    """The KV cache's tensors in order. The usual list of (key, value) pairs
-    is walked directly, which costs a fraction of a general tree flatten."""
+def cache_flattener(past_key_values: Any) -> Callable[[Any], list[Any]]:
+    """How to list a KV cache's tensors in order, chosen once at capture: the
+    usual list of (key, value) pairs is chained, a fraction of the cost of a
+    general tree flatten. A later cache of another layout then lists other
+    objects (or fails to chain), and is refused all the same."""
     if type(past_key_values) in _SEQUENCES and all(type(layer) in _SEQUENCES for layer in past_key_values):
+        return _chained
+    return _leaves
+
+
+def _chained(past_key_values: Any) -> list[Any]:
+    try:
         return list(itertools.chain.from_iterable(past_key_values))
+    except TypeError:  # not a sequence of sequences any more
+        return [past_key_values]
+
+
+def _leaves(past_key_values: Any) -> list[Any]:
     return tree_flatten(past_key_values)[0]
 
 
@@ -460,7 +475,7 @@ def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
     """A graph reads what it captured: a new KV cache (or a cache tensor
     replaced inside the same container) or a changed extra input would be
     silently ignored, so refuse it."""
-    now, then = cache_tensors(inputs.past_key_values), captured.cache_tensors
+    now, then = captured.flatten_cache(inputs.past_key_values), captured.cache_tensors
     if len(now) != len(then) or not all(map(operator.is_, now, then)):
         changed = next((i for i, (a, b) in enumerate(zip(now, then)) if a is not b), min(len(now), len(then)))
         raise InputError(
