@@ -287,9 +287,9 @@ def load_model(
     ops = chosen.hook.graphmode_attention_ops()
     options = {"attn_implementation": ATTENTION, _dtype_argument(): dtype}
     if isinstance(path_or_config, PretrainedConfig):
+        # Drawn on the CPU, so that a seed gives the same weights on every device.
         torch.manual_seed(seed)
-        with torch.device(device):
-            hf_model = AutoModelForCausalLM.from_config(path_or_config, **options)
+        hf_model = AutoModelForCausalLM.from_config(path_or_config, **options)
     else:
         path = os.fspath(path_or_config)
         if not os.path.isfile(os.path.join(path, "config.json")):
