@@ -321,6 +321,43 @@ def case_blocking_copy_in_capture_refused(b: Backend):
             x.copy_(source)
     except Exception as error:  # noqa: BLE001 - CUDA raises a RuntimeError subclass, the emulator CaptureError
         return {"raised": isinstance(error, RuntimeError)}
+def case_no_op_device_move_is_live(b: Backend):
+    """A move to where a tensor already is (``x.to(device=x.device)``, as
+    HF's rotary embedding moves its ``inv_freq``; ``.to(x.dtype)``) is a no-op
+    inside a capture: the graph reads the tensor live. A real conversion on
+    the device (to float64 and back) is recomputed."""
+    x = b.tensor([1.0, 2.0])
+    g = b.graph()
+    with g.capture():
+        same = x.to(device=x.device, dtype=torch.float32) + x.to(x.device) + x.to(torch.float32)
+        converted = x.to(x.device, torch.float64).float() * 10
+    x.copy_(b.tensor([3.0, 4.0]))
+    g.replay()
+    b.sync()
+    return {"no_op_moves": values(same), "conversion": values(converted)}
+
+
+def case_host_copy_raises(b: Backend):
+    """Copying device memory to the host (``.cpu()``) inside a capture fails."""
+    x = b.tensor([1.0, 2.0])
+    g = b.graph()
+    try:
+        with g.capture():
+            (x * 2).cpu()
+    except Exception:  # noqa: BLE001 - CUDA raises RuntimeError, the emulator CaptureError
+        return "raised"
+    return "did not raise"
+
+
+def case_to_host_raises(b: Backend):
+    """``.to("cpu")`` of device memory inside a capture fails, like ``.cpu()``."""
+    x = b.tensor([1.0, 2.0])
+    g = b.graph()
+    try:
+        with g.capture():
+            (x * 2).to("cpu")
+    except Exception:  # noqa: BLE001 - CUDA raises RuntimeError, the emulator CaptureError
+        return "raised"
     return "did not raise"
 
 
@@ -331,6 +368,8 @@ _FAILING = (
     "host_sync_raises",
     "pageable_copy_in_capture_refused",
     "blocking_copy_in_capture_refused",
+    "host_copy_raises",
+    "to_host_raises",
 )
 CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 CASES = {**{k: v for k, v in CASES.items() if k not in _FAILING}, **{k: CASES[k] for k in _FAILING}}
@@ -357,6 +396,9 @@ EXPECTED = {
     "pinned_copy_in_capture_is_live": {"after_capture": [0, 0, 0], "replays": [[20, 40, 60], [8, 10, 12]]},
     "pageable_copy_in_capture_refused": {"raised": True, "says pinned": True},
     "blocking_copy_in_capture_refused": {"raised": True},
+    "no_op_device_move_is_live": {"no_op_moves": [9.0, 12.0], "conversion": [30.0, 40.0]},
+    "host_copy_raises": "raised",
+    "to_host_raises": "raised",
 }
 
 # Cases whose expectation differs by nature between CUDA and the emulator.

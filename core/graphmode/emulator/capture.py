@@ -346,8 +346,19 @@ class _HostReadGuard(TorchFunctionMode):
 
 
 def _targets_cpu(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` moves to the host.
+
+    Only a device *named* as a string ("cpu"), or a host tensor to match, says
+    so. A ``torch.device`` object is the tensor's own device in
+    device-agnostic code (``x.to(device=y.device)``, HF's rotary embedding):
+    on a GPU that move is a no-op inside a capture, so it is one here too,
+    although on the emulator ``y.device`` is the CPU. The two cannot be told
+    apart, so ``.to(torch.device("cpu"))`` passes here (use ``.cpu()`` or
+    ``.to("cpu")`` for host copies; both are refused)."""
     for value in (*args, kwargs.get("device")):
-        if isinstance(value, (str, torch.device)):
+        if isinstance(value, torch.Tensor) and is_host(value):
+            return True
+        if isinstance(value, str):
             try:
                 if torch.device(value).type == "cpu":
                     return True

@@ -1,0 +1,199 @@
+"""Continuous batching of a Hugging Face model through graphmode.
+
+Requests arrive over time and finish at different steps; each step is either
+one prefill of the requests that just arrived (eager), a decode step of every
+running request (one token each: a graph replay), or, with ``--speculate K``,
+a verify step: each request feeds its last token plus up to K tokens drafted
+from its own history (prompt lookup), keeps the drafts the model agrees with
+and one token more. Decoding is greedy, so the tokens are exactly those of
+plain greedy decoding, only fewer steps.
+
+    python examples/serve_hf.py --model /path/to/hf-model-dir          # a local checkpoint
+    python examples/serve_hf.py --random-config llama-1b --device cuda  # random 1B Llama
+    python examples/serve_hf.py --random-config qwen3-tiny --speculate 3  # CPU emulator
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+import graphmode
+from graphmode.integrations.huggingface import PRESETS, load_model, random_config
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: int = 0  # the loop step at which the request arrives
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose keys and values are in the KV cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class PagedBatch:
+    """Owns the KV-cache blocks (block 0 stays reserved for graph padding)
+    and turns each step's new tokens into graphmode's step inputs."""
+
+    def __init__(self, num_cache_blocks: int, block_size: int, table_width: int, device: torch.device) -> None:
+        self.free = list(range(num_cache_blocks - 1, 0, -1))
+        self.block_size, self.table_width, self.device = block_size, table_width, device
+
+    def step(self, requests: list[Request], new_tokens: list[list[int]], is_decoding: bool) -> dict:
+        ids, positions, slots, starts = [], [], [], []
+        for request, tokens in zip(requests, new_tokens):
+            starts.append(len(ids))
+            for token in tokens:
+                if request.cached == len(request.blocks) * self.block_size:
+                    if len(request.blocks) == self.table_width or not self.free:
+                        raise RuntimeError("out of KV-cache blocks: raise --max-len or lower --max-batch")
+                    request.blocks.append(self.free.pop())
+                block, offset = divmod(request.cached, self.block_size)
+                ids.append(token)
+                positions.append(request.cached)
+                slots.append(request.blocks[block] * self.block_size + offset)
+                request.cached += 1
+        lengths = [len(tokens) for tokens in new_tokens]
+        kv_lens = [r.cached for r in requests]
+        table = [r.blocks + [0] * (self.table_width - len(r.blocks)) for r in requests]
+
+        def tensor(values, dtype=torch.int32):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        attn = graphmode.AttnMetadata(
+            is_decoding=is_decoding, block_offsets=tensor(table), q_start_loc=tensor(starts),
+            q_seqlens=tensor(lengths), kv_seqlens=tensor(kv_lens), kv_start_indices=tensor(slots, torch.int64),
+            max_q_seq_len=max(lengths), max_kv_seq_len=max(kv_lens), kv_seqlens_cpu=torch.tensor(kv_lens),
+        )
+        return dict(input_ids=tensor([ids], torch.int64), position_ids=tensor([positions], torch.int64),
+                    attn_metadata=attn)
+
+    def release(self, request: Request) -> None:
+        self.free.extend(reversed(request.blocks))
+        request.blocks = []
+
+
+def draft(tokens: list[int], k: int, n: int = 2) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the
+    last ``n`` tokens (prompt-lookup decoding); none if there is none."""
+    tail = tokens[-n:]
+    for start in range(len(tokens) - n - 1, -1, -1):
+        if tokens[start : start + n] == tail:
+            return tokens[start + n : start + n + k]
+    return []
+
+
+def serve(runner, kv_cache, batch: PagedBatch, requests: list[Request], *, max_batch: int,
+          speculate: int = 0, eos: set[int] = frozenset(), observe=None) -> Counter:
+    """Run every request to completion; return the number of steps by kind
+    (prefill, decode, verify) and of drafted and accepted tokens.
+    ``observe(request, rows)``, if given, sees the logits rows that chose the
+    tokens a step appended to a request (before truncation at the end)."""
+    waiting = sorted(requests, key=lambda r: r.arrival)
+    running: list[Request] = []
+    steps: Counter = Counter()
+    clock = 0
+    while waiting or running:
+        arrived = [r for r in waiting if r.arrival <= clock][: max_batch - len(running)]
+        if arrived:  # prefill the newcomers (an eager step)
+            logits = runner(past_key_values=kv_cache, **batch.step(arrived, [r.prompt for r in arrived], False))
+            ends = torch.tensor([len(r.prompt) for r in arrived]).cumsum(0) - 1
+            rows = logits[0, ends.to(logits.device)]
+            for i, (request, token) in enumerate(zip(arrived, rows.argmax(-1).tolist())):
+                request.output.append(token)
+                waiting.remove(request)
+                if observe:
+                    observe(request, rows[i : i + 1])
+            running += arrived
+            steps["prefill"] += 1
+        elif running:  # decode (graph replay), or verify drafted tokens
+            drafts = [draft(r.tokens, speculate) if speculate else [] for r in running]
+            fed = [[r.output[-1], *d] for r, d in zip(running, drafts)]
+            logits = runner(past_key_values=kv_cache, **batch.step(running, fed, True))
+            greedy = logits[0].argmax(-1).tolist()
+            start = 0
+            for request, proposal in zip(running, drafts):
+                choices = greedy[start : start + 1 + len(proposal)]
+                accepted = 0
+                while accepted < len(proposal) and proposal[accepted] == choices[accepted]:
+                    accepted += 1
+                request.output += choices[: accepted + 1]
+                if observe:
+                    observe(request, logits[0, start : start + accepted + 1])
+                start += 1 + len(proposal)
+                if proposal:
+                    steps["drafted"] += len(proposal)
+                    steps["accepted"] += accepted
+                request.cached -= len(proposal) - accepted  # rejected drafts' keys are overwritten later
+            steps["verify" if any(drafts) else "decode"] += 1
+        for request in list(running):  # finish at max_new_tokens or after an end-of-sequence token
+            end = next((i + 1 for i, t in enumerate(request.output) if t in eos), request.max_new_tokens)
+            end = min(end, request.max_new_tokens)
+            if len(request.output) >= end:
+                del request.output[end:]
+                batch.release(request)
+                running.remove(request)
+        clock += 1
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a local Hugging Face model directory")
+    source.add_argument("--random-config", choices=sorted(PRESETS), help="a random model of this shape")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument("--vendor", default=None)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-batch", type=int, default=8, help="the most requests decoding at once")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--speculate", type=int, default=0, metavar="K", help="verify up to K drafted tokens")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--eager", action="store_true", help="run every step eagerly, for comparison")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    model = load_model(args.model or random_config(args.random_config), device, dtype, vendor=args.vendor)
+    max_len = args.prompt_len + args.max_new_tokens + args.speculate
+    width = -(-max_len // args.block_size)
+    kv_cache = model.make_kv_cache(args.max_batch * width + 1, args.block_size)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=args.max_batch, num_blocks=width, block_size=args.block_size, vendor=args.vendor,
+        execute_mode="eager" if args.eager else "graph",
+    )
+    batch = PagedBatch(args.max_batch * width + 1, args.block_size, width, device)
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    requests = [
+        Request(torch.randint(vocab, (args.prompt_len,), generator=generator).tolist(),
+                max_new_tokens=max(1, args.max_new_tokens - 7 * (i % 4)), arrival=3 * i)
+        for i in range(args.requests)
+    ]
+    eos = model.config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    begin = time.perf_counter()
+    steps = serve(runner, kv_cache, batch, requests, max_batch=args.max_batch, speculate=args.speculate, eos=eos)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - begin
+    generated = sum(len(r.output) for r in requests)
+    print(f"{args.model or args.random_config} on {device} ({dtype}): {len(requests)} requests, "
+          f"{generated} tokens in {seconds:.2f} s = {generated / seconds:.1f} tokens/s")
+    print(f"steps: {dict(steps)}; runner: {runner.stats.summary()}")
+    print(f"request 0: {requests[0].output[:16]} ...")
+
+
+if __name__ == "__main__":
+    main()
