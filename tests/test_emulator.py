@@ -14,14 +14,18 @@ from graphmode.emulator import EmulatedGraph, mark_host, npu, register_updatable
 from graphmode.model.ops import ReferenceAttentionOps
 
 
-@torch.library.custom_op("graphmode_test::add_lengths", mutates_args=())
+# The schemas are written out (as torch 2.13 infers them): torch 2.5 infers
+# none from ``list[int]``.
+@torch.library.custom_op("graphmode_test::add_lengths", mutates_args=(), schema="(Tensor x, SymInt[] lengths) -> Tensor")
 def add_lengths(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Adds host lengths to each row: a stand-in for an attention kernel that
     takes its kv lengths as host values."""
     return x + torch.tensor(lengths, dtype=x.dtype)[:, None]
 
 
-@torch.library.custom_op("graphmode_test::add_lengths_out", mutates_args=("out",))
+@torch.library.custom_op(
+    "graphmode_test::add_lengths_out", mutates_args=("out",), schema="(Tensor x, SymInt[] lengths, Tensor(a!) out) -> ()"
+)
 def add_lengths_out(x: torch.Tensor, lengths: list[int], out: torch.Tensor) -> None:
     out.copy_(x + torch.tensor(lengths, dtype=x.dtype)[:, None])
 

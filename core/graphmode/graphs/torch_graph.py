@@ -1,7 +1,8 @@
 """Adapters from PyTorch's graph classes to :class:`DeviceGraph`.
 
 ``torch.accelerator.Graph`` (PyTorch 2.12+) is used where the device is the
-current accelerator; otherwise the device module's own class, found by name
+current accelerator and torch registered a graph implementation for its type
+(in 2.12 and 2.13, XPU only); otherwise the device module's own class, found by name
 (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``, ``torch.mlu.MLUGraph``,
 ``torch.xpu.XPUGraph``). Capture always runs on a side stream, one per device,
 shared by all graphs so that they can share one memory pool.
@@ -9,7 +10,7 @@ shared by all graphs so that they can share one memory pool.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -19,6 +20,9 @@ from graphmode.graphs.base import DeviceGraph
 __all__ = ["AcceleratorGraph", "TorchGraph", "accelerator_graph_available", "make_device_graph"]
 
 _capture_streams: dict[torch.device, Any] = {}
+
+# The capture modes of torch.accelerator.Graph (and of CUDAGraph.capture_begin).
+CaptureErrorMode = Literal["default", "global", "thread_local", "relaxed"]
 
 
 def _capture_stream(device: torch.device, make: Any) -> Any:
@@ -107,7 +111,7 @@ class AcceleratorGraph(TorchGraph):
     """``torch.accelerator.Graph`` (PyTorch 2.12+): the pool and the capture
     mode are set on the object rather than passed to ``capture_begin``."""
 
-    def __init__(self, device: torch.device, *, capture_error_mode: str = "thread_local") -> None:
+    def __init__(self, device: torch.device, *, capture_error_mode: CaptureErrorMode = "thread_local") -> None:
         graph = torch.accelerator.Graph(capture_error_mode=capture_error_mode)
         super().__init__(device, graph, capture_error_mode=capture_error_mode)
 
@@ -124,15 +128,53 @@ class AcceleratorGraph(TorchGraph):
             raise
 
 
+# The answer for each device type, once probed: torch registers graph
+# implementations when its backend libraries load, so it does not change
+# within a process.
+_graph_impl_registered: dict[str, bool] = {}
+
+# ATen's refusal when no implementation is registered for the device type
+# (aten/src/ATen/accelerator/Graph.cpp in pytorch/pytorch).
+_NO_GRAPH_IMPL = "Graph is not supported on device type"
+
+
+def _accelerator_graph_impl_registered(device_type: str) -> bool:
+    """Whether torch registered a ``torch.accelerator.Graph`` implementation
+    for the current accelerator, whose type is ``device_type``.
+
+    The class exists in torch 2.12+ for every device, but ATen's constructor
+    checks ``at::has_graph_impl(device_type)`` and raises "Graph is not
+    supported on device type" where none is registered: in 2.12 and 2.13 only
+    XPU registers one, not CUDA (and so not MACA or PPU, which run on torch's
+    CUDA device type). torch exposes no predicate for it to Python, so this
+    constructs one graph, once per device type, and keeps the answer. Any other
+    error is raised: it is not an answer to this question.
+    """
+    if device_type not in _graph_impl_registered:
+        try:
+            torch.accelerator.Graph()
+        except RuntimeError as error:
+            if _NO_GRAPH_IMPL not in str(error):
+                raise
+            _graph_impl_registered[device_type] = False
+        else:
+            _graph_impl_registered[device_type] = True
+    return _graph_impl_registered[device_type]
+
+
 def accelerator_graph_available(device: torch.device) -> bool:
-    """Whether ``torch.accelerator.Graph`` drives graphs on ``device``."""
+    """Whether ``torch.accelerator.Graph`` drives graphs on ``device``: torch
+    has the class (2.12+), ``device`` is of the current accelerator's type, and
+    torch registered a graph implementation for that type."""
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is None or not hasattr(accelerator, "Graph"):
         return False
     if not accelerator.is_available():
         return False
     current = accelerator.current_accelerator()
-    return current is not None and current.type == torch.device(device).type
+    if current is None or current.type != torch.device(device).type:
+        return False
+    return _accelerator_graph_impl_registered(current.type)
 
 
 def make_device_graph(device: torch.device) -> DeviceGraph:

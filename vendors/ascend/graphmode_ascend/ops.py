@@ -32,7 +32,17 @@ def _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads,
     return out.reshape(batch, 1, num_heads * head_dim)
 
 
-@torch.library.custom_op("graphmode_ascend::fused_infer_attention_score", mutates_args=())
+# The schemas are written out (as torch 2.13 infers them): torch 2.5 infers
+# none from ``list[int]``.
+_FIA_ARGS = (
+    "Tensor query, Tensor key, Tensor value, Tensor block_table, SymInt[] actual_seq_lengths_kv, "
+    "SymInt num_heads, SymInt num_key_value_heads, float scale, SymInt block_size"
+)
+
+
+@torch.library.custom_op(
+    "graphmode_ascend::fused_infer_attention_score", mutates_args=(), schema=f"({_FIA_ARGS}) -> Tensor"
+)
 def fused_infer_attention_score(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
     actual_seq_lengths_kv: list[int], num_heads: int, num_key_value_heads: int, scale: float, block_size: int,
@@ -42,7 +52,9 @@ def fused_infer_attention_score(
     return _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size)
 
 
-@torch.library.custom_op("graphmode_ascend::fused_infer_attention_score_out", mutates_args=("out",))
+@torch.library.custom_op(
+    "graphmode_ascend::fused_infer_attention_score_out", mutates_args=("out",), schema=f"({_FIA_ARGS}, Tensor(a!) out) -> ()"
+)
 def fused_infer_attention_score_out(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
     actual_seq_lengths_kv: list[int], num_heads: int, num_key_value_heads: int, scale: float, block_size: int,
