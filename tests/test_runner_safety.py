@@ -70,3 +70,15 @@ def test_warmup_captures_count_apart_from_served_tokens():
     setup.decode(seqs)
     assert (stats.replays, stats.real_tokens, stats.padded_tokens) == (1, 3, 1)
     assert stats.summary().startswith("3 captures (3 in warm-up), 1 replays")
+
+
+def test_every_graph_writes_its_result_into_one_shared_buffer():
+    # One result per bucket would keep every bucket's logits in the graph pool
+    # (most of the pool on a GPU); a shared buffer keeps the largest only.
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4])
+    seqs = setup.prefill(4)
+    for batch in (4, 1, 2, 4, 3, 1):  # alternate buckets: each result must be this step's
+        graph, eager = setup.decode(seqs[:batch])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5, msg=f"batch {batch}")
+    pointers = {setup.runner.graph(b).meta.output_buffers["output"].data_ptr() for b in (1, 2, 4)}
+    assert len(pointers) == 1

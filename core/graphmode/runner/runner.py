@@ -39,6 +39,7 @@ from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
+from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.stats import RunnerStats
 from graphmode.runner.validate import check_inputs
 from graphmode.staging import HostStaging, staging_refusal, to_device, to_host
@@ -88,6 +89,7 @@ class GraphRunner:
         self._pool: Any = None
         self.stats = RunnerStats()
         self._busy = threading.Lock()
+        self._outputs = SharedOutputs(config.max_batches)
         # What warm-ups and captures run: the model, or its compiled forward.
         self._compiled = config.compile and config.execute_mode == "graph"
         self._forward = self._compile_model() if self._compiled else model
@@ -294,6 +296,7 @@ class GraphRunner:
         warm_output = self._forward(**static.as_kwargs())
         if self._compiled:
             self.stats.compile_seconds += time.perf_counter() - started
+        self._outputs.prepare(warm_output, bucket)
         graph = hook.graphmode_make_graph(meta=meta)
         if self._ranks is not None:
             self._ranks.barrier()
@@ -301,7 +304,7 @@ class GraphRunner:
             with graph.capture(pool=self._pool):
                 if staging is not None:
                     staging.copy_in(bucket)  # the graph's first node: the mirror, read live
-                meta.output_buffers["output"] = self._forward(**static.as_kwargs())
+                meta.output_buffers["output"] = self._outputs.publish(self._forward(**static.as_kwargs()), bucket)
         except Exception as error:
             advice = hook.graphmode_capture_error(error=error, meta=meta, bucket=bucket)
             if advice is not None:
@@ -400,6 +403,7 @@ class GraphRunner:
             captured.graph.reset()
         self._graphs.clear()
         self._pool = None
+        self._outputs = SharedOutputs(self.config.max_batches)
         module: Any = getattr(torch, self.config.device.type, None)
         if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
             module.empty_cache()
