@@ -74,9 +74,13 @@ class RankSync:
             )
 
     def agree_on_step(self, batch: int, bucket: int | None, what: str) -> None:
-        mine = torch.tensor([batch, bucket or 0], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(everyone, mine, group=self.control)
+        # Normal tensors even inside the engine's torch.inference_mode(): gloo
+        # in torch 2.5 writes the gathered values from outside inference mode,
+        # which refuses an in-place update of an inference tensor.
+        with torch.inference_mode(False):
+            mine = torch.tensor([batch, bucket or 0], dtype=torch.int64)
+            everyone = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(everyone, mine, group=self.control)
         if any(not torch.equal(other, everyone[0]) for other in everyone):
             values = [tuple(t.tolist()) for t in everyone]
             listing = "; ".join(
