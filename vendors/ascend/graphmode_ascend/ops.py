@@ -64,7 +64,11 @@ def fused_infer_attention_score_out(
     out.copy_(_reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size))
 
 
-@torch.library.custom_op("graphmode_ascend::fused_infer_attention_score_v2", mutates_args=())
+@torch.library.custom_op(
+    "graphmode_ascend::fused_infer_attention_score_v2", mutates_args=(),
+    schema="(Tensor query, Tensor key, Tensor value, Tensor block_table, SymInt[] actual_seq_kvlen, "
+    "SymInt num_query_heads, SymInt num_key_value_heads, float softmax_scale, SymInt block_size) -> Tensor",
+)
 def fused_infer_attention_score_v2(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
     actual_seq_kvlen: list[int], num_query_heads: int, num_key_value_heads: int, softmax_scale: float,
