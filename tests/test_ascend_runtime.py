@@ -17,6 +17,8 @@ import graphmode
 from graphmode import CaptureError, ConfigError, RunnerConfig
 from graphmode.buckets import three_stage_sizes
 from graphmode.emulator import npu
+from graphmode.runner.setup import capture_sizes as capture_list
+from graphmode.runner.setup import configure
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.ops import AscendAttentionOps
 
@@ -134,8 +136,7 @@ def test_the_update_state_keeps_no_captured_tensor_alive(path, monkeypatch):
 def capture_sizes(**config) -> list[int]:
     config = RunnerConfig(**{"max_batches": 256, "num_blocks": 16, "block_size": 128, "device": "cpu", **config})
     vendor = graphmode.load_vendor("ascend")
-    vendor.hook.graphmode_check_config(config=config)
-    return vendor.hook.graphmode_capture_sizes(config=config)
+    return list(capture_list(vendor, config, configure(vendor, config)))
 
 
 def test_every_asked_size_is_captured_whatever_the_layer_count():

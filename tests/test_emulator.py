@@ -305,9 +305,9 @@ class LengthsNotRefilled:
     def graphmode_fill_buffers(self, meta, inputs, batch_size, bucket):
         keep = meta.input_buffers["kv_seqlens"].clone()
         result = yield
-        if meta.vendor_flags.setdefault("filled_once", False):
+        if meta.vendor_state.setdefault("filled_once", False):
             meta.input_buffers["kv_seqlens"].copy_(keep)
-        meta.vendor_flags["filled_once"] = True
+        meta.vendor_state["filled_once"] = True
         return result
 
 

@@ -21,7 +21,7 @@ SOURCES = "\n".join(
 
 
 def test_there_are_hooks():
-    assert len(HOOKS) == 13
+    assert len(HOOKS) == 14
 
 
 @pytest.mark.parametrize("name", HOOKS)

@@ -112,30 +112,47 @@ def test_warmup_before_any_step_with_host_staging_none_keeps_the_device_fill():
     churn(setup, [3])  # host inputs are still served, copied to the device
 
 
+class _OwnFill:
+    """A plugin filling its buffers with its own hook."""
+
+    capabilities: frozenset[str] = frozenset()
+
+    @graphmode.hookimpl
+    def graphmode_vendor_info(self):
+        return graphmode.VendorInfo("ownfill", ("cuda",), "torch", None, False, "test", capabilities=self.capabilities)
+
+    @graphmode.hookimpl
+    def graphmode_fill_buffers(self, meta, inputs, batch_size, bucket):
+        graphmode.buffers.fill(meta, inputs, batch_size, bucket)
+        return True
+
+
+class _Declared(_OwnFill):
+    capabilities = frozenset({"host_staging"})
+
+
 def test_a_plugin_with_its_own_fill_hook_does_not_get_host_staging():
-    setup = tiny_setup("ascend", host_inputs=True)
+    setup = tiny_setup("ownfill", plugin=_OwnFill(), host_inputs=True)
     churn(setup, [3, 2])
     assert setup.runner.staging is None
     with pytest.raises(ConfigError, match="its own graphmode_fill_buffers"):
-        tiny_setup("ascend", host_staging=True)
+        tiny_setup("ownfill", plugin=_OwnFill(), host_staging=True)
 
 
 def test_a_plugin_declaring_the_capability_gets_host_staging():
-    from graphmode import default
-
-    class Declared:
-        @graphmode.hookimpl
-        def graphmode_vendor_info(self):
-            return graphmode.VendorInfo("declared", ("cuda",), "torch", None, False, "test",
-                                        capabilities={"host_staging"})
-
-        @graphmode.hookimpl
-        def graphmode_fill_buffers(self, meta, inputs, batch_size, bucket):
-            return default.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch_size, bucket=bucket)
-
-    setup = tiny_setup("declared", plugin=Declared(), host_inputs=True)
+    setup = tiny_setup("declared", plugin=_Declared(), host_inputs=True)
     churn(setup, [3, 2, 4])
     assert setup.runner.staging is not None
+
+
+def test_declared_host_buffers_stay_on_the_host_under_host_staging():
+    # Ascend declares host kv lengths and q_seqlens and a live-constant mask:
+    # the device buffers move into the arena, the host ones stay, and the
+    # mask's live rows come from the host copy of its constant.
+    setup = tiny_setup("ascend", host_inputs=True, capture_batch_sizes=[1, 2, 4, 8, 16])
+    churn(setup, [8, 5, 3, 8])
+    staging = setup.runner.staging
+    assert staging is not None and "kv_seqlens" not in staging.offsets and "x_active_mask" in staging.offsets
 
 
 def test_a_device_source_in_stage_is_refused_naming_the_buffer():
@@ -143,7 +160,7 @@ def test_a_device_source_in_stage_is_refused_naming_the_buffer():
     churn(setup, [2])
     meta = setup.runner.graph_meta()
     with pytest.raises(InputError, match="'kv_seqlens' buffer are a device tensor"):
-        graphmode.buffers.stage([(meta.input_buffers["kv_seqlens"][:2], torch.ones(2, dtype=torch.int32))])
+        graphmode.buffers.stage(meta, [(meta.input_buffers["kv_seqlens"][:2], torch.ones(2, dtype=torch.int32))])
 
 
 def test_to_host_marks_host_memory_on_the_emulator():

@@ -49,7 +49,7 @@ def test_vendor_overrides_default_and_inherits_the_rest(installed):
     installed(absent="absent")
     vendor = load_vendor("absent")
     assert vendor.hook.graphmode_compatible_size(batch_size=1, capture_sizes=(1, 2, 4)) == 4
-    sizes = vendor.hook.graphmode_capture_sizes(config=graphmode.RunnerConfig(8, 4, 16, "cpu"))
+    sizes = vendor.hook.graphmode_capture_sizes(config=graphmode.RunnerConfig(8, 4, 16, "cpu"), spec=vendor.spec)
     assert sizes == [1, 2, 3, 4, 5, 6, 7, 8]  # the default's answer
 
 

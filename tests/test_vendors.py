@@ -9,10 +9,12 @@ import torch
 from setups import tiny_setup
 
 import graphmode
-from graphmode import CaptureError, ConfigError, RunnerConfig
+from graphmode import CaptureError, ConfigError
 from graphmode.buckets import three_stage_sizes
+from graphmode.runner.setup import default_capture_sizes
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import AscendGraph, resolve_update_path, uses_graph_update
+from graphmode_ascend.plugin import AscendOptions
 
 # -- Ascend: which update path -------------------------------------------------
 
@@ -70,10 +72,7 @@ def test_each_update_path_pushes_new_lengths_into_the_graph(path, monkeypatch):
 
 
 def test_ascend_capture_list_for_256_is_the_three_stage_list():
-    config = RunnerConfig(256, 16, 128, "cpu", num_layers=24)
-    vendor = graphmode.load_vendor("ascend")
-    vendor.hook.graphmode_check_config(config=config)
-    assert vendor.hook.graphmode_capture_sizes(config=config) == three_stage_sizes(256)
+    assert list(default_capture_sizes(graphmode.load_vendor("ascend"), 256)) == three_stage_sizes(256)
 
 
 # -- Ascend: capture errors become advice --------------------------------------
@@ -121,7 +120,7 @@ def test_ascend_refuses_launch_blocking_with_graphs(monkeypatch):
 
 
 def test_ascend_refuses_unknown_and_bad_options():
-    with pytest.raises(ConfigError, match=r"unknown Ascend vendor_options \['stream_budgt'\]"):
+    with pytest.raises(ConfigError, match=r"unknown vendor_options \['stream_budgt'\] for vendor 'ascend'; its options \(AscendOptions\) are \['update_path'\]"):
         tiny_setup("ascend", vendor_options={"stream_budgt": 10})
     with pytest.raises(ConfigError, match="Ascend vendor_options 'stream_budget' was removed"):
         tiny_setup("ascend", vendor_options={"stream_budget": -1})
@@ -172,7 +171,7 @@ def test_maca_and_ppu_keep_a_slot_column(vendor, kv_padding):
 
 
 def test_camb_refuses_other_block_sizes():
-    with pytest.raises(ConfigError, match="block_size=64: Cambricon's paged attention kernel takes blocks of 16 tokens"):
+    with pytest.raises(ConfigError, match="block_size=64: vendor 'camb' takes KV-cache blocks of 16 tokens"):
         tiny_setup("camb", block_size=64)
 
 
@@ -227,7 +226,7 @@ def test_vendors_say_why_they_are_not_detected(vendor, reason):
 )
 def test_graphmode_make_graph_on_the_cpu(vendor, kind):
     meta = graphmode.GraphMeta(max_batchs=4, max_tokens=4, num_blocks=2, block_size=16, device="cpu",
-                               vendor_flags={"update_path": "graph_update"})
+                               vendor_options=AscendOptions(update_path="graph_update"))
     graph = graphmode.load_vendor(vendor).hook.graphmode_make_graph(meta=meta)
     assert type(graph).__name__ == kind
 

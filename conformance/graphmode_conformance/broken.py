@@ -15,9 +15,8 @@ import graphmode.default as cuda
 import graphmode_ascend.plugin as ascend
 import graphmode_camb.plugin as camb
 import graphmode_ppu.plugin as ppu
-from graphmode import hookimpl
+from graphmode import buffers, hookimpl
 from graphmode.buckets import smallest_bucket
-from graphmode.buffers import decode_rows, stage
 
 __all__ = ["BROKEN", "ORIGINALS", "variant"]
 
@@ -47,7 +46,7 @@ def _slot_zero(meta):
 #    slots of the earlier batch's sequences stay in the padding rows.
 @hookimpl
 def _live_rows_only(meta, inputs, batch_size, bucket):
-    stage(decode_rows(meta, inputs, batch_size))
+    buffers.fill(meta, inputs, batch_size, batch_size)  # the batch as the bucket: no padding rows reset
     return True
 
 

@@ -28,6 +28,7 @@ import torch
 
 import graphmode
 from graphmode.plugins import load_vendor, select_vendor
+from graphmode.runner.setup import default_capture_sizes
 from graphmode_conformance.harness import Sizes
 
 ENV_PREFIXES = ("GRAPHMODE_", "ASCEND_", "CUDA_VISIBLE", "MLU_VISIBLE", "TORCH_NPU", "NCCL_")
@@ -168,9 +169,7 @@ def describe(target: Target) -> list[str]:
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
     sizes = Sizes()
     try:
-        config = graphmode.RunnerConfig(sizes.max_batches, sizes.table_width, sizes.block_size, device)
-        target.vendor.hook.graphmode_check_config(config=config)
-        capture = f"{target.vendor.hook.graphmode_capture_sizes(config=config)}"
+        capture = f"{list(default_capture_sizes(target.vendor, sizes.max_batches))}"
     except Exception as error:  # the header reports; the tests diagnose
         capture = f"not available ({type(error).__name__}: {error})".splitlines()[0]
     return [

@@ -1,27 +1,36 @@
-"""Helpers for vendor buffer hooks: host buffers, and staging a step's rows.
+"""The core's buffer machinery, driven by the vendor's declarations.
 
-Filling buffers is on the replay path, so it is batched: every live-row copy
-and every padding reset of one step go to the device as one ``_foreach_copy_``
-per dtype, or, with host staging, into the pinned host mirror on the host.
+From the :class:`graphmode.spec.GraphSpec` in ``meta.spec``:
+
+- :func:`allocate` makes every declared buffer at full size, holding its
+  padding value (the runner snapshots them into ``meta.padding_buffers``);
+- :func:`fill` copies one step's live rows into the buffers and resets every
+  other row to its padding value, in one fused copy per dtype;
+- :func:`graph_context` builds the step the captured forward sees, every
+  declared field a view of ``bucket`` rows of its buffer.
+
+These are the built-in plugin's buffer hooks. A plugin that fills buffers
+its own way stages its copies through :func:`stage`, so that host staging
+(:mod:`graphmode.staging`) can route them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from graphmode.context import StepInputs
+from graphmode.context import AttnMetadata, StepInputs
 from graphmode.emulator.host import mark_host
+from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
-from graphmode.staging import route
+from graphmode.spec import BLOCKS, BufferSpec
 
-__all__ = ["ROW_BUFFERS", "TOKEN_BUFFERS", "decode_rows", "host_zeros", "padding_rows", "stage"]
+__all__ = ["allocate", "fill", "graph_context", "host_zeros", "stage", "step_value"]
 
-# The buffers a decode step writes (the others are constant): per-token rows of
-# shape (1, max_tokens), and per-sequence or per-token rows along dimension 0.
-TOKEN_BUFFERS = ("input_ids", "position_ids")
-ROW_BUFFERS = ("block_offsets", "kv_seqlens", "kv_start_indices")
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
@@ -37,84 +46,217 @@ def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype, *, pin
     return tensor
 
 
-def decode_rows(
-    meta: GraphMeta, inputs: StepInputs, batch_size: int, kv_seqlens: torch.Tensor | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(buffer rows, step rows) pairs copying a decode step into the buffers
-    named in ``TOKEN_BUFFERS`` and ``ROW_BUFFERS``, and clearing the block-table
-    columns a narrower table leaves. ``kv_seqlens`` overrides the source of the
-    lengths (a host copy, for host-length buffers)."""
-    attn = inputs.attn_metadata
-    width = attn.block_offsets.shape[1]
-    key = ("decode", batch_size, width)
-    targets = meta.views.get(key)
-    if targets is None:
-        targets = meta.views[key] = _decode_targets(meta, batch_size, width)
-    destinations, constant_pairs = targets
-    sources = (
-        inputs.input_ids,
-        inputs.position_ids,
-        attn.block_offsets,
-        attn.kv_seqlens if kv_seqlens is None else kv_seqlens,
-        attn.kv_start_indices,
-    )
-    return [*zip(destinations, sources), *constant_pairs]
+def allocate(meta: GraphMeta) -> dict[str, torch.Tensor]:
+    """Every buffer ``meta.spec`` declares, at full size, holding its padding."""
+    return {
+        spec.name: spec.allocate(meta.max_batchs, meta.max_tokens, meta.num_blocks, meta.device)
+        for spec in meta.spec.buffers
+    }
 
 
-def _decode_targets(meta: GraphMeta, n: int, width: int) -> tuple[list, list]:
-    buffers = meta.input_buffers
-    blocks = buffers["block_offsets"]
-    destinations = [
-        _like_contiguous(buffers["input_ids"][:, :n]),
-        _like_contiguous(buffers["position_ids"][:, :n]),
-        blocks[:n, :width],
-        buffers["kv_seqlens"][:n],
-        buffers["kv_start_indices"][:n].view(n),  # one slot per token, whatever the buffer's shape
-    ]
-    clear_tail = [(blocks[:n, width:], meta.padding_buffers["block_offsets"][:n, width:])] if width < meta.num_blocks else []
-    return destinations, clear_tail
+def live_values(meta: GraphMeta) -> dict[str, torch.Tensor]:
+    """For each buffer with a ``live`` constant, a tensor like it holding that
+    constant: the source of its live rows."""
+    return {
+        spec.name: torch.full_like(meta.input_buffers[spec.name], spec.live)
+        for spec in meta.spec.buffers
+        if spec.live is not None
+    }
 
 
-def _like_contiguous(view: torch.Tensor) -> torch.Tensor:
-    """The same memory with a contiguous tensor's strides. A (1, n) slice of
-    a (1, max_tokens) buffer has stride max_tokens in its size-1 dimension, a
-    step's (1, n) tensor has n: harmless for a copy, but ``_foreach_copy_``
-    only takes its fused path when destination and source strides match."""
+# -- one step's copies --------------------------------------------------------
+
+
+def step_value(inputs: StepInputs, path: str) -> Any:
+    """The value at ``path`` of a step (``attn_metadata.kv_seqlens``,
+    ``extras.NAME``, ``attn_metadata.vendor_fields.NAME``), None when absent."""
+    if path.startswith("extras."):
+        return inputs.extras.get(path[len("extras."):])
+    if path.startswith("attn_metadata.vendor_fields."):
+        return inputs.attn_metadata.vendor_fields.get(path[len("attn_metadata.vendor_fields."):])
+    return operator.attrgetter(path)(inputs)
+
+
+def _origin(spec: BufferSpec) -> str:
+    return " or ".join(spec.sources) or "its declared source"
+
+
+def _getter(spec: BufferSpec) -> Callable[[StepInputs], Any]:
+    if callable(spec.source):
+        return spec.source
+    paths = spec.sources
+    if len(paths) == 1 and paths[0].count(".") <= 1 and not paths[0].startswith("extras."):
+        return operator.attrgetter(paths[0])
+
+    def first_given(inputs: StepInputs) -> Any:
+        for path in paths:
+            value = step_value(inputs, path)
+            if value is not None:
+                return value
+        return None
+
+    return first_given
+
+
+class _Plan:
+    """The copies of every step of one shape (sequences, tokens, bucket,
+    block-table width), made once: destinations and how to get each one's
+    source from a step, plus the constant copies (padding rows, table tails,
+    live constants)."""
+
+    def __init__(self, meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
+        tokens = inputs.num_tokens
+        per_seq = tokens // batch
+        rows = {False: (batch, bucket), True: (tokens, bucket * per_seq)}
+        self.sourced: list[tuple[torch.Tensor, Callable[[StepInputs], Any], tuple[int, ...], BufferSpec]] = []
+        self.constant: Pairs = []
+        for spec in meta.spec.buffers:
+            if not spec.written:
+                continue
+            buffer, padding = meta.input_buffers[spec.name], meta.padding_buffers[spec.name]
+            live, full = rows[spec.per_token]
+            row = spec.row_dim
+            self.constant.append((buffer.narrow(row, live, full - live), padding.narrow(row, live, full - live)))
+            target = buffer.narrow(row, 0, live)
+            if spec.live is not None:
+                self.constant.append((target, meta.live_buffers[spec.name].narrow(row, 0, live)))
+                continue
+            get = _getter(spec)
+            value = get(inputs)
+            if value is None:
+                raise InputError(
+                    f"step input {spec.name!r} ({_origin(spec)}) is missing: the vendor or the "
+                    f"engine declared it as a per-step buffer; pass it with every step"
+                )
+            if BLOCKS in spec.shape:
+                dim = spec.shape.index(BLOCKS)
+                width = _shape(spec, value)[dim]
+                target = target.narrow(dim, 0, width)
+                tail = buffer.size(dim) - width
+                if tail > 0:
+                    self.constant.append((
+                        buffer.narrow(row, 0, live).narrow(dim, width, tail),
+                        padding.narrow(row, 0, live).narrow(dim, width, tail),
+                    ))
+            shape = _shape(spec, value)
+            if target.numel() != _numel(shape):
+                raise InputError(
+                    f"step input {spec.name!r} has shape {shape}; its buffer takes {tuple(target.shape)} for "
+                    f"{batch} sequences and {tokens} tokens (declared shape {spec.shape})"
+                )
+            self.sourced.append((_fusable(target.view(shape)), get, shape, spec))
+
+    def pairs(self, inputs: StepInputs) -> Pairs:
+        pairs = []
+        for destination, get, shape, spec in self.sourced:
+            value = get(inputs)
+            if value is None or value.shape != shape:
+                got = "nothing" if value is None else f"shape {tuple(value.shape)}"
+                raise InputError(
+                    f"step input {spec.name!r} ({_origin(spec)}) has {got}; this step's buffer rows "
+                    f"take shape {shape}. Pass it with every step, one row per "
+                    f"{'token' if spec.per_token else 'sequence'}"
+                )
+            pairs.append((destination, value))
+        pairs.extend(self.constant)
+        return pairs
+
+
+def _shape(spec: BufferSpec, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, torch.Tensor):
+        raise InputError(
+            f"step input {spec.name!r} is a {type(value).__name__}, not a tensor; pass a torch.Tensor "
+            f"of dtype {spec.dtype} (it fills a buffer of declared shape {spec.shape})"
+        )
+    return tuple(value.shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _fusable(view: torch.Tensor) -> torch.Tensor:
+    """The same memory with a contiguous tensor's strides, where that is the
+    same memory. A (1, n) slice of a (1, max_tokens) buffer has stride
+    max_tokens in its size-1 dimension, a step's (1, n) tensor has n:
+    harmless for a copy, but ``_foreach_copy_`` only takes its fused path when
+    destination and source strides match."""
+    if not view.is_contiguous():
+        return view
     return view.as_strided(view.shape, torch.empty(view.shape, device="meta").stride(), view.storage_offset())
 
 
-def padding_rows(
-    meta: GraphMeta, names: Iterable[str], start: int, stop: int, dim: int = 0
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(buffer, padding) pairs resetting positions ``start:stop`` along
-    ``dim`` of each named buffer to the values it was made with."""
-    if start >= stop:
-        return []
-    names = tuple(names)
-    key = ("padding", names, start, stop, dim)
-    pairs = meta.views.get(key)
-    if pairs is None:
-        pairs = meta.views[key] = [
-            (meta.input_buffers[name].narrow(dim, start, stop - start),
-             meta.padding_buffers[name].narrow(dim, start, stop - start))
-            for name in names
-        ]
-    return pairs
+def fill(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
+    """Copy the step's live rows into every written buffer and reset the rest
+    of the bucket's rows (and the block-table columns right of a narrower
+    table) to their padding: one fused copy per dtype."""
+    key = ("fill", batch, inputs.num_tokens, bucket, inputs.attn_metadata.block_offsets.shape[-1])
+    plan = meta.views.get(key)
+    if plan is None:
+        plan = meta.views[key] = _Plan(meta, inputs, batch, bucket)
+    stage(meta, plan.pairs(inputs))
 
 
-def stage(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def stage(meta: GraphMeta, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy every source into its destination: one ``_foreach_copy_`` per
     destination device and dtype, so that each group takes the fused path (one
     kernel on a GPU) rather than one copy per buffer.
 
-    In a runner with host staging (``graphmode.staging``), a destination in
-    the device arena is written through its pinned host mirror instead, on the
-    host: its source must then be a host tensor (or a view of the padding
-    snapshot, whose host copy is used); a device source raises InputError."""
+    With host staging (``meta.staging``), a destination in the device arena
+    is written through its pinned host mirror instead, on the host: its
+    source must then be a host tensor (or a view of a padding or live
+    constant, whose host copy is used); a device source raises InputError."""
+    if meta.staging is not None:
+        pairs = meta.staging.route(pairs)
     groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
-    for destination, source in route(pairs):
+    for destination, source in pairs:
         destinations, sources = groups.setdefault((destination.device, destination.dtype), ([], []))
         destinations.append(destination)
         sources.append(source)
     for destinations, sources in groups.values():
         torch._foreach_copy_(destinations, sources)
+
+
+# -- the captured step --------------------------------------------------------
+
+
+def graph_context(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> StepInputs:
+    """The step the captured forward sees: every declared context field a view
+    of its buffer's first ``bucket`` rows (tokens: ``bucket`` times the step's
+    tokens per sequence), the maxima the spec's policy gives, and the rest
+    of ``inputs`` (KV cache, undeclared extras) as is."""
+    spec = meta.spec
+    per_seq = inputs.num_tokens // batch
+    fields: dict[str, torch.Tensor] = {}
+    for buffer_spec in spec.buffers:
+        rows = bucket * per_seq if buffer_spec.per_token else bucket
+        view = meta.input_buffers[buffer_spec.name].narrow(buffer_spec.row_dim, 0, rows)
+        for path in buffer_spec.contexts:
+            fields[path] = view
+    attn_fields: dict[str, Any] = {}
+    vendor_fields: dict[str, torch.Tensor] = {}
+    for path, value in fields.items():
+        root, _, name = path.rpartition(".")
+        if root == "attn_metadata":
+            attn_fields[name] = value
+        elif root == "attn_metadata.vendor_fields":
+            vendor_fields[name] = value
+    attn = AttnMetadata(
+        is_decoding=inputs.attn_metadata.is_decoding,
+        max_q_seq_len=per_seq if spec.max_q_seq_len == "bound" else -1,
+        max_kv_seq_len=meta.kv_capacity if spec.max_kv_seq_len == "capacity" else -1,
+        vendor_fields=vendor_fields,
+        **attn_fields,
+    )
+    extras = dict(inputs.extras)
+    extras.update({path.split(".", 1)[1]: value for path, value in fields.items() if path.startswith("extras.")})
+    return StepInputs(
+        input_ids=fields["input_ids"],
+        position_ids=fields["position_ids"],
+        past_key_values=inputs.past_key_values,
+        attn_metadata=attn,
+        extras=extras,
+    )

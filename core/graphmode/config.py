@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from graphmode.errors import ConfigError
+from graphmode.spec import MODEL_INPUTS, BufferSpec
 
 __all__ = ["EXECUTE_MODES", "ENV_EXECUTE_MODE", "GRAPHED_COMPILE_MODES", "RunnerConfig", "resolve_execute_mode"]
 
@@ -55,7 +56,13 @@ class RunnerConfig:
     capture_batch_sizes: the user's bucket list; None lets the vendor choose.
     num_layers: decoder layers of the model, for vendors that budget graph
         resources per layer; None when unknown.
-    vendor_options: free-form settings for the vendor plugin.
+    vendor_options: settings for the vendor plugin: a dict of the fields of
+        its options dataclass (``GraphSpec.options``), or an instance of it.
+        The runner replaces it with the checked options object.
+    step_inputs: the engine's own per-step model inputs
+        (:class:`graphmode.spec.BufferSpec`, e.g. LoRA ids per sequence):
+        each gets a buffer filled every step with the rest, and reaches the
+        model as a view of it, under its name in the step's extras.
     compile: run the decode graphs over ``torch.compile(model)`` (Inductor
         kernels captured inside graphmode's graphs); eager steps run the
         model uncompiled. Only in graph mode, only for vendors declaring the
@@ -76,7 +83,8 @@ class RunnerConfig:
     execute_mode: str = "graph"
     capture_batch_sizes: tuple[int, ...] | None = None
     num_layers: int | None = None
-    vendor_options: dict[str, Any] = field(default_factory=dict)
+    vendor_options: Any = None
+    step_inputs: tuple[BufferSpec, ...] = ()
     compile: bool = False
     compile_options: dict[str, Any] = field(default_factory=dict)
     host_staging: bool | None = None
@@ -97,6 +105,10 @@ class RunnerConfig:
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile={self.compile!r}: must be True or False")
         self.compile_options = _clean_compile_options(self.compile, self.compile_options)
+        wrong = [s for s in self.step_inputs if not isinstance(s, BufferSpec)]
+        if wrong:
+            raise ConfigError(f"step_inputs has {wrong!r}; declare each as graphmode.spec.BufferSpec(name, dtype, ...)")
+        self.step_inputs = tuple(s.bound(MODEL_INPUTS) for s in self.step_inputs)
 
     @property
     def torch_compile_options(self) -> dict[str, Any]:

@@ -44,6 +44,8 @@ class AttnMetadata:
         passing them avoids a device-to-host copy per step.
     x_active_mask: (T,) bool, False for padding tokens, for MoE dispatch. Set by
         the vendors that need it; None otherwise.
+    vendor_fields: further per-step tensors a vendor's own kernels read,
+        by name (buffers the vendor declares; see ``graphmode.spec``).
     """
 
     is_decoding: bool
@@ -56,6 +58,7 @@ class AttnMetadata:
     max_kv_seq_len: int
     kv_seqlens_cpu: torch.Tensor | None = None
     x_active_mask: torch.Tensor | None = None
+    vendor_fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

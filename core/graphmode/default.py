@@ -2,16 +2,10 @@
 
 It implements the generic behaviour of a CUDA-style stack (lmdeploy's
 reference), registered like any other plugin. Vendor plugins register after
-it and override only what differs. Buffers, at maximum size:
-
-    input_ids, position_ids   (1, max_tokens) int64    padding 0
-    block_offsets             (max_batchs, num_blocks) int32, padding 0: the
-                              reserved block, which no sequence owns
-    q_start_loc               (max_batchs,) int32      arange, never changes
-    q_seqlens                 (max_batchs,) int32      1 (decode), never changes
-    kv_seqlens                (max_batchs,) int32      padding 1: one harmless
-                              read of the reserved block
-    kv_start_indices          (max_tokens,) int64      padding -1: no KV write
+it and override only what differs. Its buffer hooks work from the declared
+:class:`graphmode.spec.GraphSpec` (``meta.spec``): a vendor whose buffers
+differ declares them (``graphmode_graph_spec``) and keeps these hooks. The
+CUDA declarations are :data:`graphmode.spec.CUDA_SPEC`.
 """
 
 from __future__ import annotations
@@ -21,14 +15,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from graphmode import hookimpl
-from graphmode.buckets import graded_sizes, smallest_bucket
-from graphmode.buffers import ROW_BUFFERS, TOKEN_BUFFERS, decode_rows, padding_rows, stage
+from graphmode import buffers, hookimpl
+from graphmode.buckets import smallest_bucket
 from graphmode.config import RunnerConfig
-from graphmode.context import AttnMetadata, StepInputs
+from graphmode.context import StepInputs
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.meta import GraphMeta
 from graphmode.plugins.info import VendorInfo
+from graphmode.spec import CUDA_SPEC, GraphSpec
 
 
 @hookimpl
@@ -52,10 +46,15 @@ def graphmode_vendor_info() -> VendorInfo:
 
 
 @hookimpl
-def graphmode_capture_sizes(config: RunnerConfig) -> list[int]:
+def graphmode_graph_spec() -> GraphSpec:
+    return CUDA_SPEC
+
+
+@hookimpl
+def graphmode_capture_sizes(config: RunnerConfig, spec: GraphSpec) -> list[int]:
     if config.capture_batch_sizes is not None:
         return list(config.capture_batch_sizes)
-    return graded_sizes(config.max_batches)
+    return spec.capture_sizes(config.max_batches)
 
 
 @hookimpl
@@ -65,48 +64,18 @@ def graphmode_compatible_size(batch_size: int, capture_sizes: tuple[int, ...]) -
 
 @hookimpl
 def graphmode_make_buffers(meta: GraphMeta) -> dict[str, torch.Tensor]:
-    rows, tokens, device = meta.max_batchs, meta.max_tokens, meta.device
-    return {
-        "input_ids": torch.zeros((1, tokens), dtype=torch.int64, device=device),
-        "position_ids": torch.zeros((1, tokens), dtype=torch.int64, device=device),
-        "block_offsets": torch.zeros((rows, meta.num_blocks), dtype=torch.int32, device=device),
-        "q_start_loc": torch.arange(rows, dtype=torch.int32, device=device),
-        "q_seqlens": torch.ones(rows, dtype=torch.int32, device=device),
-        "kv_seqlens": torch.ones(rows, dtype=torch.int32, device=device),
-        "kv_start_indices": torch.full((tokens,), -1, dtype=torch.int64, device=device),
-    }
+    return buffers.allocate(meta)
 
 
 @hookimpl
 def graphmode_fill_buffers(meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int) -> bool:
-    stage(
-        decode_rows(meta, inputs, batch_size)
-        + padding_rows(meta, TOKEN_BUFFERS, batch_size, bucket, dim=1)
-        + padding_rows(meta, ROW_BUFFERS, batch_size, bucket)
-    )
+    buffers.fill(meta, inputs, batch_size, bucket)
     return True
 
 
 @hookimpl
 def graphmode_update_context(meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int) -> StepInputs:
-    buffers = meta.input_buffers
-    attn = AttnMetadata(
-        is_decoding=True,
-        block_offsets=buffers["block_offsets"][:bucket],
-        q_start_loc=buffers["q_start_loc"][:bucket],
-        q_seqlens=buffers["q_seqlens"][:bucket],
-        kv_seqlens=buffers["kv_seqlens"][:bucket],
-        kv_start_indices=buffers["kv_start_indices"][:bucket],
-        max_q_seq_len=1,
-        max_kv_seq_len=-1,
-    )
-    return StepInputs(
-        input_ids=buffers["input_ids"][:, :bucket],
-        position_ids=buffers["position_ids"][:, :bucket],
-        past_key_values=inputs.past_key_values,
-        attn_metadata=attn,
-        extras=inputs.extras,
-    )
+    return buffers.graph_context(meta, inputs, batch_size, bucket)
 
 
 @hookimpl

@@ -10,6 +10,7 @@ import torch
 from graphmode.config import RunnerConfig
 from graphmode.plugins import select_vendor
 from graphmode.runner import GraphRunner
+from graphmode.spec import BufferSpec
 
 __all__ = ["build_graph_runner", "model_device"]
 
@@ -32,7 +33,8 @@ def build_graph_runner(
     execute_mode: str = "graph",
     capture_batch_sizes: Sequence[int] | None = None,
     num_layers: int | None = None,
-    vendor_options: dict[str, Any] | None = None,
+    vendor_options: Any = None,
+    step_inputs: Sequence[BufferSpec] = (),
     process_group: Any = None,
     check_ranks: str = "always",
     compile: bool = False,
@@ -54,7 +56,12 @@ def build_graph_runner(
         eagerly. None lets the vendor choose.
     num_layers: decoder layers, for vendors that budget graph resources;
         read from ``model.config`` when None.
-    vendor_options: settings for the vendor plugin (see its docs).
+    vendor_options: settings for the vendor plugin (see its docs): a dict of
+        its options' fields, or its options object.
+    step_inputs: the engine's own per-step model inputs, declared as
+        :class:`graphmode.spec.BufferSpec` (name, dtype, shape, padding):
+        filled every step with the rest, passed to the model as views of
+        their buffers (docs/engines.md).
     process_group: the tensor-parallel group, when the model is sharded: the
         ranks then agree on buckets and capture together (see
         docs/tensor-parallel.md). check_ranks: "always" (default) checks that
@@ -85,7 +92,8 @@ def build_graph_runner(
         execute_mode=execute_mode,
         capture_batch_sizes=tuple(capture_batch_sizes) if capture_batch_sizes is not None else None,
         num_layers=num_layers,
-        vendor_options=dict(vendor_options or {}),
+        vendor_options=vendor_options,
+        step_inputs=tuple(step_inputs),
         compile=compile,
         compile_options=dict(compile_options or {}),
         host_staging=host_staging,

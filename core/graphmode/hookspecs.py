@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from graphmode.meta import GraphMeta
     from graphmode.model.ops import AttentionOps
     from graphmode.plugins import VendorInfo
+    from graphmode.spec import GraphSpec
 
 hookspec = pluggy.HookspecMarker("graphmode")
 
@@ -47,12 +48,29 @@ def graphmode_vendor_info() -> VendorInfo:
     """
 
 
+@hookspec(firstresult=True)
+def graphmode_graph_spec() -> GraphSpec:
+    """The vendor's declarations (:class:`graphmode.spec.GraphSpec`): its
+    graph buffers (name, dtype, shape, padding value, where a step's values
+    come from, host or device memory) and its constraints (block sizes, KV
+    layout, capture-size policy, the maxima graph contexts pass, the options
+    dataclass). The built-in buffer hooks allocate, fill and view the
+    buffers from it. Called once per runner; must be cheap and pure.
+
+    Stops at the first non-None result (the default: ``CUDA_SPEC``).
+    """
+
+
 @hookspec
 def graphmode_check_config(config: RunnerConfig) -> None:
-    """Check and normalise the runner configuration before anything is
-    allocated. Raise :class:`graphmode.ConfigError` to refuse a setting, with
-    the value and the fix in the message; fill in defaults by changing
-    ``config.vendor_options`` in place.
+    """Check the runner configuration before anything is allocated, for what
+    the declarations cannot say (an environment variable, a runtime
+    version). By then ``config.vendor_options`` is the vendor's options
+    object, built from what the engine passed and checked by its dataclass;
+    a hook may replace it with a resolved copy (``dataclasses.replace``).
+    Raise :class:`graphmode.ConfigError` to refuse a setting, with the value
+    and the fix in the message. Block sizes are checked by the core against
+    ``GraphSpec.block_sizes`` before this hook runs.
 
     Every implementation is called, the vendor's first.
     """
@@ -64,11 +82,11 @@ def graphmode_check_config(config: RunnerConfig) -> None:
 
 
 @hookspec(firstresult=True)
-def graphmode_capture_sizes(config: RunnerConfig) -> list[int]:
+def graphmode_capture_sizes(config: RunnerConfig, spec: GraphSpec) -> list[int]:
     """The batch sizes to capture a graph for: ascending, unique, within
     ``1..config.max_batches``. ``config.capture_batch_sizes`` is the user's
-    list when given; a plugin may trim it (a stream budget, say) but must not
-    add sizes to it.
+    list when given; a plugin may trim it but must not add sizes to it. The
+    default: the user's list, else ``spec.capture_sizes(max_batches)``.
 
     Stops at the first non-None result.
     """
@@ -94,6 +112,9 @@ def graphmode_compatible_size(batch_size: int, capture_sizes: tuple[int, ...]) -
 def graphmode_make_buffers(meta: GraphMeta) -> dict[str, torch.Tensor]:
     """Allocate the fixed input buffers, sized by ``meta`` (``max_batchs``
     rows per sequence, ``max_tokens`` per token). Called once per runner.
+    The default allocates every buffer of ``meta.spec``; override it only
+    for memory the declarations cannot describe, and return exactly the
+    declared names with the declared shapes.
 
     Each buffer must hold its padding value when returned: the runner
     snapshots them into ``meta.padding_buffers`` and fills unused rows from
@@ -109,12 +130,18 @@ def graphmode_fill_buffers(
     meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int
 ) -> bool:
     """Copy the live rows of ``inputs`` into ``meta.input_buffers`` and reset
-    rows ``batch_size..bucket`` to their padding values. Called before every
-    capture and every replay; must not read device values on the host (that
-    would synchronise every step), and filling twice with the same inputs
-    must leave the same buffers.
+    rows ``batch_size..bucket`` to their padding values (and block-table
+    columns right of a narrower table). Called before every capture and
+    every replay; must not read device values on the host (that would
+    synchronise every step), and filling twice with the same inputs must
+    leave the same buffers. The default does it from ``meta.spec`` in one
+    fused copy; a plugin that fills its own way writes through
+    :func:`graphmode.buffers.stage` so that host staging can route it.
 
-    Return True once done. Stops at the first non-None result.
+    The return value only ends the hook call: return True once done, so
+    that no later implementation fills again.
+
+    Stops at the first non-None result.
     """
 
 
@@ -124,11 +151,14 @@ def graphmode_update_context(
 ) -> StepInputs:
     """The step inputs the captured forward sees: every per-step tensor
     replaced by a view of its buffer holding ``bucket`` rows, host values a
-    graph would freeze replaced by their dynamic form (-1 maxima).
+    graph would freeze replaced by values that hold at every replay: per
+    ``spec.max_q_seq_len`` / ``max_kv_seq_len``, -1 ("derive on the device
+    from the length tensors") or a bound (1 query token; the block table's
+    capacity).
 
-    Called before each capture; the graph keeps reading the same buffers at
-    every replay, so the result must contain no tensor that a later step
-    replaces. Stops at the first non-None result.
+    Called only before each capture (never on replay); the graph keeps
+    reading the same buffers at every replay, so the result must contain no
+    tensor that a later step replaces. Stops at the first non-None result.
     """
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from graphmode.errors import ConfigError
+from graphmode.spec import CUDA_SPEC, GraphSpec
 
 __all__ = ["GraphMeta"]
 
@@ -37,11 +38,19 @@ class GraphMeta:
         were made: the neutral value of every element, copied back into the
         rows a step does not use.
     output_buffers: name -> the tensors one captured graph writes its result to.
-    vendor_flags: free-form switches a vendor plugin keeps with the graphs;
-        the runner starts them from ``RunnerConfig.vendor_options``.
-    views: input-buffer views by step shape, made once (slicing a dozen
-        buffers costs more host time per replay than copying into them);
-        shared by every graph, so it must hold views of input buffers only.
+    spec: the declarations the buffers are made, filled and viewed from: the
+        vendor's :class:`graphmode.spec.GraphSpec` plus the engine's step inputs.
+    live_buffers: for buffers whose live rows take a constant (``live``), a
+        tensor like the buffer holding it.
+    capture_sizes: the runner's buckets.
+    vendor_options: the vendor's options object (``spec.options``), checked.
+    vendor_state: what a plugin keeps at run time across a runner's graphs
+        (Ascend: the graphs alive, for its advice); never settings.
+    staging: the runner's :class:`graphmode.staging.HostStaging`, or None.
+    views: input-buffer views and copy plans by step shape, made once
+        (slicing a dozen buffers costs more host time per replay than copying
+        into them); shared by every graph, so it must hold views of input
+        buffers only.
     """
 
     max_batchs: int
@@ -54,7 +63,12 @@ class GraphMeta:
     input_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     padding_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     output_buffers: dict[str, Any] = field(default_factory=dict)
-    vendor_flags: dict[str, Any] = field(default_factory=dict)
+    spec: GraphSpec = CUDA_SPEC
+    live_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    capture_sizes: tuple[int, ...] = ()
+    vendor_options: Any = None
+    vendor_state: dict[str, Any] = field(default_factory=dict)
+    staging: Any = None
     views: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

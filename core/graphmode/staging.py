@@ -23,7 +23,6 @@ waits on it before writing the mirror again.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,15 +33,10 @@ from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
 
-__all__ = ["ALIGNMENT", "HostStaging", "route", "staging_refusal", "to_device", "to_host"]
+__all__ = ["ALIGNMENT", "HostStaging", "staging_refusal", "to_device", "to_host"]
 
 ALIGNMENT = 256
 _TABLE = "block_offsets"
-
-# Live stagings, and the route of each destination seen (by object id; the
-# entry holds the tensor, so the id cannot be reused while it is cached).
-_stagings: weakref.WeakSet[HostStaging] = weakref.WeakSet()
-_routes: dict[int, tuple[torch.Tensor, torch.Tensor | None, HostStaging | None]] = {}
 _ROUTE_CACHE_LIMIT = 4096
 
 
@@ -50,7 +44,9 @@ class HostStaging:
     """The arena, its pinned mirror and the host copy of the padding values
     of one runner's device input buffers. Building it re-homes the device
     tensors of ``meta.input_buffers`` into the arena (same shapes, dtypes and
-    values); host buffers stay where they are."""
+    values), and sets ``meta.staging``, through which
+    :func:`graphmode.buffers.stage` routes the runner's copies; host buffers
+    stay where they are."""
 
     def __init__(self, meta: GraphMeta) -> None:
         self.device = meta.device
@@ -74,25 +70,24 @@ class HostStaging:
             self.mirror = mark_host(torch.zeros(self.nbytes, dtype=torch.uint8), pinned=True)
         else:
             self.mirror = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
-        self.padding = torch.zeros(self.nbytes, dtype=torch.uint8)
         for name in names:
             old = meta.input_buffers[name]
             meta.input_buffers[name] = view = self._view(self.arena, name, old)
             view.copy_(old)
-            self._view(self.padding, name, old).copy_(meta.padding_buffers[name])
-            # Padding sources are recognised by storage: make each one its own.
-            meta.padding_buffers[name] = meta.padding_buffers[name].contiguous()
         self.mirror.copy_(self.arena)
-        self._padding_of = {
-            meta.padding_buffers[name].untyped_storage().data_ptr(): name for name in names
+        # Host copies of the constant sources (padding, live values), found by storage.
+        constants = [*meta.padding_buffers.values(), *meta.live_buffers.values()]
+        self._constants = {
+            t.untyped_storage().data_ptr(): (t, t.to("cpu", copy=True)) for t in constants if not self.on_host(t)
         }
         self._buffers = {name: meta.input_buffers[name] for name in names}
         self._arena_range = (self.arena.data_ptr(), self.arena.data_ptr() + self.nbytes)
-        self._host_padding: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._routes: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._host_sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Host staging runs on CUDA and the emulator only (see staging_refusal).
         self._event: Any = None if emulated else torch.cuda.Event()
         meta.views.clear()  # views of the old buffers
-        _stagings.add(self)
+        meta.staging = self
 
     def _view(self, memory: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
         start = self.offsets[name]
@@ -140,65 +135,49 @@ class HostStaging:
         return _like(self.mirror, tensor, tensor.storage_offset())
 
     def host_source(self, source: torch.Tensor, destination: torch.Tensor) -> torch.Tensor:
-        """``source`` as a host tensor: itself when on the host, the host
-        copy of a padding view, the mirror of an arena view; a step input on
+        """``source`` as a host tensor: itself when on the host, the same view
+        of the host copy of a constant (padding, live values); a step input on
         the device is refused."""
         if self.on_host(source):
             return source
-        cached = self._host_padding.get(id(source))
+        cached = self._host_sources.get(id(source))
         if cached is not None and cached[0] is source:
             return cached[1]
-        name = self._padding_of.get(source.untyped_storage().data_ptr())
-        if name is not None:
-            start = self.offsets[name] // source.element_size()
-            host = _like(self.padding, source, start + source.storage_offset())
-        elif self.holds(source):
-            host = self.mirror_of(source)
-        else:
+        constant = self._constants.get(source.untyped_storage().data_ptr())
+        if constant is None:
             raise InputError(
                 f"the step's rows for the {self.buffer_name(destination)!r} buffer are a device "
                 f"tensor ({source.device}), but this runner stages its inputs on the host (host "
                 "staging): reading them would need a device-to-host copy every step. Pass the "
                 "step's inputs as host (CPU) tensors, or build the runner with host_staging=False"
             )
-        if len(self._host_padding) > _ROUTE_CACHE_LIMIT:
-            self._host_padding.clear()
-        self._host_padding[id(source)] = (source, host)
+        host = _like(constant[1], source, source.storage_offset())
+        if len(self._host_sources) > _ROUTE_CACHE_LIMIT:
+            self._host_sources.clear()
+        self._host_sources[id(source)] = (source, host)
         return host
 
     def buffer_name(self, tensor: torch.Tensor) -> str:
         offset = tensor.data_ptr() - self._arena_range[0]
         return max((start, name) for name, start in self.offsets.items() if start <= offset)[1]
 
-
-def route(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
-    """The (destination, source) pairs with every destination in a staging
-    arena replaced by its mirror view, and its source by a host tensor."""
-    if not _stagings:
-        return pairs
-    routed: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for destination, source in pairs:
-        entry = _routes.get(id(destination))
-        if entry is None or entry[0] is not destination:
-            entry = _route(destination)
-        _, mirror, staging = entry
-        if staging is None or mirror is None:
-            routed.append((destination, source))
-        else:
-            routed.append((mirror, staging.host_source(source, destination)))
-    return routed
-
-
-def _route(destination: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, HostStaging | None]:
-    entry: tuple[torch.Tensor, torch.Tensor | None, HostStaging | None] = (destination, None, None)
-    for staging in list(_stagings):
-        if staging.holds(destination):
-            entry = (destination, staging.mirror_of(destination), staging)
-            break
-    if len(_routes) > _ROUTE_CACHE_LIMIT:
-        _routes.clear()
-    _routes[id(destination)] = entry
-    return entry
+    def route(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (destination, source) pairs with every destination in the arena
+        replaced by its mirror view, and its source by a host tensor."""
+        routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for destination, source in pairs:
+            entry = self._routes.get(id(destination))
+            if entry is None or entry[0] is not destination:
+                entry = (destination, self.mirror_of(destination) if self.holds(destination) else None)
+                if len(self._routes) > _ROUTE_CACHE_LIMIT:
+                    self._routes.clear()
+                self._routes[id(destination)] = entry
+            mirror = entry[1]
+            if mirror is None:
+                routed.append((destination, source))
+            else:
+                routed.append((mirror, self.host_source(source, destination)))
+        return routed
 
 
 def _like(memory: torch.Tensor, tensor: torch.Tensor, offset: Any) -> torch.Tensor:

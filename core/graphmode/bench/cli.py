@@ -25,10 +25,10 @@ from graphmode.bench.floor import bandwidth, step_bytes
 from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
 from graphmode.bench.workload import Workload
 from graphmode.buckets import padding_waste, parse_sizes
-from graphmode.config import RunnerConfig
 from graphmode.kernels import ATTENTION_CHOICES
 from graphmode.model import ModelConfig
 from graphmode.plugins import installed_vendor_names, load_vendor
+from graphmode.runner.setup import default_capture_sizes
 
 DEFAULT_BATCHES = "1,2,3,4,8,16,24,32,64,100,128,200,256"
 MODES = ("eager", "graphmode", "hand", "hand-exact", "compile", "graphmode-compile")
@@ -123,9 +123,7 @@ def vendor_padding_waste(max_batches: int) -> dict[str, dict[str, Any]]:
     waste = {}
     for name in installed_vendor_names():
         vendor = load_vendor(name)
-        config = RunnerConfig(max_batches, 1, 16, torch.device("cpu"), num_layers=None)
-        vendor.hook.graphmode_check_config(config=config)
-        sizes = tuple(vendor.hook.graphmode_capture_sizes(config=config))
+        sizes = default_capture_sizes(vendor, max_batches)
 
         def bucket_of(batch: int, hook: Any = vendor.hook, sizes: tuple[int, ...] = sizes) -> int | None:
             return hook.graphmode_compatible_size(batch_size=batch, capture_sizes=sizes)

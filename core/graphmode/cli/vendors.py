@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from graphmode.config import RunnerConfig
 from graphmode.errors import GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, ENV_VENDOR, Vendor, select_vendor, vendor_statuses
+from graphmode.runner.setup import default_capture_sizes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,9 +56,7 @@ def _describe(vendor: Vendor, max_batches: int) -> None:
     print(f"  graphs on: {devices}")
     if info.capabilities:
         print(f"  capabilities: {', '.join(sorted(info.capabilities))}")
-    config = RunnerConfig(max_batches, 1, 16, torch.device("cpu"), num_layers=None)
-    vendor.hook.graphmode_check_config(config=config)
-    sizes = vendor.hook.graphmode_capture_sizes(config=config)
+    sizes = list(default_capture_sizes(vendor, max_batches))
     print(f"  capture list for max_batches={max_batches}: {len(sizes)} graphs {sizes}")
 
 

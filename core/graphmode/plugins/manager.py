@@ -19,13 +19,16 @@ import importlib.metadata
 import inspect
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from graphmode import hookspecs
 from graphmode.errors import VendorError
 from graphmode.plugins.info import VendorInfo
+
+if TYPE_CHECKING:
+    from graphmode.spec import GraphSpec
 
 __all__ = [
     "BUILTIN_VENDOR",
@@ -94,6 +97,19 @@ class Vendor:
     @functools.cached_property
     def info(self) -> VendorInfo:
         return self.hook.graphmode_vendor_info()
+
+    @functools.cached_property
+    def spec(self) -> GraphSpec:
+        """The vendor's declarations (``graphmode_graph_spec``)."""
+        from graphmode.spec import GraphSpec
+
+        spec = self.hook.graphmode_graph_spec()
+        if not isinstance(spec, GraphSpec):
+            raise VendorError(
+                f"vendor {self.name!r}: graphmode_graph_spec returned {type(spec).__name__}, not a "
+                "graphmode.spec.GraphSpec; fix the plugin"
+            )
+        return spec
 
     def implements(self, hook_name: str) -> bool:
         """Whether the vendor plugin itself (not the defaults) implements it."""

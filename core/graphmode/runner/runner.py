@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from graphmode import buffers
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
@@ -40,6 +41,7 @@ from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
 from graphmode.runner.outputs import SharedOutputs
+from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
 from graphmode.runner.validate import check_inputs
 from graphmode.staging import HostStaging, staging_refusal, to_device, to_host
@@ -78,8 +80,8 @@ class GraphRunner:
         self.config = config
         self.vendor = vendor
         self._hook = vendor.hook
-        self._hook.graphmode_check_config(config=config)
-        self.capture_sizes = self._checked_capture_sizes()
+        self.spec = configure(vendor, config)
+        self.capture_sizes = capture_sizes(vendor, config, self.spec)
         self._bucket_of = self._bucket_table()
         self._ranks = _rank_sync(process_group, check_ranks)
         if self._ranks is not None:
@@ -100,27 +102,11 @@ class GraphRunner:
             raise ConfigError(f"host_staging=True: {self._staging_refusal}; build the runner with host_staging=None or False")
         self.staging: HostStaging | None = None
         self._staging_decided = False
+        self._declared_extras = {
+            path.split(".", 1)[1] for spec in self.spec.buffers for path in spec.contexts if path.startswith("extras.")
+        }
 
     # -- start-up checks ----------------------------------------------------
-
-    def _checked_capture_sizes(self) -> tuple[int, ...]:
-        sizes = self._hook.graphmode_capture_sizes(config=self.config)
-        limit = self.config.max_batches
-        problem = None
-        if not sizes:
-            problem = "is empty"
-        elif list(sizes) != sorted(set(sizes)):
-            problem = "is not ascending and unique"
-        elif sizes[0] < 1 or sizes[-1] > limit:
-            problem = f"leaves 1..max_batches={limit}"
-        elif self.config.capture_batch_sizes is not None and not set(sizes) <= set(self.config.capture_batch_sizes):
-            problem = f"adds sizes to the user's list {list(self.config.capture_batch_sizes)}"
-        if problem:
-            raise ConfigError(
-                f"vendor {self.vendor.name!r}: graphmode_capture_sizes returned {sizes}, which "
-                f"{problem}; fix the plugin (or pass capture_batch_sizes explicitly)"
-            )
-        return tuple(sizes)
 
     def _compile_model(self) -> Any:
         """``torch.compile(model)`` for the graphs, where its kernels can be
@@ -315,8 +301,10 @@ class GraphRunner:
         if self._pool is None:
             self._pool = graph.pool()
         flatten = cache_flattener(static.past_key_values)
+        # Extras without a buffer are captured by reference: later steps must pass the same objects.
+        frozen = {name: value for name, value in inputs.extras.items() if name not in self._declared_extras}
         self._graphs[bucket] = CapturedGraph(
-            bucket, graph, meta, static.past_key_values, dict(static.extras), flatten(static.past_key_values), flatten
+            bucket, graph, meta, static.past_key_values, frozen, flatten(static.past_key_values), flatten
         )
         self.stats.captures += 1
         if warmup:  # an inert step: no served tokens
@@ -341,10 +329,13 @@ class GraphRunner:
                 block_size=config.block_size,
                 device=config.device,
                 vocab_size=_model_attr(self.model, "vocab_size"),
-                vendor_flags=dict(config.vendor_options),
+                spec=self.spec,
+                capture_sizes=self.capture_sizes,
+                vendor_options=config.vendor_options,
             )
             meta.input_buffers = self._hook.graphmode_make_buffers(meta=meta)
             meta.padding_buffers = {name: t.clone() for name, t in meta.input_buffers.items()}
+            meta.live_buffers = buffers.live_values(meta)
             self.meta = meta
         return self.meta
 
@@ -381,7 +372,13 @@ class GraphRunner:
             kv_seqlens_cpu=torch.ones(batch, dtype=int32),
         )
         zeros = torch.zeros((1, batch), dtype=torch.int64, device=device)
-        step = StepInputs(zeros, zeros.clone(), past_key_values, attn, dict(extras))
+        extras = dict(extras)
+        padding = self.graph_meta().padding_buffers
+        for spec in self.spec.buffers:  # declared engine inputs not given: their padding rows
+            name = spec.name
+            if name in self._declared_extras and name not in extras:
+                extras[name] = padding[name].narrow(spec.row_dim, 0, batch)
+        step = StepInputs(zeros, zeros.clone(), past_key_values, attn, extras)
         # With host staging the step comes from the host, as an engine's steps do.
         return to_host(step, device) if self.staging is not None else step
 
@@ -477,8 +474,8 @@ _SEQUENCES = (list, tuple)
 
 def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
     """A graph reads what it captured: a new KV cache (or a cache tensor
-    replaced inside the same container) or a changed extra input would be
-    silently ignored, so refuse it."""
+    replaced inside the same container) or a changed extra input without a
+    buffer would be silently ignored, so refuse it."""
     now, then = captured.flatten_cache(inputs.past_key_values), captured.cache_tensors
     if len(now) != len(then) or not all(map(operator.is_, now, then)):
         changed = next((i for i, (a, b) in enumerate(zip(now, then)) if a is not b), min(len(now), len(then)))
@@ -488,13 +485,14 @@ def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
             "reading and writing the old cache. Call runner.reset() after reallocating or "
             "replacing any KV-cache tensor"
         )
-    if inputs.extras or captured.extras:
-        for name in inputs.extras.keys() | captured.extras.keys():
-            if inputs.extras.get(name) is not captured.extras.get(name):
+    if captured.extras:
+        for name, value in captured.extras.items():
+            if inputs.extras.get(name) is not value:
                 raise InputError(
                     f"extra model input {name!r} is not the object the graph of bucket "
-                    f"{captured.bucket} captured; graphs freeze extra inputs. Keep it fixed, "
-                    "give it a buffer through a plugin's buffer hooks, or run eagerly"
+                    f"{captured.bucket} captured; graphs freeze extra inputs that have no buffer. "
+                    "Keep it fixed, or declare it as a step input (build_graph_runner(step_inputs="
+                    "[BufferSpec(...)]), docs/engines.md) so that every step's value is copied in"
                 )
 
 

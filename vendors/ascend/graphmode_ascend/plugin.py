@@ -1,46 +1,99 @@
 """Huawei Ascend: NPU graphs, three-stage buckets, host kv lengths pushed into
 the captured graph before every replay.
 
-Buffers (at maximum size), as the Ascend kernels take them:
+Buffers (declared in ``ASCEND_SPEC``; at maximum size), as the Ascend
+kernels take them:
 
     input_ids, position_ids   (1, max_tokens) int32                 padding 0
     block_offsets             (max_batchs, num_blocks) int32        padding 0
-    q_start_loc               (max_batchs,) int32, device arange
-    q_seqlens                 (max_batchs,) int32, host, cumulative (1, 2, ...)
+    q_start_loc               (max_batchs,) int32, device, 0, 1, 2, ... (constant)
+    q_seqlens                 (max_batchs,) int32, host, cumulative 1, 2, 3, ... (constant)
     kv_seqlens                (max_batchs,) int32, host             padding 1
+                              (also the context's kv_seqlens_cpu)
     kv_start_indices          (max_tokens,) int32                   padding -1
-    x_active_mask             (max_tokens,) bool                    padding False
+    x_active_mask             (max_tokens,) bool, True for live rows, padding False
 
-Every padding region is reset every step. Vendor options (``vendor_options``
-of ``build_graph_runner``): ``update_path`` ("auto", "graph_update",
-"task_group"). Every capture size asked for is captured (no stream-budget
-trimming, as vllm-ascend since PR 9962); running out of streams at capture
-becomes advice.
+The core fills them and resets every padding row every step. Options
+(``vendor_options`` of ``build_graph_runner``, :class:`AscendOptions`):
+``update_path`` ("auto", "graph_update", "task_group"). Every capture size
+asked for is captured (no stream-budget trimming, as vllm-ascend since PR
+9962); running out of streams at capture becomes advice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from graphmode import ConfigError, VendorInfo, hookimpl
 from graphmode.buckets import three_stage_sizes
-from graphmode.buffers import ROW_BUFFERS, TOKEN_BUFFERS, decode_rows, host_zeros, padding_rows, stage
 from graphmode.config import RunnerConfig
-from graphmode.context import StepInputs
 from graphmode.meta import GraphMeta
 from graphmode.plugins import probe_runtime
+from graphmode.spec import BLOCKS, ROW_INDEX, ROW_NUMBER, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 from graphmode_ascend.advice import capture_advice
-from graphmode_ascend.graph import AscendGraph, resolve_update_path
+from graphmode_ascend.graph import UPDATE_PATHS, AscendGraph, resolve_update_path
 from graphmode_ascend.ops import AscendAttentionOps
 
-OPTIONS = {"update_path": "auto"}
 # Options of earlier releases, which fed the stream-budget trimming.
 REMOVED_OPTIONS = ("stream_budget", "comm_groups")
-# Kept in vendor_options by the plugin itself, for its capture advice.
-DERIVED = "capture_sizes"
+
+
+@dataclass(frozen=True)
+class AscendOptions:
+    """update_path: how kv lengths reach a captured graph: "graph_update"
+    (torch_npu >= 2.8.0.post1), "task_group", or "auto" (by the installed
+    torch_npu; ``$GRAPHMODE_ASCEND_UPDATE_PATH`` overrides). The runner holds
+    the resolved path.
+
+    stream_budget, comm_groups: removed (they fed the stream-budget trimming);
+    giving either is refused with the reason."""
+
+    update_path: str = "auto"
+    stream_budget: Any = field(default=None, metadata={"removed": True})
+    comm_groups: Any = field(default=None, metadata={"removed": True})
+
+    def __post_init__(self) -> None:
+        for name in REMOVED_OPTIONS:
+            if getattr(self, name) is not None:
+                raise ConfigError(
+                    f"Ascend vendor_options {name!r} was removed: graphmode no longer trims the capture sizes "
+                    "to a stream budget (vllm-ascend removed that heuristic in PR 9962); it captures the sizes "
+                    "asked for and explains a stream shortage when one occurs. Drop the option; pass "
+                    "capture_batch_sizes to capture fewer graphs"
+                )
+        if self.update_path not in UPDATE_PATHS:
+            raise ConfigError(
+                f"Ascend update_path={self.update_path!r} is not one of {', '.join(UPDATE_PATHS)}; set "
+                "vendor_options={'update_path': ...} to one of them"
+            )
+
+
+# Lengths are host values for FIA (the engine's host copy when it passes one,
+# else the device lengths); q_seqlens is FIA's cumulative actual_seq_lengths.
+ASCEND_SPEC = GraphSpec(
+    buffers=(
+        BufferSpec("input_ids", torch.int32, shape=(1, TOKENS)),
+        BufferSpec("position_ids", torch.int32, shape=(1, TOKENS)),
+        BufferSpec("block_offsets", torch.int32, shape=(SEQUENCES, BLOCKS)),
+        BufferSpec("q_start_loc", torch.int32, padding=ROW_INDEX, source=None),
+        BufferSpec("q_seqlens", torch.int32, padding=ROW_NUMBER, source=None, host=True),
+        BufferSpec(
+            "kv_seqlens", torch.int32, padding=1, host=True,
+            source=("attn_metadata.kv_seqlens_cpu", "attn_metadata.kv_seqlens"),
+            context=("attn_metadata.kv_seqlens", "attn_metadata.kv_seqlens_cpu"),
+        ),
+        BufferSpec("kv_start_indices", torch.int32, shape=(TOKENS,), padding=-1),
+        BufferSpec("x_active_mask", torch.bool, shape=(TOKENS,), padding=False, live=True),
+    ),
+    capture_sizes=three_stage_sizes,
+    options=AscendOptions,
+)
 
 
 def torch_npu_version() -> tuple[str | None, bool, str]:
@@ -63,91 +116,20 @@ def graphmode_vendor_info() -> VendorInfo:
 
 
 @hookimpl
+def graphmode_graph_spec() -> GraphSpec:
+    return ASCEND_SPEC
+
+
+@hookimpl
 def graphmode_check_config(config: RunnerConfig) -> None:
     if config.execute_mode == "graph" and os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
         raise ConfigError(
             "ASCEND_LAUNCH_BLOCKING=1 makes every NPU launch synchronous, which graph capture "
             "cannot record; unset it, or run with execute_mode='eager' to debug launches"
         )
-    for name in REMOVED_OPTIONS:
-        if name in config.vendor_options:
-            raise ConfigError(
-                f"Ascend vendor_options {name!r} was removed: graphmode no longer trims the capture sizes to a "
-                "stream budget (vllm-ascend removed that heuristic in PR 9962); it captures the sizes asked for "
-                "and explains a stream shortage when one occurs. Drop the option; pass capture_batch_sizes to "
-                "capture fewer graphs"
-            )
-    sizes = _sizes(config)
-    if config.vendor_options.get(DERIVED, sizes) != sizes:
-        raise ConfigError(
-            f"Ascend vendor_options {DERIVED!r} is graphmode's own record of the capture sizes; "
-            "pass capture_batch_sizes to choose them"
-        )
-    unknown = set(config.vendor_options) - set(OPTIONS) - {DERIVED}
-    if unknown:
-        raise ConfigError(
-            f"unknown Ascend vendor_options {sorted(unknown)}; the options are {sorted(OPTIONS)}"
-        )
-    options = {**OPTIONS, **config.vendor_options}
-    options["update_path"] = resolve_update_path(options["update_path"], torch_npu_version()[0])
-    options[DERIVED] = sizes
-    config.vendor_options.update(options)
-
-
-def _sizes(config: RunnerConfig) -> list[int]:
-    """The user's capture sizes, else the three-stage list: all of them."""
-    return list(config.capture_batch_sizes or three_stage_sizes(config.max_batches))
-
-
-@hookimpl
-def graphmode_capture_sizes(config: RunnerConfig) -> list[int]:
-    return _sizes(config)
-
-
-@hookimpl
-def graphmode_make_buffers(meta: GraphMeta) -> dict[str, torch.Tensor]:
-    rows, tokens, device, int32 = meta.max_batchs, meta.max_tokens, meta.device, torch.int32
-    q_seqlens = host_zeros(meta, (rows,), int32)
-    q_seqlens.copy_(torch.arange(1, rows + 1, dtype=int32))
-    kv_seqlens = host_zeros(meta, (rows,), int32)
-    kv_seqlens.fill_(1)
-    return {
-        "input_ids": torch.zeros((1, tokens), dtype=int32, device=device),
-        "position_ids": torch.zeros((1, tokens), dtype=int32, device=device),
-        "block_offsets": torch.zeros((rows, meta.num_blocks), dtype=int32, device=device),
-        "q_start_loc": torch.arange(rows, dtype=int32, device=device),
-        "q_seqlens": q_seqlens,
-        "kv_seqlens": kv_seqlens,
-        "kv_start_indices": torch.full((tokens,), -1, dtype=int32, device=device),
-        "x_active_mask": torch.zeros(tokens, dtype=torch.bool, device=device),
-    }
-
-
-@hookimpl
-def graphmode_fill_buffers(meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int) -> bool:
-    attn = inputs.attn_metadata
-    # Engines know the lengths on the host; without that copy, reading them
-    # back from the device costs a synchronisation every step.
-    host_lengths = attn.kv_seqlens_cpu if attn.kv_seqlens_cpu is not None else attn.kv_seqlens
-    stage(
-        decode_rows(meta, inputs, batch_size, kv_seqlens=host_lengths)
-        + padding_rows(meta, TOKEN_BUFFERS, batch_size, bucket, dim=1)
-        + padding_rows(meta, (*ROW_BUFFERS, "x_active_mask"), batch_size, bucket)
-    )
-    meta.input_buffers["x_active_mask"][:batch_size].fill_(True)
-    return True
-
-
-@hookimpl(wrapper=True)
-def graphmode_update_context(meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int):
-    static = yield
-    buffers = meta.input_buffers
-    static.attn_metadata = static.attn_metadata.replace(
-        q_seqlens=buffers["q_seqlens"][:bucket],
-        kv_seqlens_cpu=buffers["kv_seqlens"][:bucket],
-        x_active_mask=buffers["x_active_mask"][:bucket],
-    )
-    return static
+    options = config.vendor_options
+    path = resolve_update_path(options.update_path, torch_npu_version()[0])
+    config.vendor_options = dataclasses.replace(options, update_path=path)
 
 
 @hookimpl
@@ -155,9 +137,9 @@ def graphmode_make_graph(meta: GraphMeta) -> AscendGraph | None:
     if meta.device.type not in ("npu", "cpu"):
         return None
     # The graphs captured and alive, for the advice on stream exhaustion; in
-    # vendor_flags, which every graph's GraphMeta shares.
-    captured = meta.vendor_flags.setdefault("captured_graphs", weakref.WeakSet())
-    return AscendGraph(meta.device, meta.vendor_flags["update_path"], captured)
+    # vendor_state, which every graph's GraphMeta shares.
+    captured = meta.vendor_state.setdefault("captured_graphs", weakref.WeakSet())
+    return AscendGraph(meta.device, meta.vendor_options.update_path, captured)
 
 
 @hookimpl
@@ -167,8 +149,8 @@ def graphmode_update_graph_params(graph: AscendGraph, meta: GraphMeta, batch_siz
 
 @hookimpl
 def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int):
-    flags = meta.vendor_flags
-    return capture_advice(error, bucket, len(flags["captured_graphs"]), flags[DERIVED])
+    captured = meta.vendor_state.get("captured_graphs", ())
+    return capture_advice(error, bucket, len(captured), list(meta.capture_sizes))
 
 
 @hookimpl

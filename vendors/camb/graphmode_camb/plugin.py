@@ -1,11 +1,12 @@
 """Cambricon MLU: ``torch.mlu.MLUGraph`` captured in relaxed mode (torch_mlu's
 default), MLU buffers and the -1 maxima its kernels need in graphs.
 
-Differences from the CUDA default:
-- ``kv_start_indices`` is (max_batches,) int32, -1 for padding;
+Its declarations differ from the CUDA default in:
+- ``kv_start_indices``: one int32 slot per token, -1 for padding;
 - ``max_q_seq_len`` and ``max_kv_seq_len`` are -1 in graph contexts (the
   kernel derives the maxima from the length tensors);
-- KV cache [num_blocks, kv_heads, block_size, head_dim], block size 16.
+- block size 16 only; the KV cache (its ops' layout) is
+  [num_blocks, kv_heads, block_size, head_dim].
 On a CUDA device the same contract runs on CUDA graphs with the reference
 kernels, which is how it is validated without an MLU. Padding is reset every
 step (upstream Camb left stale rows from an earlier, larger batch).
@@ -15,15 +16,22 @@ from __future__ import annotations
 
 import torch
 
-from graphmode import ConfigError, VendorInfo, hookimpl
-from graphmode.config import RunnerConfig
-from graphmode.context import StepInputs
+from graphmode import VendorInfo, hookimpl
 from graphmode.graphs import DeviceGraph, TorchGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import probe_runtime
+from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec, GraphSpec
 from graphmode_camb.ops import CambAttentionOps
 
 BLOCK_SIZE = 16
+
+CAMB_SPEC = CUDA_SPEC.with_buffers(
+    BufferSpec("kv_start_indices", torch.int32, shape=(TOKENS,), padding=-1),
+).replace(
+    block_sizes=(BLOCK_SIZE,),
+    max_q_seq_len="dynamic",
+    max_kv_seq_len="dynamic",
+)
 
 
 @hookimpl
@@ -41,27 +49,8 @@ def graphmode_vendor_info() -> VendorInfo:
 
 
 @hookimpl
-def graphmode_check_config(config: RunnerConfig) -> None:
-    if config.block_size != BLOCK_SIZE:
-        raise ConfigError(
-            f"block_size={config.block_size}: Cambricon's paged attention kernel takes "
-            f"blocks of {BLOCK_SIZE} tokens; allocate the KV cache with block_size={BLOCK_SIZE}"
-        )
-
-
-@hookimpl(wrapper=True)
-def graphmode_make_buffers(meta: GraphMeta):
-    buffers = yield
-    buffers["kv_start_indices"] = torch.full((meta.max_batchs,), -1, dtype=torch.int32, device=meta.device)
-    return buffers
-
-
-@hookimpl(wrapper=True)
-def graphmode_update_context(meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int):
-    static = yield
-    static.attn_metadata.max_q_seq_len = -1
-    static.attn_metadata.max_kv_seq_len = -1
-    return static
+def graphmode_graph_spec() -> GraphSpec:
+    return CAMB_SPEC
 
 
 @hookimpl

@@ -1,12 +1,13 @@
 """MetaX MACA: CUDA graphs (``torch.cuda.CUDAGraph``) with MACA's buffers.
 
-Differences from the CUDA default:
-- ``kv_start_indices`` is a (max_batches, 1) int64 column, -1 for padding; the
-  fill-cache kernel takes the squeezed column and skips negative slots;
+Its declarations differ from the CUDA default in two buffers:
+- ``kv_start_indices`` is a column, one row per token (in decode, one per
+  sequence: (max_batches, 1)), int64, -1 for padding; the fill-cache kernel
+  takes the squeezed column and skips negative slots;
 - padding kv lengths are 0 (the flash-attention-with-kvcache kernel takes
   ``cache_seqlens`` as a device tensor and returns zeros for empty rows).
-Padding is reset every step (upstream MACA left stale rows from an earlier,
-larger batch).
+Padding is reset every step by the core (upstream MACA left stale rows from
+an earlier, larger batch).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from __future__ import annotations
 import torch
 
 from graphmode import VendorInfo, hookimpl
-from graphmode.meta import GraphMeta
+from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec, GraphSpec
+
+MACA_SPEC = CUDA_SPEC.with_buffers(
+    BufferSpec("kv_start_indices", torch.int64, shape=(TOKENS, 1), padding=-1),
+    BufferSpec("kv_seqlens", torch.int32, padding=0),
+)
 
 
 def _metax_device() -> tuple[bool, str]:
@@ -39,9 +45,6 @@ def graphmode_vendor_info() -> VendorInfo:
     )
 
 
-@hookimpl(wrapper=True)
-def graphmode_make_buffers(meta: GraphMeta):
-    buffers = yield
-    buffers["kv_start_indices"] = torch.full((meta.max_batchs, 1), -1, dtype=torch.int64, device=meta.device)
-    buffers["kv_seqlens"] = torch.zeros(meta.max_batchs, dtype=torch.int32, device=meta.device)
-    return buffers
+@hookimpl
+def graphmode_graph_spec() -> GraphSpec:
+    return MACA_SPEC

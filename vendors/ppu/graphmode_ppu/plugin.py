@@ -1,5 +1,5 @@
-"""T-Head PPU: CUDA graphs with power-of-two buckets, a (max_batches, 1)
-int64 slot column, -1 for padding, and maxima that hold at every replay.
+"""T-Head PPU: CUDA graphs with a (max_batches, 1) int64 slot column (one
+row per token), -1 for padding, and maxima that hold at every replay.
 
 Upstream read ``max_q_seq_len`` and ``max_kv_seq_len`` with ``.item()``
 while filling buffers: a host synchronisation every step, and a value the
@@ -16,9 +16,14 @@ from __future__ import annotations
 import torch
 
 from graphmode import VendorInfo, hookimpl
-from graphmode.context import StepInputs
-from graphmode.meta import GraphMeta
+from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec, GraphSpec
 from graphmode_ppu.ops import PPUAttentionOps
+
+# Every replay's block table fits the buffer, so its capacity bounds every
+# replay's kv lengths; each decode row adds one query token ("bound").
+PPU_SPEC = CUDA_SPEC.with_buffers(
+    BufferSpec("kv_start_indices", torch.int64, shape=(TOKENS, 1), padding=-1),
+).replace(max_q_seq_len="bound", max_kv_seq_len="capacity")
 
 
 @hookimpl
@@ -41,22 +46,9 @@ def graphmode_vendor_info() -> VendorInfo:
     )
 
 
-@hookimpl(wrapper=True)
-def graphmode_make_buffers(meta: GraphMeta):
-    buffers = yield
-    buffers["kv_start_indices"] = torch.full((meta.max_batchs, 1), -1, dtype=torch.int64, device=meta.device)
-    return buffers
-
-
-@hookimpl(wrapper=True)
-def graphmode_update_context(meta: GraphMeta, inputs: StepInputs, batch_size: int, bucket: int):
-    static = yield
-    attn = static.attn_metadata
-    # Every replay's block table fits the buffer, so its capacity bounds every
-    # replay's kv lengths; each decode row adds one query token.
-    attn.max_kv_seq_len = attn.block_offsets.shape[1] * meta.block_size
-    attn.max_q_seq_len = 1
-    return static
+@hookimpl
+def graphmode_graph_spec() -> GraphSpec:
+    return PPU_SPEC
 
 
 @hookimpl

@@ -1,0 +1,76 @@
+"""A runner's configuration checked against its vendor, once, before anything
+is allocated: the declarations it runs on, the vendor's options, the
+capture list. Everything that lists a vendor's buckets (the runner, the
+``vendors`` command, the benchmark, the conformance header) goes through
+here, so they all see what a runner would."""
+
+from __future__ import annotations
+
+import torch
+
+from graphmode.config import RunnerConfig
+from graphmode.errors import ConfigError
+from graphmode.plugins import Vendor
+from graphmode.spec import GraphSpec
+
+__all__ = ["capture_sizes", "configure", "default_capture_sizes"]
+
+
+def configure(vendor: Vendor, config: RunnerConfig) -> GraphSpec:
+    """The declarations a runner of ``vendor`` uses: the vendor's spec plus
+    the engine's step inputs. Checks ``config`` against the vendor's
+    constraints, replaces ``config.vendor_options`` by the vendor's checked
+    options object, then runs its ``graphmode_check_config`` hooks."""
+    spec = vendor.spec
+    if spec.block_sizes is not None and config.block_size not in spec.block_sizes:
+        raise ConfigError(
+            f"block_size={config.block_size}: vendor {vendor.name!r} takes KV-cache blocks of "
+            f"{' or '.join(map(str, spec.block_sizes))} tokens (GraphSpec.block_sizes); allocate the "
+            f"KV cache with block_size={spec.block_sizes[0]}"
+        )
+    taken = [s.name for s in config.step_inputs if s.name in spec.names]
+    if taken:
+        raise ConfigError(
+            f"step_inputs {taken}: vendor {vendor.name!r} already declares buffers of those names; "
+            "name the engine's inputs after the model's keyword arguments"
+        )
+    fields = [s.name for s in config.step_inputs if not s.contexts[0].startswith("extras.")]
+    if fields:
+        raise ConfigError(
+            f"step_inputs {fields} name fields of the step context, which the vendor's declarations "
+            "cover; an engine declares its own model inputs (passed as extras)"
+        )
+    if not isinstance(config.vendor_options, spec.options):
+        config.vendor_options = spec.make_options(config.vendor_options, vendor.name)
+    vendor.hook.graphmode_check_config(config=config)
+    return spec.with_buffers(*config.step_inputs) if config.step_inputs else spec
+
+
+def capture_sizes(vendor: Vendor, config: RunnerConfig, spec: GraphSpec) -> tuple[int, ...]:
+    """The vendor's capture list for ``config``, checked: ascending, unique,
+    within 1..max_batches, and never adding to the user's list."""
+    sizes = vendor.hook.graphmode_capture_sizes(config=config, spec=spec)
+    limit = config.max_batches
+    problem = None
+    if not sizes:
+        problem = "is empty"
+    elif list(sizes) != sorted(set(sizes)):
+        problem = "is not ascending and unique"
+    elif sizes[0] < 1 or sizes[-1] > limit:
+        problem = f"leaves 1..max_batches={limit}"
+    elif config.capture_batch_sizes is not None and not set(sizes) <= set(config.capture_batch_sizes):
+        problem = f"adds sizes to the user's list {list(config.capture_batch_sizes)}"
+    if problem:
+        raise ConfigError(
+            f"vendor {vendor.name!r}: graphmode_capture_sizes returned {sizes}, which "
+            f"{problem}; fix the plugin (or pass capture_batch_sizes explicitly)"
+        )
+    return tuple(sizes)
+
+
+def default_capture_sizes(vendor: Vendor, max_batches: int) -> tuple[int, ...]:
+    """The capture list a runner of ``vendor`` takes at ``max_batches`` when
+    the engine gives none (on the emulator, a block size the vendor accepts)."""
+    block_size = (vendor.spec.block_sizes or (16,))[0]
+    config = RunnerConfig(max_batches, 1, block_size, torch.device("cpu"))
+    return capture_sizes(vendor, config, configure(vendor, config))

@@ -1,0 +1,249 @@
+"""Declarations: a vendor's buffers and constraints as data, an engine's own
+step inputs, typed vendor options; the core allocates, fills, pads and views
+from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from setups import tiny_setup
+
+import graphmode
+from graphmode import ConfigError, InputError
+from graphmode.model import ReferenceAttentionOps, write_slots
+from graphmode.spec import CUDA_SPEC, ROW_INDEX, SEQUENCES, TOKENS, BufferSpec, GraphSpec
+
+
+class SlotBlockOps(ReferenceAttentionOps):
+    """Kernels that take each token's cache block as a kernel input of their
+    own (``vendor_fields["slot_blocks"]``), as some vendors' fill kernels do.
+    Eagerly the engine's step has no such field: the op derives it."""
+
+    def fill_kv_cache(self, key, value, k_cache, v_cache, attn):
+        slots = attn.kv_start_indices.reshape(-1)
+        blocks = attn.vendor_fields.get("slot_blocks")
+        if blocks is None:
+            blocks = torch.where(slots >= 0, slots // k_cache.shape[1], 0)
+        block_size = k_cache.shape[1]
+        # The slot rebuilt from the block input: a stale block input writes elsewhere.
+        rebuilt = torch.where(slots >= 0, blocks.long() * block_size + slots % block_size, -1)
+        write_slots(k_cache, rebuilt, key)
+        write_slots(v_cache, rebuilt, value)
+
+
+@dataclass(frozen=True)
+class SlotBlockOptions:
+    fast_path: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fast_path, bool):
+            raise ConfigError(f"fast_path={self.fast_path!r}: must be True or False")
+
+
+def _slot_blocks(step):
+    slots = step.attn_metadata.kv_start_indices
+    return torch.where(slots >= 0, slots // 16, 0)
+
+
+SLOT_BLOCK_SPEC = CUDA_SPEC.with_buffers(
+    BufferSpec("slot_blocks", torch.int32, shape=(TOKENS,), padding=0, source=_slot_blocks),
+).replace(block_sizes=(16,), capture_sizes=lambda m: [s for s in (1, 3, 6, 12) if s < m] + [m], options=SlotBlockOptions)
+
+
+class SlotBlockVendor:
+    @graphmode.hookimpl
+    def graphmode_vendor_info(self):
+        return graphmode.VendorInfo("slotblock", ("cuda",), "torch", None, False, "a test vendor")
+
+    @graphmode.hookimpl
+    def graphmode_graph_spec(self):
+        return SLOT_BLOCK_SPEC
+
+    @graphmode.hookimpl
+    def graphmode_attention_ops(self):
+        return SlotBlockOps()
+
+
+def test_a_declared_kernel_input_is_allocated_filled_padded_and_viewed():
+    setup = tiny_setup("slotblock", plugin=SlotBlockVendor(), max_batches=16)
+    runner = setup.runner
+    assert runner.capture_sizes == (1, 3, 6, 12, 16)  # the declared policy
+    seqs = setup.prefill(12)
+    for batch in (12, 7, 12, 4, 2, 5, 12):
+        graph, eager = setup.decode(seqs[:batch])
+        torch.testing.assert_close(graph, eager, msg=f"batch {batch}")
+        meta = runner.graph_meta()
+        bucket = runner.bucket_of(batch)
+        # Padding rows hold the declared padding after every step, live rows the step's values.
+        assert meta.input_buffers["slot_blocks"][batch:bucket].eq(0).all()
+    assert setup.caches_close()
+    assert runner.stats.replays >= 4
+    static = runner.graph(12).meta.input_buffers["slot_blocks"]
+    assert static.shape == (16,) and static.dtype == torch.int32
+
+
+def test_a_stale_declared_input_would_be_caught_by_the_kernel():
+    # The buffer matters: with its live rows never refilled the graph writes
+    # the cache at the capture step's blocks.
+    stale = SLOT_BLOCK_SPEC.with_buffers(BufferSpec("slot_blocks", torch.int32, shape=(TOKENS,), padding=0, source=None))
+
+    class Stale(SlotBlockVendor):
+        @graphmode.hookimpl
+        def graphmode_graph_spec(self):
+            return stale
+
+    setup = tiny_setup("stale", plugin=Stale(), max_batches=16)
+    seqs = setup.prefill(6)
+    setup.decode(seqs)
+    setup.decode(seqs)
+    assert not setup.caches_close()
+
+
+def test_vendor_options_are_typed_and_checked():
+    setup = tiny_setup("slotblock", plugin=SlotBlockVendor(), vendor_options={"fast_path": False})
+    assert setup.runner.config.vendor_options == SlotBlockOptions(fast_path=False)
+    assert setup.runner.graph_meta().vendor_options == SlotBlockOptions(fast_path=False)
+    with pytest.raises(ConfigError, match=r"unknown vendor_options \['fastpath'\] for vendor 'slotblock'; its options \(SlotBlockOptions\) are \['fast_path'\]"):
+        tiny_setup("slotblock", plugin=SlotBlockVendor(), vendor_options={"fastpath": True})
+    with pytest.raises(ConfigError, match="fast_path='yes': must be True or False"):
+        tiny_setup("slotblock", plugin=SlotBlockVendor(), vendor_options={"fast_path": "yes"})
+    with pytest.raises(ConfigError, match="vendor_options=\\[1\\]: pass a dict or a SlotBlockOptions"):
+        tiny_setup("slotblock", plugin=SlotBlockVendor(), vendor_options=[1])
+    with pytest.raises(ConfigError, match=r"unknown vendor_options \['x'\] for vendor 'cuda'; its options \(NoOptions\) are none"):
+        tiny_setup(vendor_options={"x": 1})
+
+
+def test_declared_block_sizes_are_enforced():
+    with pytest.raises(ConfigError, match="block_size=32: vendor 'slotblock' takes KV-cache blocks of 16 tokens"):
+        tiny_setup("slotblock", plugin=SlotBlockVendor(), block_size=32)
+
+
+# -- an engine's own step inputs -----------------------------------------------
+
+
+class ScaledModel(torch.nn.Module):
+    """The reference model with a per-token logit scale, a model input the
+    engine passes every step (as LoRA ids or sampling parameters are)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata, token_scale):
+        logits = self.model(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits * token_scale[None, :, None]
+
+
+def _scaled_setup(**options):
+    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **options)
+    scaled = ScaledModel(setup.model)
+    runner = graphmode.build_graph_runner(
+        scaled, max_batches=16, num_blocks=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8], **options
+    )
+    return setup, scaled, runner
+
+
+def _scaled_step(setup, scaled, runner, seqs, scale):
+    step = setup.engine.decode(seqs)
+    token_scale = torch.full((len(seqs),), scale)
+    with torch.inference_mode():
+        graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=token_scale).clone()
+        eager = scaled(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, token_scale=token_scale)
+    return graph, eager
+
+
+def test_declared_engine_inputs_change_every_step():
+    declared = [BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)]
+    setup, scaled, runner = _scaled_setup(step_inputs=declared)
+    seqs = setup.prefill(6)
+    for batch, scale in ((6, 1.0), (6, 2.0), (3, 0.5), (6, -1.0)):
+        graph, eager = _scaled_step(setup, scaled, runner, seqs[:batch], scale)
+        torch.testing.assert_close(graph, eager)
+    assert runner.stats.replays == 2
+    assert runner.graph_meta().input_buffers["token_scale"][6:8].eq(1.0).all()  # padding rows of the last step
+
+
+def test_undeclared_engine_inputs_are_refused_when_they_change():
+    setup, scaled, runner = _scaled_setup()
+    seqs = setup.prefill(4)
+    _scaled_step(setup, scaled, runner, seqs, 1.0)
+    with pytest.raises(InputError, match="declare it as a step input"):
+        _scaled_step(setup, scaled, runner, seqs, 2.0)
+
+
+def test_warmup_fills_declared_engine_inputs_with_their_padding():
+    declared = [BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)]
+    setup, scaled, runner = _scaled_setup(step_inputs=declared)
+    with torch.inference_mode():
+        runner.warmup(setup.graph_cache, progress=False)
+    seqs = setup.prefill(3)
+    graph, eager = _scaled_step(setup, scaled, runner, seqs, 3.0)
+    torch.testing.assert_close(graph, eager)
+    assert runner.stats.replays == 1
+
+
+def test_a_missing_or_misshapen_declared_input_is_refused_naming_it():
+    declared = [BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)]
+    setup, scaled, runner = _scaled_setup(step_inputs=declared)
+    seqs = setup.prefill(3)
+    step = setup.engine.decode(seqs)
+    with torch.inference_mode():
+        with pytest.raises(InputError, match="step input 'token_scale' .* is missing"):
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+        with pytest.raises(InputError, match=r"step input 'token_scale' has shape \(5,\); its buffer takes \(3,\)"):
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=torch.ones(5))
+
+
+def test_engine_inputs_cannot_shadow_the_vendors_declarations():
+    with pytest.raises(ConfigError, match=r"step_inputs \['kv_seqlens'\]: vendor 'cuda' already declares buffers"):
+        tiny_setup(step_inputs=[BufferSpec("kv_seqlens", torch.int32)])
+    with pytest.raises(ConfigError, match=r"step_inputs \['x_active_mask'\] name fields of the step context"):
+        tiny_setup(step_inputs=[BufferSpec("x_active_mask", torch.bool, shape=(TOKENS,))])
+    with pytest.raises(ConfigError, match="declare each as graphmode.spec.BufferSpec"):
+        tiny_setup(step_inputs=["token_scale"])
+
+
+# -- declarations are checked --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: BufferSpec("x", torch.int32, shape=(4,)), "needs exactly one of 'tokens', 'sequences'"),
+        (lambda: BufferSpec("x", torch.int32, shape=(TOKENS, SEQUENCES)), "needs exactly one of"),
+        (lambda: BufferSpec("x", torch.int32, padding="zero"), "padding='zero'; use a number, 'row_index' or 'row_number'"),
+        (lambda: BufferSpec("x", "int32"), "dtype='int32' is not a torch.dtype"),
+        (lambda: BufferSpec("x", torch.bool, live=True, source="input_ids"), "give a source or a live value, not both"),
+        (lambda: CUDA_SPEC.with_buffers(drop=["kv_seqlens"]), r"no buffer backs the context fields \['attn_metadata.kv_seqlens'\]"),
+        (lambda: CUDA_SPEC.with_buffers(BufferSpec("kv_lengths", torch.int32, context=("attn_metadata.kv_seqlens",))),
+         r"context fields \['attn_metadata.kv_seqlens'\] are backed by more than one buffer"),
+        (lambda: GraphSpec((*CUDA_SPEC.buffers, CUDA_SPEC.buffers[0])), r"declares buffers \['input_ids'\] more than once"),
+        (lambda: CUDA_SPEC.replace(max_kv_seq_len="max"), "max_kv_seq_len='max'"),
+    ],
+)
+def test_bad_declarations_are_refused(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_row_padding_patterns():
+    spec = BufferSpec("q_start_loc", torch.int32, padding=ROW_INDEX, source=None)
+    assert spec.allocate(4, 4, 2, torch.device("cpu")).tolist() == [0, 1, 2, 3]
+    column = BufferSpec("slots", torch.int64, shape=(SEQUENCES, 1), padding=-1)
+    assert column.allocate(3, 3, 2, torch.device("cpu")).tolist() == [[-1], [-1], [-1]]
+
+
+def test_every_installed_vendor_declares_a_valid_spec_and_its_buffers_match_it():
+    for name in graphmode.plugins.installed_vendor_names():
+        vendor = graphmode.load_vendor(name)
+        spec = vendor.spec
+        block_size = (spec.block_sizes or (16,))[0]
+        setup = tiny_setup(name, block_size=block_size)
+        meta = setup.runner.graph_meta()
+        assert list(meta.input_buffers) == list(spec.names), name
+        for buffer_spec in spec.buffers:
+            tensor = meta.input_buffers[buffer_spec.name]
+            expected = buffer_spec.size(meta.max_batchs, meta.max_tokens, meta.num_blocks)
+            assert tuple(tensor.shape) == expected and tensor.dtype == buffer_spec.dtype, (name, buffer_spec.name)
