@@ -12,9 +12,9 @@ Eager steps run the model uncompiled.
 
 What it deliberately does not do: it never reads device values on the host
 (no synchronisation per step; on the emulator, and on CUDA when asked, a hook
-that does is refused: see ``graphmode.runner.host_reads``), never captures prefill, and never copies the
-output: a replay result is a view of the graph's output, valid until the next
-step.
+that does is refused: see ``graphmode.runner.host_reads``), never captures
+prefill, and never copies the output: a replay result is a view of the
+graph's output, valid until the next step.
 """
 
 from __future__ import annotations
