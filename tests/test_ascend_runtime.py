@@ -1,5 +1,5 @@
 """The Ascend plugin against the runtime behaviour of torch_npu and
-vllm-ascend, through the emulator's NPU runtime (graphmode.emulator.npu):
+vllm-ascend, through the emulated NPU runtime (graphmode_ascend.emulated_npu):
 which attention calls get their kv lengths updated, what the update state
 keeps alive, stream exhaustion at capture, the dispatch mode's lifetime and
 the stream-error signature."""
@@ -16,9 +16,9 @@ from setups import tiny_setup
 import graphmode
 from graphmode import CaptureError, ConfigError, RunnerConfig
 from graphmode.buckets import three_stage_sizes
-from graphmode.emulator import npu
 from graphmode.runner.setup import capture_sizes as capture_list
 from graphmode.runner.setup import configure
+from graphmode_ascend import emulated_npu as npu
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.ops import AscendAttentionOps
 

@@ -1,6 +1,6 @@
-"""The CPU graph emulator: what it refuses, what it freezes, how updatable
-operators and ACL-style task updates work, and that stale vendor behaviour
-gives wrong output exactly as on a device."""
+"""The CPU graph emulator: what it refuses, what it freezes, and that stale
+vendor behaviour gives wrong output exactly as on a device. (Ascend's
+emulated NPU runtime, built on it, is tested in test_ascend_emulator.py.)"""
 
 from __future__ import annotations
 
@@ -10,28 +10,8 @@ from setups import tiny_setup
 
 import graphmode
 from graphmode import CaptureError, ReplayError
-from graphmode.emulator import EmulatedGraph, mark_host, npu, register_updatable
+from graphmode.emulator import EmulatedGraph, mark_host
 from graphmode.model.ops import ReferenceAttentionOps
-
-
-# The schemas are written out (as torch 2.13 infers them): torch 2.5 infers
-# none from ``list[int]``.
-@torch.library.custom_op("graphmode_test::add_lengths", mutates_args=(), schema="(Tensor x, SymInt[] lengths) -> Tensor")
-def add_lengths(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Adds host lengths to each row: a stand-in for an attention kernel that
-    takes its kv lengths as host values."""
-    return x + torch.tensor(lengths, dtype=x.dtype)[:, None]
-
-
-@torch.library.custom_op(
-    "graphmode_test::add_lengths_out", mutates_args=("out",), schema="(Tensor x, SymInt[] lengths, Tensor(a!) out) -> ()"
-)
-def add_lengths_out(x: torch.Tensor, lengths: list[int], out: torch.Tensor) -> None:
-    out.copy_(x + torch.tensor(lengths, dtype=x.dtype)[:, None])
-
-
-register_updatable(torch.ops.graphmode_test.add_lengths)
-
 
 # -- host reads inside capture are refused -----------------------------------
 
@@ -155,112 +135,6 @@ def test_debug_dump_lists_the_recorded_operators(tmp_path):
     lines = path.read_text().splitlines()
     assert [line.split()[1] for line in lines] == ["skip", "replay", "replay"]
     assert "aten.mm.default(float32[2, 2], float32[2, 2]) -> float32[2, 2]" in lines[1]
-
-
-# -- updatable operators (torch_npu's NPUGraph.update) -----------------------
-
-
-def _updatable_graph(rows: int = 2, calls: int = 2):
-    x = torch.zeros(rows, 3)
-    graph = EmulatedGraph()
-    graph.auto_dispatch_capture = True
-    with graph.capture():
-        outs = [torch.ops.graphmode_test.add_lengths(x, [1] * rows) for _ in range(calls)]
-    return graph, x, outs
-
-
-def test_update_replaces_host_arguments_of_every_updatable_operator():
-    graph, x, (first, second) = _updatable_graph()
-    assert graph.num_updatable == 2
-    graph.update(cpu_update_input=[{"lengths": [5, 6]}])
-    graph.replay()
-    assert first[:, 0].tolist() == [5.0, 6.0] and second[:, 0].tolist() == [5.0, 6.0]
-    graph.update(cpu_update_input=[{"lengths": [1, 2]}, {"lengths": torch.tensor([3, 4])}])
-    graph.replay()
-    assert first[:, 0].tolist() == [1.0, 2.0] and second[:, 0].tolist() == [3.0, 4.0]
-
-
-def test_replay_without_an_update_would_hang_and_raises():
-    graph, _, _ = _updatable_graph()
-    graph.update(cpu_update_input=[{"lengths": [5, 6]}])
-    graph.replay()
-    with pytest.raises(ReplayError, match="on the device this replay would hang"):
-        graph.replay()
-
-
-def test_update_errors_name_the_problem():
-    graph, _, _ = _updatable_graph()
-    with pytest.raises(ReplayError, match=r"update names \['kv_lens'\], which graphmode_test.add_lengths.default does not take; its arguments are \['lengths', 'x'\]"):
-        graph.update(cpu_update_input=[{"kv_lens": [1, 1]}])
-    with pytest.raises(ReplayError, match="update got 3 dicts for 2 captured updatable operators"):
-        graph.update(cpu_update_input=[{}, {}, {}])
-    plain = EmulatedGraph()
-    with plain.capture():
-        torch.ones(1) + 1
-    with pytest.raises(ReplayError, match="this graph captured no updatable operator"):
-        plain.update(cpu_update_input=[{"lengths": [1]}])
-
-
-def test_without_dispatch_capture_an_updatable_operator_is_frozen():
-    x = torch.zeros(2, 1)
-    graph = EmulatedGraph()
-    with graph.capture():
-        y = torch.ops.graphmode_test.add_lengths(x, [1, 2])
-    graph.replay()
-    assert y[:, 0].tolist() == [1.0, 2.0] and graph.num_updatable == 0
-
-
-# -- ACL task groups (older torch_npu) ---------------------------------------
-
-
-def test_task_group_update_rewrites_the_captured_task():
-    x, out = torch.zeros(2, 1), torch.zeros(2, 1)
-    stream, update_stream = npu.current_stream(), npu.Stream()
-    graph = EmulatedGraph()
-    with graph.capture():
-        event = npu.ExternalEvent()
-        event.wait(stream)
-        event.reset(stream)
-        npu.graph_task_group_begin(stream)
-        torch.ops.graphmode_test.add_lengths_out(x, [1, 1], out)
-        handle = npu.graph_task_group_end(stream)
-        doubled = out * 2
-
-    def push(lengths):
-        with npu.stream(update_stream):
-            npu.graph_task_update_begin(update_stream, handle)
-            torch.ops.graphmode_test.add_lengths_out(x, lengths, out)
-            npu.graph_task_update_end(update_stream)
-            event.record(update_stream)
-
-    push([7, 8])
-    graph.replay()
-    assert doubled[:, 0].tolist() == [14.0, 16.0]
-    with pytest.raises(ReplayError, match="would hang"):
-        graph.replay()
-    push([1, 2])
-    graph.replay()
-    assert doubled[:, 0].tolist() == [2.0, 4.0]
-
-
-def test_a_task_update_must_write_where_the_graph_reads():
-    x, out = torch.zeros(2, 1), torch.zeros(2, 1)
-    graph = EmulatedGraph()
-    with graph.capture():
-        npu.graph_task_group_begin(npu.current_stream())
-        torch.ops.graphmode_test.add_lengths_out(x, [1, 1], out)
-        handle = npu.graph_task_group_end(npu.current_stream())
-    npu.graph_task_update_begin(npu.Stream(), handle)
-    try:
-        with pytest.raises(ReplayError, match="allocates its result, which the captured graph never reads"):
-            torch.ops.graphmode_test.add_lengths(x, [2, 2])
-    finally:
-        npu.graph_task_update_end(npu.Stream())
-
-
-def test_task_groups_exist_only_inside_a_capture():
-    with pytest.raises(CaptureError, match="graph_task_group_begin outside graph capture"):
-        npu.graph_task_group_begin(npu.current_stream())
 
 
 # -- stale vendor behaviour gives wrong output, as on a device ---------------

@@ -32,6 +32,7 @@ from graphmode.context import StepInputs
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
+from graphmode.plugins.manager import DEFAULT_PLUGIN_NAME
 
 __all__ = ["ALIGNMENT", "HostStaging", "staging_refusal", "to_device", "to_host"]
 
@@ -206,12 +207,10 @@ def staging_refusal(vendor: Any, device: torch.device) -> str | None:
     true of the built-in fill, and of plugins that declare the
     ``host_staging`` capability. A live pinned-memory copy inside a capture
     is checked on CUDA and the emulator only."""
-    from graphmode import default
-
     if device.type not in ("cuda", "cpu"):
         return f"host staging runs on CUDA and the cpu emulator, not {device.type}"
     fill = vendor.hook.graphmode_fill_buffers.get_hookimpls()
-    if any(impl.plugin is not default for impl in fill) and "host_staging" not in vendor.info.capabilities:
+    if any(impl.plugin_name != DEFAULT_PLUGIN_NAME for impl in fill) and "host_staging" not in vendor.info.capabilities:
         return (
             f"vendor {vendor.name!r} fills its buffers with its own graphmode_fill_buffers and does not "
             "declare the 'host_staging' capability (every buffer write through graphmode.buffers.stage)"

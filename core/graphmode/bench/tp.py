@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import graphmode
-from graphmode.bench.cli import add_arguments, median_step
+from graphmode.bench.common import add_arguments, median_step
 from graphmode.bench.modes import Eager, GraphmodeRunner
 from graphmode.bench.workload import Workload
 from graphmode.buckets import parse_sizes

@@ -37,8 +37,10 @@ class Workload:
         tensor-parallel shard (every rank builds the same weights first).
         ``attention`` chooses the CUDA attention kernels (see
         :func:`graphmode.kernels.cuda_attention_ops`); None takes the vendor's."""
-        ops = cuda_attention_ops(attention) if attention is not None else None
-        model = build_reference_model(config, vendor, device, seed=seed, ops=ops)
+        if attention is not None:
+            model = build_reference_model(config, device=device, seed=seed, ops=cuda_attention_ops(attention))
+        else:
+            model = build_reference_model(config, vendor, device, seed=seed)
         if process_group is not None:
             model = shard_model(model, process_group)
         width = -(-(context + steps) // block_size)

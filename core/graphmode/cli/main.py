@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     vendors.add_arguments(commands.add_parser("vendors", help="list installed vendors and why each is usable"))
 
     from graphmode.bench import cli as bench
+    from graphmode.bench.common import add_arguments as bench_arguments
 
-    bench.add_arguments(commands.add_parser("bench", help="measure graph mode against eager and the alternatives"))
+    bench_arguments(commands.add_parser("bench", help="measure graph mode against eager and the alternatives"))
 
     args = parser.parse_args(argv)
     if args.command == "conformance":

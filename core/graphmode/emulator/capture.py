@@ -10,13 +10,24 @@ Two modes run while an emulated graph captures:
   ``.tolist()``, printing, ...), which a device capture cannot contain.
 
 Data-dependent output shapes (``nonzero``, boolean masks) are refused too.
+
+Extension point for a vendor's emulated graph (an :class:`EmulatedGraph`
+subclass): the recorder hands every operator call to the graph's
+``record_call(session, func, args, kwargs)``, which by default records it with
+:meth:`CaptureSession.record`; an override may instead append its own steps
+(see ``recording.py`` for what a step is), record into a nested list with
+:meth:`CaptureSession.nested`, and remember what it recorded. Ascend's
+updatable attention and ACL task groups are built this way, in
+``graphmode_ascend.emulated_npu``: the core knows nothing of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import traceback
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -25,26 +36,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from graphmode.emulator.host import is_host, is_pinned_host, mark_host
-from graphmode.emulator.recording import (
-    EventReset,
-    EventWait,
-    OpRecord,
-    TaskGroup,
-    frozen_view,
-    is_mutating,
-    is_view,
-)
-from graphmode.errors import CaptureError, ReplayError
+from graphmode.emulator.recording import OpRecord, frozen_view, is_mutating, written_tensors
+from graphmode.errors import CaptureError
 
 if TYPE_CHECKING:
     from graphmode.emulator.graph import EmulatedGraph
 
-__all__ = ["CaptureSession", "current_session", "is_updatable", "register_updatable"]
+__all__ = ["HOST_READS", "CaptureSession", "call_site", "current_session", "named_arguments", "reads_host"]
 
 aten = torch.ops.aten
 _local = threading.local()
 _Error = TypeVar("_Error", bound=BaseException)
-_updatable: set[Any] = set()
 
 # Operators whose output shape depends on tensor values: the host must read
 # the device to size the result, which a graph capture cannot do.
@@ -63,7 +65,7 @@ _DATA_DEPENDENT = {
 _BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 # Tensor methods that read device memory on the host.
-_HOST_READS = {
+HOST_READS = frozenset({
     torch.Tensor.tolist,
     torch.Tensor.numpy,
     torch.Tensor.item,
@@ -75,23 +77,9 @@ _HOST_READS = {
     torch.Tensor.__int__,
     torch.Tensor.__float__,
     torch.Tensor.__index__,
-}
+})
 
 _SKIP_FRAMES = (os.sep + "torch" + os.sep, os.path.join("graphmode", "emulator"), "contextlib.py")
-
-
-def register_updatable(op: Any) -> None:
-    """Declare an operator whose host arguments a graph captured with
-    ``auto_dispatch_capture`` may replace with ``graph.update`` (the emulator's
-    counterpart of torch_npu's ``npu_fused_infer_attention_score``)."""
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        op = op.default
-    _updatable.add(op)
-
-
-def is_updatable(op: Any) -> bool:
-    """Whether ``op`` was declared with :func:`register_updatable`."""
-    return op in _updatable
 
 
 def current_session() -> CaptureSession | None:
@@ -116,21 +104,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an operator writes into, per its schema."""
-    written = []
-    for index, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = kwargs.get(argument.name) if argument.name in kwargs else (
-            args[index] if index < len(args) else None
-        )
-        written.extend(_tensors(value))
-    return written
-
-
-def _normalise(func: Any, args: tuple, kwargs: dict) -> dict:
-    """All arguments by name, so that ``update`` can replace them by name."""
+def named_arguments(func: Any, args: tuple, kwargs: dict) -> dict:
+    """All arguments of an operator call by name (so that a vendor's update
+    can replace them by name)."""
     named = dict(kwargs)
     for argument, value in zip(func._schema.arguments, args):
         named[argument.name] = value
@@ -145,13 +121,11 @@ class CaptureSession:
         self.graph = graph
         self.steps: list = []
         self.targets: list[list] = [self.steps]
-        self.open_groups: list[TaskGroup] = []
-        self.dispatch_records: list[DispatchRecord] = []
         self.allocated: set[int] = set()
         self.snapshots: dict[int, tuple[Any, Any]] = {}
         self.in_operator = False
         self.error: BaseException | None = None
-        self._modes = (_HostReadGuard(self), _Recorder(self))
+        self._modes = (HostReadGuard(self.refuse_host_read, lambda: self.in_operator), _Recorder(self))
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -184,7 +158,17 @@ class CaptureSession:
     # -- recording ----------------------------------------------------------
 
     def append(self, step: Any) -> None:
+        """Add a step (see ``recording.py``) where the capture records now."""
         self.targets[-1].append(step)
+
+    @contextlib.contextmanager
+    def nested(self, steps: list) -> Iterator[list]:
+        """Record into ``steps`` (a nested step's list) within this block."""
+        self.targets.append(steps)
+        try:
+            yield steps
+        finally:
+            self.targets.pop()
 
     def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         tensors = _tensors((args, kwargs))
@@ -205,7 +189,7 @@ class CaptureSession:
         transfer = bool(host) and func is aten.copy_.default and self._check_transfer(func, args, kwargs)
         input_keys = {_storage_key(t) for t in tensors}
         if is_mutating(func):
-            for tensor in _written(func, args, kwargs):
+            for tensor in written_tensors(func, args, kwargs):
                 key = _storage_key(tensor)
                 if key not in self.allocated and key not in self.snapshots:
                     storage = tensor.untyped_storage()
@@ -235,7 +219,7 @@ class CaptureSession:
         (pytorch aten/src/ATen/native/cuda/Copy.cu refuses pageable memory
         during capture), and only ``non_blocking`` (a blocking copy
         synchronises the stream, which a capture cannot contain)."""
-        named = _normalise(func, args, kwargs)
+        named = named_arguments(func, args, kwargs)
         destination, source = named["self"], named["src"]
         host = source if is_host(source) else destination
         if not is_pinned_host(host):
@@ -253,27 +237,6 @@ class CaptureSession:
             raise self.refuse("a blocking copy between host and device memory", "it synchronises the stream")
         return True
 
-    def record_updatable(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """As torch_npu's dispatch capture does: the operator waits on an
-        external event, runs inside its own task group, and is remembered so
-        that ``update`` can re-issue it with new host arguments."""
-        from graphmode.emulator.npu import ExternalEvent
-
-        event = ExternalEvent()
-        where = call_site()
-        self.append(EventWait(event, where))
-        self.append(EventReset(event))
-        group = TaskGroup()
-        self.append(group)
-        self.targets.append(group.steps)
-        try:
-            named = _normalise(func, args, kwargs)
-            outputs = self.record(func, (), named)
-        finally:
-            self.targets.pop()
-        self.dispatch_records.append(DispatchRecord(func, named, outputs, event, group))
-        return outputs
-
     # -- refusing host synchronisation -------------------------------------
 
     def refuse(self, what: str, reason: str) -> CaptureError:
@@ -286,26 +249,8 @@ class CaptureSession:
             )
         )
 
-
-class DispatchRecord:
-    """One updatable operator captured with ``auto_dispatch_capture``."""
-
-    def __init__(self, func: Any, kwargs: dict, outputs: Any, event: Any, group: TaskGroup) -> None:
-        self.func, self.kwargs, self.outputs, self.event, self.group = func, kwargs, outputs, event, group
-        self.targets = group.steps[-1].targets
-
-    def update(self, changes: dict[str, Any]) -> None:
-        unknown = sorted(set(changes) - set(self.kwargs))
-        if unknown:
-            raise ReplayError(
-                f"update names {unknown}, which {self.func} does not take; "
-                f"its arguments are {sorted(self.kwargs)}"
-            )
-        for name, value in changes.items():
-            # The update is issued now: a host tensor is read now.
-            self.kwargs[name] = value.tolist() if isinstance(value, torch.Tensor) else value
-        self.group.replace([OpRecord(self.func, (), dict(self.kwargs), self.outputs, self.targets)])
-        self.event.recorded = True
+    def refuse_host_read(self, what: str) -> CaptureError:
+        return self.refuse(what, "a device-to-host read")
 
 
 class _Recorder(TorchDispatchMode):
@@ -325,24 +270,34 @@ class _Recorder(TorchDispatchMode):
         indices = args[1] if len(args) > 1 else kwargs.get("indices")
         if func in _BOOL_INDEXED and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(indices)):
             raise session.refuse(f"{func} with a boolean mask", "its output size depends on tensor values")
-        if session.graph.records_updatable(func):
-            return session.record_updatable(func, args, kwargs)
-        return session.record(func, args, kwargs)
+        return session.graph.record_call(session, func, args, kwargs)
 
 
-class _HostReadGuard(TorchFunctionMode):
-    def __init__(self, session: CaptureSession) -> None:
+class HostReadGuard(TorchFunctionMode):
+    """Refuses host reads of device memory (:data:`HOST_READS`, ``.to("cpu")``)
+    while entered: ``refuse(what)`` makes the error raised; ``exempt()`` says
+    when a call is the emulator's own (an operator running for the recorder)."""
+
+    def __init__(self, refuse: Callable[[str], BaseException], exempt: Callable[[], bool] = lambda: False) -> None:
         super().__init__()
-        self.session = session
+        self.refuse = refuse
+        self.exempt = exempt
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.session.in_operator and args and isinstance(args[0], torch.Tensor):
-            reads_host = func in _HOST_READS or (func is torch.Tensor.to and _targets_cpu(args[1:], kwargs))
-            if reads_host and not is_host(args[0]):
-                name = getattr(func, "__name__", str(func))
-                raise self.session.refuse(f"Tensor.{name}()", "a device-to-host read")
+        if reads_host(func, args, kwargs) and not self.exempt():
+            name = getattr(func, "__name__", str(func))
+            raise self.refuse(f"Tensor.{name}()")
         return func(*args, **kwargs)
+
+
+def reads_host(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args, **kwargs)`` reads device memory on the host."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    if func in HOST_READS or (func is torch.Tensor.to and _targets_cpu(args[1:], kwargs)):
+        return not is_host(args[0])
+    return False
 
 
 def _targets_cpu(args: tuple, kwargs: dict) -> bool:
@@ -365,33 +320,3 @@ def _targets_cpu(args: tuple, kwargs: dict) -> bool:
             except RuntimeError:
                 continue
     return False
-
-
-class UpdateSession(TorchDispatchMode):
-    """Between ``graph_task_update_begin`` and ``_end``: operators are not run
-    but recorded, to replace a captured task group's records, as an ACL task
-    update rewrites the captured tasks' parameters."""
-
-    def __init__(self, group: TaskGroup) -> None:
-        super().__init__()
-        self.group = group
-        self.steps: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if is_view(func):
-            return func(*args, **kwargs)
-        if not is_mutating(func):
-            raise ReplayError(
-                f"{func} was issued inside a task update but allocates its result, "
-                "which the captured graph never reads. Re-issue the captured operator "
-                "in its out= form, writing into the captured output."
-            )
-        self.steps.append(OpRecord(func, args, dict(kwargs), None))
-        if not func._schema.returns:
-            return None
-        written = _written(func, args, kwargs)
-        return written[0] if len(written) == 1 else tuple(written)
-
-    def finish(self) -> None:
-        self.group.replace(self.steps)

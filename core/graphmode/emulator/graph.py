@@ -9,12 +9,13 @@ random operators draw fresh numbers, and a capture leaves no side effect.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from graphmode.emulator.capture import CaptureSession, is_updatable
-from graphmode.emulator.recording import EventReset, EventWait, OpRecord, TaskGroup, compile_steps
+from graphmode.emulator.capture import CaptureSession
+from graphmode.emulator.recording import OpRecord, compile_steps
 from graphmode.errors import CaptureError, ReplayError
 from graphmode.graphs.base import DeviceGraph
 
@@ -51,20 +52,17 @@ class EmulatedPool:
 
 
 class EmulatedGraph(DeviceGraph):
-    """A CPU stand-in for ``torch.cuda.CUDAGraph`` / ``torch.npu.NPUGraph``.
+    """A CPU stand-in for ``torch.cuda.CUDAGraph`` and other device graphs.
 
-    ``auto_dispatch_capture`` mirrors torch_npu's switch of the same name:
-    when set before capture, operators registered with
-    :func:`graphmode.emulator.register_updatable` can later have host
-    arguments replaced by :meth:`update`.
+    Extension point: a vendor's emulated graph subclasses it and overrides
+    :meth:`record_call` (how a capture records an operator call) and, for
+    state around replays, :meth:`replay` (see ``capture.py``).
     """
 
     def __init__(self) -> None:
-        self.auto_dispatch_capture = False
         self._session: CaptureSession | None = None
         self._steps: list = []
         self._compiled: list = []
-        self._dispatch_records: list = []
         self._allocated: list[torch.Tensor] = []
         self._pool: EmulatedPool | None = None
         self._state = "empty"
@@ -99,7 +97,6 @@ class EmulatedGraph(DeviceGraph):
                 f"({session.error.__class__.__name__}); reset() and capture again"
             ) from session.error
         self._steps = session.steps
-        self._dispatch_records = session.dispatch_records
         self._allocated = [
             tensor
             for step in _walk(self._steps)
@@ -115,44 +112,18 @@ class EmulatedGraph(DeviceGraph):
     def replay(self) -> None:
         if self._state != "captured":
             raise ReplayError(f"replay of a graph that is {self._state}; capture it first")
-        with torch.inference_mode():
+        # A device replays without Python: no torch function mode (the
+        # runner's replay guard, a user's) sees the replayed operators.
+        with torch.inference_mode(), torch._C.DisableTorchFunction():
             for step in self._compiled:
                 step()
         self.replays += 1
 
-    def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
-        """Replace host arguments of the updatable operators captured with
-        ``auto_dispatch_capture``: one dict per operator in capture order, or
-        one dict for all, as torch_npu's ``NPUGraph.update``."""
-        if self._state != "captured":
-            raise ReplayError(f"update of a graph that is {self._state}; capture it first")
-        records = self._dispatch_records
-        if not records:
-            raise ReplayError(
-                "this graph captured no updatable operator (capture with "
-                "auto_dispatch_capture=True and call an operator registered with "
-                "register_updatable), so there is nothing to update"
-            )
-        if len(cpu_update_input) == 1:
-            cpu_update_input = [cpu_update_input[0]] * len(records)
-        if len(cpu_update_input) != len(records):
-            raise ReplayError(
-                f"update got {len(cpu_update_input)} dicts for {len(records)} captured "
-                "updatable operators; pass one dict for all, or one per operator in "
-                "capture order"
-            )
-        for record, changes in zip(records, cpu_update_input):
-            record.update(changes)
-
-    def records_updatable(self, func: Any) -> bool:
-        """Whether the capture under way records ``func`` for :meth:`update`:
-        here, any registered operator while ``auto_dispatch_capture`` is set
-        (the emulated ``NPUGraph`` narrows this to torch_npu's behaviour)."""
-        return self.auto_dispatch_capture and is_updatable(func)
-
-    @property
-    def num_updatable(self) -> int:
-        return len(self._dispatch_records)
+    def record_call(self, session: CaptureSession, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Record one operator call of this graph's capture and return its
+        outputs. The extension point for a vendor's graph: by default,
+        :meth:`CaptureSession.record`."""
+        return session.record(func, args, kwargs)
 
     # -- lifetime -----------------------------------------------------------
 
@@ -161,7 +132,7 @@ class EmulatedGraph(DeviceGraph):
             raise CaptureError("reset() during capture; end the capture first")
         if self._pool is not None:
             self._pool.discard(self)
-        self._steps, self._compiled, self._dispatch_records, self._allocated = [], [], [], []
+        self._steps, self._compiled, self._allocated = [], [], []
         self._pool = None
         self._state = "empty"
         self.replays = 0
@@ -196,30 +167,14 @@ def _output_tensors(outputs: Any) -> list[torch.Tensor]:
     return []
 
 
-def _walk(steps: list):
+def _walk(steps: list) -> Iterator[Any]:
+    """Every step, and the steps nested in it (a step's ``steps``)."""
     for step in steps:
-        if isinstance(step, TaskGroup):
-            yield step
-            yield from _walk(step.steps)
-        else:
-            yield step
+        yield step
+        nested: list = getattr(step, "steps", [])
+        yield from _walk(nested)
 
 
 def _describe(step: Any) -> str:
-    if isinstance(step, OpRecord):
-        def show(value: Any) -> str:
-            if isinstance(value, torch.Tensor):
-                return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
-            if isinstance(value, (list, tuple)):
-                return "[" + ", ".join(show(v) for v in value) + "]"
-            return repr(value)
-
-        args = ", ".join([show(a) for a in step.args] + [f"{k}={show(v)}" for k, v in step.kwargs.items()])
-        return f"{step.func}({args}) -> {show(step.outputs)}"
-    if isinstance(step, EventWait):
-        return f"wait external event {id(step.event):#x}"
-    if isinstance(step, EventReset):
-        return f"reset external event {id(step.event):#x}"
-    if isinstance(step, TaskGroup):
-        return f"task group ({len(step.steps)} operators)"
-    return repr(step)
+    describe = getattr(step, "describe", None)
+    return describe() if describe is not None else repr(step)

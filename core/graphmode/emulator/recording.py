@@ -10,21 +10,25 @@ A recording is a list of steps. Each operator record knows how it replays:
 - other operators write their result into the tensors the capture returned,
   through their ``out=`` overload when there is one, else by a copy.
 
-Event steps and task groups model Ascend's ACL task updates (see ``npu.py``).
+Extension point: a step is any object with ``replay_step()``, returning a
+no-argument callable that redoes it (or None to skip it). A step holding
+nested steps exposes them as ``steps`` (walked for the graph's memory and
+its debug dump) and compiles them itself; ``describe()`` names it in the
+debug dump. A vendor's graph appends such steps through
+:class:`graphmode.emulator.capture.CaptureSession` (Ascend's task groups and
+event waits live in ``graphmode_ascend.emulated_npu``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphmode.errors import ReplayError
-
-__all__ = ["EventReset", "EventWait", "OpRecord", "TaskGroup", "compile_steps"]
+__all__ = ["OpRecord", "compile_steps", "is_mutating", "is_view", "written_tensors"]
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -77,6 +81,19 @@ def is_mutating(func: torch._ops.OpOverload) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
+def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an operator call writes into, per its schema."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = kwargs.get(argument.name) if argument.name in kwargs else (
+            args[index] if index < len(args) else None
+        )
+        written.extend(_tensors(value))
+    return written
+
+
 def is_view(func: torch._ops.OpOverload) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
@@ -119,6 +136,19 @@ class OpRecord:
             return _bind(out_func, args, out_kwargs)
         return _copy_back(func, args, kwargs, targets)
 
+    def describe(self) -> str:
+        """``func(arguments) -> outputs``, tensors as dtype and shape."""
+        args = ", ".join([_show(a) for a in self.args] + [f"{k}={_show(v)}" for k, v in self.kwargs.items()])
+        return f"{self.func}({args}) -> {_show(self.outputs)}"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value)
+
 
 def _bind(func: Any, args: tuple, kwargs: dict) -> Callable[[], None]:
     call = getattr(func, "_op", func)  # skip OpOverload's Python frame
@@ -150,67 +180,10 @@ def _copy_back(func: Any, args: tuple, kwargs: dict, outputs: Any) -> Callable[[
     return step
 
 
-@dataclass
-class EventWait:
-    """The graph waits until the event is recorded (by a parameter update)."""
-
-    event: Any
-    where: str = ""
-
-    def replay_step(self) -> Callable[[], None]:
-        event = self.event
-
-        def wait() -> None:
-            if not event.recorded:
-                raise ReplayError(
-                    "replay reached an ExternalEvent wait that no parameter update "
-                    "recorded since the last replay; on the device this replay would "
-                    "hang. Update the graph's captured parameters (graph.update or a "
-                    f"task update ending in event.record) before every replay. Captured at {self.where}"
-                )
-
-        return wait
-
-
-@dataclass
-class EventReset:
-    event: Any
-
-    def replay_step(self) -> Callable[[], None]:
-        event = self.event
-
-        def reset() -> None:
-            event.recorded = False
-
-        return reset
-
-
-@dataclass(eq=False)
-class TaskGroup:
-    """Records captured between ``graph_task_group_begin`` and ``_end``; a task
-    update replaces them with the records issued during the update."""
-
-    steps: list = field(default_factory=list)
-    compiled: list = field(default_factory=list)
-
-    def replace(self, steps: list) -> None:
-        self.steps = steps
-        self.compiled = compile_steps(steps)
-
-    def replay_step(self) -> Callable[[], None]:
-        def run_group() -> None:
-            for step in self.compiled:
-                step()
-
-        return run_group
-
-
 def compile_steps(steps: list) -> list[Callable[[], None]]:
     """The callables a replay runs, in order, skipping what needs no work."""
     compiled = []
     for step in steps:
-        if isinstance(step, TaskGroup):
-            step.compiled = compile_steps(step.steps)
         call = step.replay_step()
         if call is not None:
             compiled.append(call)

@@ -45,15 +45,6 @@ class DeviceGraph(abc.ABC):
     def pool(self) -> Any:
         """The token of this graph's memory pool."""
 
-    def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
-        """Replace host arguments of captured updatable operators, one dict
-        per operator in capture order (a single dict applies to all)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot update captured host arguments; "
-            "only graphs captured with an update path (torch_npu's NPUGraph, "
-            "the emulator) can"
-        )
-
     def debug_dump(self, path: str) -> None:
         """Write a description of the captured work to ``path``."""
         raise NotImplementedError(f"{type(self).__name__} has no debug dump")

@@ -7,11 +7,13 @@ from graphmode.plugins.manager import (
     ENV_PLUGINS,
     ENV_TRACE,
     Vendor,
+    describe_vendors,
     installed_vendor_names,
     load_vendor,
     make_plugin_manager,
+    vendor_statuses,
 )
-from graphmode.plugins.selection import ENV_VENDOR, describe_vendors, select_vendor, vendor_statuses
+from graphmode.plugins.selection import ENV_VENDOR, select_vendor
 
 __all__ = [
     "BUILTIN_VENDOR",

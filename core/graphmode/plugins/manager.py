@@ -32,17 +32,22 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN_VENDOR",
+    "DEFAULT_PLUGIN_NAME",
     "ENTRY_POINT_GROUP",
     "ENV_PLUGINS",
     "ENV_TRACE",
     "Vendor",
+    "describe_vendors",
     "installed_vendor_names",
     "load_vendor",
     "make_plugin_manager",
+    "vendor_statuses",
 ]
 
 ENTRY_POINT_GROUP = "graphmode"
 BUILTIN_VENDOR = "cuda"
+# The name graphmode.default (the built-in hook implementations) is registered under.
+DEFAULT_PLUGIN_NAME = "graphmode.default"
 ENV_PLUGINS = "GRAPHMODE_PLUGINS"
 ENV_TRACE = "GRAPHMODE_TRACE"
 
@@ -53,7 +58,7 @@ def make_plugin_manager() -> pluggy.PluginManager:
 
     manager = pluggy.PluginManager("graphmode")
     manager.add_hookspecs(hookspecs)
-    manager.register(default, name="graphmode.default")
+    manager.register(default, name=DEFAULT_PLUGIN_NAME)
     if os.environ.get(ENV_TRACE, "").strip() not in ("", "0"):
         manager.trace.root.setwriter(sys.stderr.write)
         manager.enable_tracing()
@@ -190,9 +195,35 @@ def _signature(name: str, function: Any) -> str:
         return name
 
 
-def _unknown_vendor_message(name: str) -> str:
-    from graphmode.plugins.selection import describe_vendors
+# The listing lives here, not in selection.py: loading an unknown name lists
+# the vendors, and listing them loads each.
+def vendor_statuses() -> list[tuple[str, Vendor | None, str]]:
+    """(name, loaded vendor or None, one-line status) per installed vendor."""
+    rows: list[tuple[str, Vendor | None, str]] = []
+    for name in installed_vendor_names():
+        try:
+            vendor = load_vendor(name)
+            info = vendor.info
+        except Exception as error:  # a broken plugin must not hide the others
+            rows.append((name, None, f"cannot load: {error}".splitlines()[0]))
+            continue
+        state = "detected" if info.detected else "not detected"
+        version = info.runtime_version or "unavailable"
+        rows.append((
+            name,
+            vendor,
+            f"{state}: {info.reason} [{info.runtime} {version}; graphs on "
+            f"{', '.join(info.device_types)} and the cpu emulator]",
+        ))
+    return rows
 
+
+def describe_vendors() -> str:
+    """One line per installed vendor, for error messages and the CLI."""
+    return "\n".join(f"  {name}: {status}" for name, _, status in vendor_statuses())
+
+
+def _unknown_vendor_message(name: str) -> str:
     return (
         f"no vendor plugin named {name!r} is installed. Installed vendors:\n"
         f"{describe_vendors()}\n"

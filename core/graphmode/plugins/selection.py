@@ -10,37 +10,11 @@ import os
 import torch
 
 from graphmode.errors import VendorError
-from graphmode.plugins.manager import BUILTIN_VENDOR, Vendor, installed_vendor_names, load_vendor
+from graphmode.plugins.manager import BUILTIN_VENDOR, Vendor, describe_vendors, load_vendor, vendor_statuses
 
-__all__ = ["ENV_VENDOR", "describe_vendors", "select_vendor", "vendor_statuses"]
+__all__ = ["ENV_VENDOR", "select_vendor"]
 
 ENV_VENDOR = "GRAPHMODE_VENDOR"
-
-
-def vendor_statuses() -> list[tuple[str, Vendor | None, str]]:
-    """(name, loaded vendor or None, one-line status) per installed vendor."""
-    rows: list[tuple[str, Vendor | None, str]] = []
-    for name in installed_vendor_names():
-        try:
-            vendor = load_vendor(name)
-            info = vendor.info
-        except Exception as error:  # a broken plugin must not hide the others
-            rows.append((name, None, f"cannot load: {error}".splitlines()[0]))
-            continue
-        state = "detected" if info.detected else "not detected"
-        version = info.runtime_version or "unavailable"
-        rows.append((
-            name,
-            vendor,
-            f"{state}: {info.reason} [{info.runtime} {version}; graphs on "
-            f"{', '.join(info.device_types)} and the cpu emulator]",
-        ))
-    return rows
-
-
-def describe_vendors() -> str:
-    """One line per installed vendor, for error messages and the CLI."""
-    return "\n".join(f"  {name}: {status}" for name, _, status in vendor_statuses())
 
 
 def select_vendor(vendor: str | None = None, device: torch.device | str | None = None) -> Vendor:

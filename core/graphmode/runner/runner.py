@@ -11,9 +11,10 @@ autotunes, outside any graph), and the capture records the compiled kernels.
 Eager steps run the model uncompiled.
 
 What it deliberately does not do: it never reads device values on the host
-(no synchronisation per step), never captures prefill, and never copies the
-output: a replay result is a view of the graph's output, valid until the next
-step.
+(no synchronisation per step; on the emulator, and on CUDA when asked, a hook
+that does is refused: see ``graphmode.runner.host_reads``), never captures
+prefill, and never copies the output: a replay result is a view of the
+graph's output, valid until the next step.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
+from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
@@ -105,6 +107,7 @@ class GraphRunner:
         self._declared_extras = {
             path.split(".", 1)[1] for spec in self.spec.buffers for path in spec.contexts if path.startswith("extras.")
         }
+        self._replay_guard = replay_guard(config.device)
 
     # -- start-up checks ----------------------------------------------------
 
@@ -251,16 +254,22 @@ class GraphRunner:
         meta, bucket, staging = captured.meta, captured.bucket, self.staging
         if staging is not None:
             staging.wait()  # the previous replay has copied the mirror: it may be written
-        self._hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
-        if self._update_params is not None:
-            self._update_params(graph=captured.graph, meta=meta, batch_size=batch, bucket=bucket)
-        captured.graph.replay()
-        if staging is not None:
-            staging.copied()
-        self.stats.replays += 1
-        self.stats.real_tokens += batch
-        self.stats.padded_tokens += bucket - batch
-        return self._hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
+        # No hook may read a device value on the host from here on.
+        with self._replay_guard as guard:
+            guard.running("graphmode_fill_buffers")
+            self._hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+            if self._update_params is not None:
+                guard.running("graphmode_update_graph_params")
+                self._update_params(graph=captured.graph, meta=meta, batch_size=batch, bucket=bucket)
+            guard.running(f"the replay of {type(captured.graph).__name__}")
+            captured.graph.replay()
+            if staging is not None:
+                staging.copied()
+            self.stats.replays += 1
+            self.stats.real_tokens += batch
+            self.stats.padded_tokens += bucket - batch
+            guard.running("graphmode_get_outputs")
+            return self._hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
 
     def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
         if self._ranks is not None and not self._ranks.check_replays:

@@ -31,7 +31,7 @@ torch_npu's records do) and the calls of one graph share one workspace (as
 vllm-ascend's backends do): the graph, not the update state, owns them.
 
 On the CPU the same code drives the emulator's NPU-like runtime
-(:mod:`graphmode.emulator.npu`), so both paths run in CI.
+(:mod:`graphmode_ascend.emulated_npu`), so both paths run in CI.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import torch
 from packaging.version import InvalidVersion, Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphmode.emulator import npu as emulated_npu
 from graphmode.errors import CaptureError, ConfigError, ReplayError
 from graphmode.graphs import DeviceGraph, TorchGraph
+from graphmode_ascend import emulated_npu
 
 __all__ = ["GRAPH_UPDATE_SINCE", "UPDATE_PATHS", "AscendGraph", "AttentionCapture", "resolve_update_path", "uses_graph_update"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from graphmode.context import AttnMetadata
-from graphmode.emulator import register_updatable
 from graphmode.model.ops import ReferenceAttentionOps, attend
+from graphmode_ascend.emulated_npu import register_updatable
 
 __all__ = ["AscendAttentionOps", "fused_infer_attention_score", "fused_infer_attention_score_out"]
 

@@ -1,0 +1,58 @@
+"""Host cost of the replay-path host-read guard on the CPU emulator, per step.
+
+Times the runner's replay steps (tiny reference model, built-in and Ascend
+vendors) with the guard the runner uses on the CPU and with no guard, and
+prints the medians and their difference.
+
+    python scripts/replay_guard_cost.py --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import graphmode
+from graphmode.model import ModelConfig, build_reference_model
+from graphmode.model.engine import ReferenceEngine
+from graphmode.runner.host_reads import NoGuard, replay_guard
+
+
+def median_step_us(vendor: str, guarded: bool, steps: int, batch: int) -> float:
+    config = ModelConfig.tiny()
+    model = build_reference_model(config, vendor, "cpu")
+    engine = ReferenceEngine(16 * 64 + 1, 16, "cpu", vocab_size=config.vocab_size, table_width=64, seed=7)
+    runner = graphmode.build_graph_runner(model, max_batches=16, num_blocks=64, block_size=16, device="cpu", vendor=vendor)
+    runner._replay_guard = replay_guard(torch.device("cpu")) if guarded else NoGuard()
+    cache = model.make_kv_cache(16 * 64 + 1, 16)
+    seqs = [engine.add() for _ in range(batch)]
+    samples = []
+    with torch.inference_mode():
+        prefill = engine.prefill(seqs, [5] * batch)
+        runner(prefill.input_ids, prefill.position_ids, cache, prefill.attn_metadata)
+        for index in range(steps + 1):
+            step = engine.decode(seqs)
+            started = time.perf_counter()
+            runner(step.input_ids, step.position_ids, cache, step.attn_metadata)
+            if index:  # the first decode step captures
+                samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for vendor in ("cuda", "ascend"):
+        off = median_step_us(vendor, False, args.steps, args.batch)
+        on = median_step_us(vendor, True, args.steps, args.batch)
+        print(f"{vendor:7s} median step: no guard {off:8.1f} us, guard {on:8.1f} us, difference {on - off:+7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
