@@ -39,9 +39,10 @@ from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
+from graphmode.runner.debug import StepChecker
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.stats import RunnerStats
-from graphmode.runner.validate import check_inputs
+from graphmode.runner.validate import check_cache_layout, check_inputs, check_model_ops
 from graphmode.staging import HostStaging, staging_refusal, to_device, to_host
 
 __all__ = ["GraphRunner"]
@@ -58,6 +59,7 @@ class CapturedGraph:
     extras: dict[str, Any]
     cache_tensors: list[Any]
     flatten_cache: Callable[[Any], list[Any]]
+    in_warmup: bool = False  # captured by warmup(), with the extras given to it
 
 
 class GraphRunner:
@@ -79,6 +81,7 @@ class GraphRunner:
         self.vendor = vendor
         self._hook = vendor.hook
         self._hook.graphmode_check_config(config=config)
+        check_model_ops(model, vendor)
         self.capture_sizes = self._checked_capture_sizes()
         self._bucket_of = self._bucket_table()
         self._ranks = _rank_sync(process_group, check_ranks)
@@ -100,6 +103,7 @@ class GraphRunner:
             raise ConfigError(f"host_staging=True: {self._staging_refusal}; build the runner with host_staging=None or False")
         self.staging: HostStaging | None = None
         self._staging_decided = False
+        self._debug = StepChecker(model, config.block_size) if config.debug else None
 
     # -- start-up checks ----------------------------------------------------
 
@@ -217,6 +221,8 @@ class GraphRunner:
         inputs = self._placed(inputs, on_host)
         bucket = self._bucket_of[batch]
         assert bucket is not None  # _eager_reason said "no_bucket" otherwise
+        if self._debug is not None:
+            self._debug.check_step(inputs, batch)
         captured = self._graphs.get(bucket)
         if captured is None:
             return self._capture(inputs, batch, bucket)
@@ -262,6 +268,8 @@ class GraphRunner:
 
     def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int) -> Any:
         _check_same_objects(captured, inputs)
+        if self._debug is not None:
+            self._debug.check_addresses(captured.bucket, captured.cache_tensors, captured.extras)
         meta, bucket, staging = captured.meta, captured.bucket, self.staging
         if staging is not None:
             staging.wait()  # the previous replay has copied the mirror: it may be written
@@ -280,6 +288,8 @@ class GraphRunner:
         if self._ranks is not None and not self._ranks.check_replays:
             # Before the warm-up's collectives: disagreeing ranks would hang in them.
             self._ranks.agree_on_step(batch, bucket, "capture")
+        flatten = cache_flattener(inputs.past_key_values)
+        check_cache_layout(self.model, flatten(inputs.past_key_values), self.config.block_size)
         meta = self.graph_meta().for_graph()
         hook, staging = self._hook, self.staging
         if staging is not None:
@@ -315,9 +325,12 @@ class GraphRunner:
         if self._pool is None:
             self._pool = graph.pool()
         flatten = cache_flattener(static.past_key_values)
-        self._graphs[bucket] = CapturedGraph(
-            bucket, graph, meta, static.past_key_values, dict(static.extras), flatten(static.past_key_values), flatten
+        captured = self._graphs[bucket] = CapturedGraph(
+            bucket, graph, meta, static.past_key_values, dict(static.extras), flatten(static.past_key_values), flatten,
+            in_warmup=warmup,
         )
+        if self._debug is not None:
+            self._debug.record(bucket, captured.cache_tensors, captured.extras)
         self.stats.captures += 1
         if warmup:  # an inert step: no served tokens
             self.stats.warmup_captures += 1
@@ -489,6 +502,8 @@ def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
             "replacing any KV-cache tensor"
         )
     if inputs.extras or captured.extras:
+        if inputs.extras.keys() != captured.extras.keys():
+            _refuse_other_extras(captured, inputs)
         for name in inputs.extras.keys() | captured.extras.keys():
             if inputs.extras.get(name) is not captured.extras.get(name):
                 raise InputError(
@@ -496,6 +511,22 @@ def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
                     f"{captured.bucket} captured; graphs freeze extra inputs. Keep it fixed, "
                     "give it a buffer through a plugin's buffer hooks, or run eagerly"
                 )
+
+
+def _refuse_other_extras(captured: CapturedGraph, inputs: StepInputs) -> None:
+    """A step passing other extra inputs (by name) than the graph captured."""
+    given, then = sorted(inputs.extras), sorted(captured.extras)
+    if captured.in_warmup:
+        fix = (
+            "runner.warmup() captures with the extras given to it: pass the ones the steps pass, "
+            "runner.warmup(past_key_values, " + ", ".join(f"{n}=..." for n in given) + ")"
+        )
+    else:
+        fix = "pass the same extra inputs at every decode step, or call runner.reset() to capture again"
+    raise InputError(
+        f"this step passes extra model inputs {given}, but the graph of bucket {captured.bucket} was captured "
+        f"with {then}{' (by warmup())' if captured.in_warmup else ''}: graphs freeze extra inputs. {fix}"
+    )
 
 
 def _model_attr(model: Any, name: str) -> Any:
