@@ -28,8 +28,9 @@ def test_compile_is_refused_on_the_cpu_emulator():
 def test_compile_is_refused_for_a_vendor_without_the_inductor_graphs_capability():
     assert "inductor_graphs" not in graphmode.load_vendor("ascend").info.capabilities
     with pytest.raises(ConfigError, match="vendor 'ascend' does not declare that Inductor's kernels run inside its graphs"):
+        model = graphmode.model.build_reference_model(graphmode.model.ModelConfig.tiny(), "ascend", "cpu")
         graphmode.build_graph_runner(
-            _model(), max_batches=4, num_blocks=2, block_size=16, device="cpu", vendor="ascend", compile=True,
+            model, max_batches=4, num_blocks=2, block_size=16, device="cpu", vendor="ascend", compile=True,
         )
 
 

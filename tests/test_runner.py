@@ -257,8 +257,10 @@ def test_wrong_device_is_refused():
 def test_wrong_shape_is_refused():
     setup = tiny_setup()
     step = _step(setup)
-    with pytest.raises(InputError, match=r"kv_start_indices has shape \(1,\); a step of 2 sequences and 2 tokens needs \(2,\)"):
+    with pytest.raises(InputError, match=r"kv_start_indices has 1 tokens, but input_ids and position_ids have 2"):
         _call(setup, step, kv_start_indices=step.attn_metadata.kv_start_indices[:1])
+    with pytest.raises(InputError, match=r"kv_seqlens has shape \(3,\); a step of 2 sequences and 2 tokens needs \(2,\)"):
+        _call(setup, step, kv_seqlens=torch.ones(3, dtype=torch.int32))
 
 
 def test_attn_metadata_of_another_type_is_refused():

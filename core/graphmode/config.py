@@ -15,10 +15,19 @@ import torch
 from graphmode.errors import ConfigError
 from graphmode.spec import MODEL_INPUTS, BufferSpec
 
-__all__ = ["EXECUTE_MODES", "ENV_EXECUTE_MODE", "GRAPHED_COMPILE_MODES", "RunnerConfig", "resolve_execute_mode"]
+__all__ = [
+    "ENV_DEBUG",
+    "ENV_EXECUTE_MODE",
+    "EXECUTE_MODES",
+    "GRAPHED_COMPILE_MODES",
+    "RunnerConfig",
+    "resolve_debug",
+    "resolve_execute_mode",
+]
 
 EXECUTE_MODES = ("graph", "eager")
 ENV_EXECUTE_MODE = "GRAPHMODE_EXECUTE_MODE"
+ENV_DEBUG = "GRAPHMODE_DEBUG"
 # torch.compile modes that leave graph capture to graphmode: "reduce-overhead"
 # and "max-autotune" record CUDA graphs of their own, which cannot nest in ours.
 GRAPHED_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -42,6 +51,22 @@ def resolve_execute_mode(requested: str | None) -> str:
             f"{source}={mode!r} is not an execute mode; use one of {', '.join(EXECUTE_MODES)}"
         )
     return mode
+
+
+def resolve_debug(requested: bool) -> bool:
+    """Debug mode: ``$GRAPHMODE_DEBUG`` ("1" or "0") wins over the argument,
+    so that an operator can switch a deployed engine's checks on (or off)
+    without touching its code."""
+    value = os.environ.get(ENV_DEBUG, "").strip().lower()
+    if not value:
+        if not isinstance(requested, bool):
+            raise ConfigError(f"debug={requested!r}: must be True or False")
+        return requested
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"${ENV_DEBUG}={value!r}: use 1 (debug checks on) or 0 (off)")
 
 
 @dataclass
@@ -74,6 +99,11 @@ class RunnerConfig:
         then be host tensors), False keeps the device-side fill, None decides
         at the first graph step: on when that step's inputs are host tensors
         and the vendor allows it.
+    debug: before every graph step, read the step's device values (one
+        synchronisation) and refuse slots, block ids and lengths that would
+        give wrong results, and tensors the graph captured that moved
+        (``graphmode.runner.debug``); ``$GRAPHMODE_DEBUG`` overrides. Off by
+        default: it costs a device-to-host read per step.
     """
 
     max_batches: int
@@ -88,6 +118,7 @@ class RunnerConfig:
     compile: bool = False
     compile_options: dict[str, Any] = field(default_factory=dict)
     host_staging: bool | None = None
+    debug: bool = False
 
     def __post_init__(self) -> None:
         if self.host_staging not in (True, False, None):
@@ -109,6 +140,7 @@ class RunnerConfig:
         if wrong:
             raise ConfigError(f"step_inputs has {wrong!r}; declare each as graphmode.spec.BufferSpec(name, dtype, ...)")
         self.step_inputs = tuple(s.bound(MODEL_INPUTS) for s in self.step_inputs)
+        self.debug = resolve_debug(self.debug)
 
     @property
     def torch_compile_options(self) -> dict[str, Any]:

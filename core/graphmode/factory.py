@@ -40,6 +40,7 @@ def build_graph_runner(
     compile: bool = False,
     compile_options: dict[str, Any] | None = None,
     host_staging: bool | None = None,
+    debug: bool = False,
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -78,6 +79,9 @@ def build_graph_runner(
     host_staging: True to feed the graphs from one pinned host mirror (step
         inputs on the host), False for the device-side fill, None to decide at
         the first graph step from where its inputs are (docs/architecture.md).
+    debug: check every graph step's device values and the captured tensors'
+        addresses, at one synchronisation per step (``$GRAPHMODE_DEBUG=1``
+        overrides; docs/engines.md, "Debug mode").
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -97,5 +101,6 @@ def build_graph_runner(
         compile=compile,
         compile_options=dict(compile_options or {}),
         host_staging=host_staging,
+        debug=debug,
     )
     return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)

@@ -21,7 +21,7 @@ import torch
 
 from graphmode.context import AttnMetadata
 
-__all__ = ["AttentionOps", "ReferenceAttentionOps", "attend", "write_slots"]
+__all__ = ["AttentionOps", "ReferenceAttentionOps", "attend", "owned_positions", "write_slots"]
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -81,15 +81,27 @@ def attend(
     """Grouped-query attention in float32.
 
     query (N, H, D); keys, values (N, L, K, D); visible (N, L) bool.
-    A row with nothing visible gets zeros."""
+    A row with nothing visible gets zeros. Positions that are not visible
+    never reach the result, whatever they hold: their values are zeroed
+    before the weighted sum, because a zero weight times a NaN (a cache made
+    with ``torch.empty``, or the reserved block) is still NaN."""
     n, heads, dim = query.shape
     kv_heads = keys.shape[2]
     q = query.float().view(n, kv_heads, heads // kv_heads, dim)
     scores = torch.einsum("nkgd,nlkd->nkgl", q, keys.float()) * scale
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.einsum("nkgl,nlkd->nkgd", probs, values.float())
+    values = values.float().masked_fill(~visible[:, :, None, None], 0.0)
+    out = torch.einsum("nkgl,nlkd->nkgd", probs, values)
     return out.reshape(n, heads, dim).to(query.dtype)
+
+
+def owned_positions(block_offsets: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, length) False where a gathered position lies in the reserved
+    block 0, which no sequence owns: padding rows (whose table is all block 0)
+    then read nothing and get zeros, whatever the reserved block holds."""
+    block_size = length // block_offsets.shape[1]
+    return (block_offsets != 0).repeat_interleave(block_size, dim=1)
 
 
 class ReferenceAttentionOps:
@@ -97,6 +109,9 @@ class ReferenceAttentionOps:
     CUDA default, and the base of the vendors' reference kernels."""
 
     layout = "[num_blocks, block_size, kv_heads, head_dim]"
+    # The vendor whose graph contract (buffers, lengths, host values) these
+    # kernels follow: a runner refuses a model built on another's.
+    contract = "cuda"
 
     def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The shape of one layer's key (or value) cache in this layout."""
@@ -136,7 +151,7 @@ class ReferenceAttentionOps:
         keys = self._gather(k_cache, attn.block_offsets, query.shape[-1])
         values = self._gather(v_cache, attn.block_offsets, query.shape[-1])
         positions = torch.arange(keys.shape[1], device=query.device)
-        visible = positions[None, :] < self._decode_limit(attn)
+        visible = (positions[None, :] < self._decode_limit(attn)) & owned_positions(attn.block_offsets, keys.shape[1])
         return attend(query, keys, values, visible, scale)
 
     def prefill_attention(self, query, k_cache, v_cache, attn, scale):

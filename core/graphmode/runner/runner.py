@@ -41,11 +41,12 @@ from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
+from graphmode.runner.debug import StepChecker
 from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
-from graphmode.runner.validate import check_inputs
+from graphmode.runner.validate import check_cache_layout, check_inputs, check_model_ops
 from graphmode.staging import HostStaging, staging_refusal, to_device, to_host
 
 __all__ = ["GraphRunner"]
@@ -62,6 +63,7 @@ class CapturedGraph:
     extras: dict[str, Any]
     cache_tensors: list[Any]
     flatten_cache: Callable[[Any], list[Any]]
+    in_warmup: bool = False  # captured by warmup(), with the extras given to it
 
 
 class GraphRunner:
@@ -83,6 +85,7 @@ class GraphRunner:
         self.vendor = vendor
         self._hook = vendor.hook
         self.spec = configure(vendor, config)
+        check_model_ops(model, vendor)
         self.capture_sizes = capture_sizes(vendor, config, self.spec)
         self._bucket_of = self._bucket_table()
         self._ranks = _rank_sync(process_group, check_ranks)
@@ -108,6 +111,7 @@ class GraphRunner:
             path.split(".", 1)[1] for spec in self.spec.buffers for path in spec.contexts if path.startswith("extras.")
         }
         self._replay_guard = replay_guard(config.device)
+        self._debug = StepChecker(model, config.block_size) if config.debug else None
 
     # -- start-up checks ----------------------------------------------------
 
@@ -206,6 +210,8 @@ class GraphRunner:
         inputs = self._placed(inputs, on_host)
         bucket = self._bucket_of[batch]
         assert bucket is not None  # _eager_reason said "no_bucket" otherwise
+        if self._debug is not None:
+            self._debug.check_step(inputs, batch)
         captured = self._graphs.get(bucket)
         if captured is None:
             return self._capture(inputs, batch, bucket)
@@ -251,6 +257,8 @@ class GraphRunner:
 
     def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int) -> Any:
         _check_same_objects(captured, inputs)
+        if self._debug is not None:
+            self._debug.check_addresses(captured.bucket, captured.cache_tensors, captured.extras)
         meta, bucket, staging = captured.meta, captured.bucket, self.staging
         if staging is not None:
             staging.wait()  # the previous replay has copied the mirror: it may be written
@@ -275,6 +283,8 @@ class GraphRunner:
         if self._ranks is not None and not self._ranks.check_replays:
             # Before the warm-up's collectives: disagreeing ranks would hang in them.
             self._ranks.agree_on_step(batch, bucket, "capture")
+        flatten = cache_flattener(inputs.past_key_values)
+        check_cache_layout(self.model, flatten(inputs.past_key_values), self.config.block_size)
         meta = self.graph_meta().for_graph()
         hook, staging = self._hook, self.staging
         if staging is not None:
@@ -312,9 +322,12 @@ class GraphRunner:
         flatten = cache_flattener(static.past_key_values)
         # Extras without a buffer are captured by reference: later steps must pass the same objects.
         frozen = {name: value for name, value in inputs.extras.items() if name not in self._declared_extras}
-        self._graphs[bucket] = CapturedGraph(
-            bucket, graph, meta, static.past_key_values, frozen, flatten(static.past_key_values), flatten
+        captured = self._graphs[bucket] = CapturedGraph(
+            bucket, graph, meta, static.past_key_values, frozen, flatten(static.past_key_values), flatten,
+            in_warmup=warmup,
         )
+        if self._debug is not None:
+            self._debug.record(bucket, captured.cache_tensors, captured.extras)
         self.stats.captures += 1
         if warmup:  # an inert step: no served tokens
             self.stats.warmup_captures += 1
@@ -494,15 +507,35 @@ def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
             "reading and writing the old cache. Call runner.reset() after reallocating or "
             "replacing any KV-cache tensor"
         )
-    if captured.extras:
+    # Declared step inputs have buffers; every other extra is frozen by the graph.
+    given = {n: v for n, v in inputs.extras.items() if n not in captured.meta.spec.names} if inputs.extras else {}
+    if given or captured.extras:
+        if given.keys() != captured.extras.keys():
+            _refuse_other_extras(captured, sorted(given))
         for name, value in captured.extras.items():
-            if inputs.extras.get(name) is not value:
+            if given[name] is not value:
                 raise InputError(
                     f"extra model input {name!r} is not the object the graph of bucket "
                     f"{captured.bucket} captured; graphs freeze extra inputs that have no buffer. "
                     "Keep it fixed, or declare it as a step input (build_graph_runner(step_inputs="
                     "[BufferSpec(...)]), docs/engines.md) so that every step's value is copied in"
                 )
+
+
+def _refuse_other_extras(captured: CapturedGraph, given: list[str]) -> None:
+    """A step passing other undeclared extra inputs (by name) than the graph captured."""
+    then = sorted(captured.extras)
+    if captured.in_warmup:
+        fix = (
+            "runner.warmup() captures with the extras given to it: pass the ones the steps pass, "
+            "runner.warmup(past_key_values, " + ", ".join(f"{n}=..." for n in given) + ")"
+        )
+    else:
+        fix = "pass the same extra inputs at every decode step, or call runner.reset() to capture again"
+    raise InputError(
+        f"this step passes extra model inputs {given}, but the graph of bucket {captured.bucket} was captured "
+        f"with {then}{' (by warmup())' if captured.in_warmup else ''}: graphs freeze extra inputs. {fix}"
+    )
 
 
 def _model_attr(model: Any, name: str) -> Any:

@@ -7,14 +7,17 @@ value, the limit, and the fix.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
-from graphmode.errors import InputError
+from graphmode.errors import ConfigError, InputError
 
-__all__ = ["check_inputs", "check_step"]
+__all__ = ["CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model_ops", "check_step"]
 
 _INTEGER = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
 
@@ -39,6 +42,20 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
         raise InputError(
             f"attn_metadata is a {type(attn).__name__}; pass a graphmode.AttnMetadata"
         )
+    for name, value in (
+        ("input_ids", inputs.input_ids),
+        ("position_ids", inputs.position_ids),
+        ("attn_metadata.block_offsets", attn.block_offsets),
+        ("attn_metadata.q_start_loc", attn.q_start_loc),
+        ("attn_metadata.q_seqlens", attn.q_seqlens),
+        ("attn_metadata.kv_seqlens", attn.kv_seqlens),
+        ("attn_metadata.kv_start_indices", attn.kv_start_indices),
+    ):
+        if not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"{name} is {_described(value)}; it must be a torch.Tensor: build it with "
+                "torch.tensor(values, dtype=torch.int32, device=...) (int64 for ids, positions and slots)"
+            )
     batch = attn.q_seqlens.shape[0]
     if batch == 0:
         raise InputError(
@@ -63,7 +80,9 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
             f"block table can address (num_blocks={config.num_blocks} x "
             f"block_size={config.block_size}); raise num_blocks or shorten the sequence"
         )
-    tokens = inputs.input_ids.shape[-1]
+    tokens = _token_count(inputs)
+    if attn.is_decoding:
+        _check_decode(attn, batch, tokens)
     device = config.device
     # is_cpu and get_device() (an int) are cheaper than building a device.
     emulated, index = device.type == "cpu", device.index
@@ -110,9 +129,151 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
                 f"and {tokens} tokens needs {shape}"
             )
     host = attn.kv_seqlens_cpu
-    if host is not None and (host.device.type != "cpu" or host.shape != (batch,)):
+    if host is not None and (not isinstance(host, torch.Tensor) or host.device.type != "cpu" or host.shape != (batch,)):
+        if not isinstance(host, torch.Tensor):
+            raise InputError(
+                f"attn_metadata.kv_seqlens_cpu is {_described(host)}; it must be a ({batch},) host "
+                "tensor (torch.tensor(lengths, dtype=torch.int32)) or None"
+            )
         raise InputError(
             f"attn_metadata.kv_seqlens_cpu has shape {tuple(host.shape)} on "
             f"{host.device}; it must be a ({batch},) host tensor or None"
         )
     return batch, bool(first_side and first_side[1])
+
+
+def _described(value: object) -> str:
+    """How an error names a value that should have been a tensor."""
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _token_count(inputs: StepInputs) -> int:
+    """The step's number of new tokens, agreed by the three per-token inputs
+    (ids, positions, slots); the one that disagrees with the other two is
+    named, rather than whichever was checked first."""
+    ids, positions, slots = inputs.input_ids, inputs.position_ids, inputs.attn_metadata.kv_start_indices
+    for name, tensor in (("input_ids", ids), ("position_ids", positions)):
+        if tensor.dim() != 2 or tensor.shape[0] != 1:
+            raise InputError(
+                f"{name} has shape {tuple(tensor.shape)}; it must be (1, T): one row holding every "
+                f"sequence's new tokens back to back (use {name}[None] for a (T,) tensor)"
+            )
+    counts = {
+        "input_ids": ids.shape[1],
+        "position_ids": positions.shape[1],
+        "attn_metadata.kv_start_indices": slots.shape[0] if slots.dim() else 0,
+    }
+    values = list(counts.values())
+    if values[0] == values[1] == values[2]:
+        return values[0]
+    majority = max(values, key=values.count)
+    if values.count(majority) == 1:
+        listed = ", ".join(f"{name} has {count}" for name, count in counts.items())
+        raise InputError(
+            f"the per-token inputs disagree on the step's number of tokens ({listed}); each holds one "
+            "entry per new token: build them from the same token list"
+        )
+    odd = next(name for name, count in counts.items() if count != majority)
+    others = " and ".join(name for name in counts if name != odd)
+    raise InputError(
+        f"{odd} has {counts[odd]} tokens, but {others} have {majority}: each per-token input holds "
+        f"one entry per new token of the step; fix {odd}"
+    )
+
+
+def _check_decode(attn: AttnMetadata, batch: int, tokens: int) -> None:
+    """Refuse an ``is_decoding`` step whose host facts cannot be a decode:
+    every sequence adds at least one token and at most ``max_q_seq_len``, and
+    a step of one token per sequence has ``max_q_seq_len == 1``. Only host
+    values are compared (the token count, the batch, the host maximum); the
+    device ``q_seqlens`` are read in debug mode only (graphmode.runner.debug)."""
+    q_max = attn.max_q_seq_len
+    if tokens < batch or (q_max >= 1 and tokens > batch * q_max) or (tokens == batch and q_max != 1):
+        raise InputError(
+            f"is_decoding=True, but {tokens} new tokens for {batch} sequences with max_q_seq_len={q_max} "
+            f"is not a decode step: a decode adds 1 to max_q_seq_len tokens per sequence, so it needs "
+            f"{batch} <= tokens <= {batch} x max_q_seq_len, and max_q_seq_len=1 when tokens == batch "
+            "(checked on the host: input_ids' length, the batch and max_q_seq_len; the device q_seqlens "
+            "are read only in debug mode, GRAPHMODE_DEBUG=1). Pass is_decoding=False for a prefill "
+            "or mixed step, or the step's real max_q_seq_len"
+        )
+
+
+def check_model_ops(model: Any, vendor: Any) -> None:
+    """Refuse, at start-up, a model whose attention ops follow another
+    vendor's contract than the runner's vendor: its graph contexts would give
+    those kernels buffers, lengths and host values they do not expect (an
+    Ascend model under the CUDA runner fails deep inside the capture; others
+    run with wrong padding rules). Only models that expose their ops as
+    ``model.ops`` with a ``contract`` (the reference model, the Hugging Face
+    adapter) are checked."""
+    ops = getattr(model, "ops", None)
+    contract = getattr(ops, "contract", None)
+    if contract is None:
+        return
+    expected = vendor.hook.graphmode_attention_ops()
+    wanted = getattr(expected, "contract", None)
+    if wanted is not None and wanted != contract:
+        raise ConfigError(
+            f"the model's attention ops are {type(ops).__name__} (the {contract!r} contract, cache layout "
+            f"{getattr(ops, 'layout', '?')}), but the runner's vendor {vendor.name!r} drives "
+            f"{type(expected).__name__} (the {wanted!r} contract): its graphs would feed the kernels "
+            f"buffers and lengths they do not expect. Build the model with the runner's vendor "
+            f"(build_reference_model(config, {vendor.name!r}) or the Hugging Face adapter's vendor={vendor.name!r}), "
+            f"or the runner with vendor={contract!r}"
+        )
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Where one KV-cache tensor keeps its blocks, read from the attention
+    ops' ``cache_shape``: ``ndim`` dimensions, the block count in dimension
+    ``blocks_dim``, the tokens per block in ``block_size_dim``."""
+
+    layout: str
+    ndim: int
+    blocks_dim: int
+    block_size_dim: int
+
+
+def cache_geometry(model: Any) -> CacheGeometry | None:
+    """The cache geometry of the model's attention ops (``model.ops``), or
+    None when the model does not expose ops with a ``cache_shape``. The ops
+    are asked for the shape of a cache with distinct prime sizes, so that
+    each size's position is unambiguous whatever the layout."""
+    ops = getattr(model, "ops", None)
+    shape_of = getattr(ops, "cache_shape", None)
+    if shape_of is None:
+        return None
+    shape = tuple(shape_of(11, 13, 17, 19))  # num_blocks, block_size, kv_heads, head_dim
+    if shape.count(11) != 1 or shape.count(13) != 1:
+        return None
+    return CacheGeometry(getattr(ops, "layout", str(shape)), len(shape), shape.index(11), shape.index(13))
+
+
+def check_cache_layout(model: Any, tensors: list[Any], block_size: int) -> None:
+    """Refuse, once at capture, KV-cache tensors whose blocks hold another
+    number of tokens than the runner's ``block_size`` (or whose rank is not
+    the layout's): every slot and length the graph computes would address the
+    wrong tokens. Read from the shapes only, in the layout of the model's
+    attention ops; skipped for models that do not expose them."""
+    geometry = cache_geometry(model)
+    if geometry is None:
+        return
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if tensor.dim() != geometry.ndim:
+            raise InputError(
+                f"KV-cache tensor {index} has shape {tuple(tensor.shape)}, but the model's attention ops keep "
+                f"{geometry.ndim}-dimensional caches in the layout {geometry.layout}; make the cache with "
+                "the model's make_kv_cache"
+            )
+        found = tensor.shape[geometry.block_size_dim]
+        if found != block_size:
+            raise InputError(
+                f"KV-cache tensor {index} has shape {tuple(tensor.shape)}: blocks of {found} tokens "
+                f"(dimension {geometry.block_size_dim} of the layout {geometry.layout}), but the runner "
+                f"was built with block_size={block_size}; build the runner with block_size={found}, or "
+                f"make the cache with block_size={block_size}"
+            )

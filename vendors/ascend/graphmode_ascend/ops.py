@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from graphmode.context import AttnMetadata
-from graphmode.model.ops import ReferenceAttentionOps, attend
+from graphmode.model.ops import ReferenceAttentionOps, attend, owned_positions
 from graphmode_ascend.emulated_npu import register_updatable
 
 __all__ = ["AscendAttentionOps", "fused_infer_attention_score", "fused_infer_attention_score_out"]
@@ -28,6 +28,7 @@ def _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads,
     keys = key.view(key.shape[0], block_size, num_key_value_heads, head_dim)[blocks].flatten(1, 2)
     values = value.view(value.shape[0], block_size, num_key_value_heads, head_dim)[blocks].flatten(1, 2)
     visible = torch.arange(keys.shape[1], device=query.device)[None, :] < lengths[:, None]
+    visible &= owned_positions(blocks, keys.shape[1])  # the reserved block is never read
     out = attend(query.view(batch, num_heads, head_dim), keys, values, visible, scale)
     return out.reshape(batch, 1, num_heads * head_dim)
 
@@ -102,6 +103,7 @@ register_updatable(torch.ops.graphmode_ascend.fused_infer_attention_score)
 
 class AscendAttentionOps(ReferenceAttentionOps):
     layout = "[num_blocks, block_size, kv_heads * head_dim]"
+    contract = "ascend"
 
     def cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (num_blocks, block_size, num_kv_heads * head_dim)

@@ -19,6 +19,7 @@ __all__ = ["CambAttentionOps"]
 
 class CambAttentionOps(ReferenceAttentionOps):
     layout = "[num_blocks, kv_heads, block_size, head_dim]"
+    contract = "camb"
 
     def cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (num_blocks, num_kv_heads, block_size, head_dim)

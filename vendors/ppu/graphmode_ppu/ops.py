@@ -62,6 +62,8 @@ class PPUAttentionOps(ReferenceAttentionOps):
     """The reference kernels (CUDA layout) with FlashAttention's maxima
     contract enforced."""
 
+    contract = "ppu"
+
     def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
         check_maxima(attn)
         return super().paged_decode_attention(query, k_cache, v_cache, attn, scale)

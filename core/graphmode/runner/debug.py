@@ -1,0 +1,198 @@
+"""Debug mode: checks that need the step's device values.
+
+The runner's normal checks (``graphmode.runner.validate``) read host facts
+only, so that a step costs no synchronisation. Some engine mistakes show
+only in the values: a slot in another sequence's block, two tokens writing
+one slot, a block id past the cache, a length the table cannot hold, host
+lengths that disagree with the device's. A graph replays them silently (an
+eager kernel might fault, or might not). With ``debug=True`` (or
+``$GRAPHMODE_DEBUG=1``) every graph step reads its attention tensors to the
+host in one copy (one synchronisation) and refuses such values, naming the
+row, the value, the limit and the fix.
+
+It also compares, before every replay, the address of every tensor the
+graph captured by reference (KV-cache tensors, extra inputs, the model's
+parameters and buffers) with its address at capture, as vLLM's CUDA-graph
+debug mode does: a tensor whose memory moved (``param.data = new``,
+``tensor.set_(...)``) leaves the graph reading the old memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from graphmode.context import StepInputs
+from graphmode.errors import InputError
+from graphmode.runner.validate import cache_geometry
+
+__all__ = ["StepChecker"]
+
+
+@dataclass
+class _Step:
+    """One step's attention values on the host."""
+
+    table: torch.Tensor  # (B, W) int64
+    kv_lens: torch.Tensor  # (B,)
+    slots: torch.Tensor  # (B,)
+    q_lens: torch.Tensor  # (B,)
+    q_starts: torch.Tensor  # (B,)
+
+
+class StepChecker:
+    """The debug checks of one runner: ``check_step`` before every graph
+    step, ``record`` after a capture, ``check_addresses`` before a replay."""
+
+    def __init__(self, model: Any, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.geometry = cache_geometry(model)
+        self._addresses: dict[int, list[tuple[str, int]]] = {}
+
+    # -- values ---------------------------------------------------------------
+
+    def check_step(self, inputs: StepInputs, batch: int) -> None:
+        """Refuse a graph step (one new token per sequence) whose device values
+        would make the graph read or write the wrong cache entries."""
+        step = _read(inputs, batch)
+        block_size = self.block_size
+        width = step.table.shape[1]
+        capacity = width * block_size
+        cache_blocks = self._cache_blocks(inputs.past_key_values)
+        rows = torch.arange(batch)
+        _first(step.q_lens != 1, lambda r: (
+            f"sequence {r} (row {r}) has q_seqlens={int(step.q_lens[r])}, but a graph decode step has exactly 1 "
+            f"new token per sequence ({batch} tokens for {batch} sequences); pass is_decoding=False "
+            "for steps with other query lengths"))
+        _first(step.q_starts != rows, lambda r: (
+            f"sequence {r} has q_start_loc={int(step.q_starts[r])}; in a decode step of one token per sequence "
+            f"sequence {r}'s token is token {r}: q_start_loc must be arange(batch)"))
+        _first(step.kv_lens < 1, lambda r: (
+            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, below 1: a decoding sequence holds at least "
+            "its new token; pass its cached tokens plus this step's"))
+        _first(step.kv_lens > capacity, lambda r: (
+            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
+            f"can address ({width} blocks x block_size={block_size}); give it more blocks (a wider table)"))
+        host = inputs.attn_metadata.kv_seqlens_cpu
+        if host is not None:
+            _first(host.reshape(-1).long() != step.kv_lens, lambda r: (
+                f"sequence {r} has kv_seqlens_cpu={int(host[r])} on the host but kv_seqlens={int(step.kv_lens[r])} "
+                "on the device; kernels that take host lengths (Ascend) would use the host value. Build both "
+                "from the same lengths"))
+        limit = f"the cache's {cache_blocks} blocks (0..{cache_blocks - 1})" if cache_blocks else "0 or more"
+        out_of_range = (step.table < 0) | (step.table >= (cache_blocks or torch.iinfo(torch.int64).max))
+        _first(out_of_range.any(1), lambda r: (
+            f"sequence {r}'s block table holds block id {_bad(step.table[r], out_of_range[r])} (column "
+            f"{int(out_of_range[r].nonzero()[0])}), outside {limit}; kernels would read memory outside the "
+            "cache. Fill unused columns with 0 (the reserved block) and give sequences only allocated blocks"))
+        used = (step.kv_lens + block_size - 1) // block_size  # the blocks each sequence's tokens occupy
+        owned = torch.arange(width)[None, :] < used[:, None]
+        reserved = owned & (step.table == 0)
+        _first(reserved.any(1), lambda r: (
+            f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
+            f"kv_seqlens={int(step.kv_lens[r])}); block 0 is reserved for padding rows: never give it to a sequence"))
+        self._check_slots(step, owned)
+
+    def _check_slots(self, step: _Step, owned: torch.Tensor) -> None:
+        block_size, slots = self.block_size, step.slots
+        writes = slots >= 0
+        _first(slots < -1, lambda r: (
+            f"token {r} (sequence {r}) has slot {int(slots[r])}; a slot is block x block_size + offset, "
+            "or -1 to write nothing"))
+        block_of = torch.where(writes, slots // block_size, -1)
+        mine = ((step.table == block_of[:, None]) & owned).any(1)
+        _first(writes & ~mine, lambda r: (
+            f"token {r} (sequence {r}) writes slot {int(slots[r])} (block {int(block_of[r])}), outside the "
+            f"sequence's own blocks {step.table[r][owned[r]].tolist()}: it would overwrite another "
+            "sequence's (or the reserved block's) cache. Write the token to its sequence's slot"))
+        position = step.kv_lens - 1  # the new token's position in its sequence
+        column = position.clamp(min=0) // block_size
+        expected = step.table.gather(1, column[:, None])[:, 0] * block_size + position % block_size
+        _first(writes & (slots != expected), lambda r: (
+            f"token {r} (sequence {r}) writes slot {int(slots[r])}, but its position kv_seqlens-1="
+            f"{int(position[r])} lives at slot {int(expected[r])} (block {int(step.table[r, column[r]])}, "
+            f"offset {int(position[r]) % block_size}); the next step would read a token that was never "
+            "written. Slot = block_offsets[seq, pos // block_size] x block_size + pos % block_size"))
+        written = slots[writes]
+        unique, counts = written.unique(return_counts=True)
+        if (counts > 1).any():
+            slot = int(unique[counts > 1][0])
+            tokens = (slots == slot).nonzero().reshape(-1).tolist()
+            raise InputError(
+                f"debug mode: tokens {tokens} (sequences {tokens}) all write slot {slot}: two tokens writing one slot "
+                "leave one of them lost (which one is undefined on a device). Give each token its own slot"
+            )
+
+    def _cache_blocks(self, past_key_values: Any) -> int | None:
+        """The block count of the smallest KV-cache tensor, in the layout of
+        the model's attention ops; None when the layout is unknown."""
+        if self.geometry is None:
+            return None
+        dim = self.geometry.blocks_dim
+        sizes = [t.shape[dim] for t in tree_flatten(past_key_values)[0] if isinstance(t, torch.Tensor) and t.dim() > dim]
+        return min(sizes) if sizes else None
+
+    # -- addresses ------------------------------------------------------------
+
+    def record(self, bucket: int, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
+        """Remember where every tensor a graph captured by reference lives."""
+        self._addresses[bucket] = self._current(cache_tensors, extras)
+
+    def check_addresses(self, bucket: int, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
+        """Refuse a replay when a captured tensor's memory moved since capture."""
+        then = self._addresses.get(bucket)
+        if then is None:
+            return
+        now = self._current(cache_tensors, extras)
+        for (name, before), (_, after) in zip(then, now):
+            if before != after:
+                raise InputError(
+                    f"debug mode: {name} is at address {after:#x}, but the graph of bucket {bucket} captured it at "
+                    f"{before:#x}: the graph would keep reading (and writing) the old memory. Change captured "
+                    "tensors in place (.copy_()), or call runner.reset() after giving them new memory "
+                    "(param.data = ..., tensor.set_(...), a reallocated cache)"
+                )
+        if len(then) != len(now):
+            raise InputError(
+                f"debug mode: the graph of bucket {bucket} captured {len(then)} tensors by reference, now there are "
+                f"{len(now)} (parameters or buffers added or removed); call runner.reset() to capture again"
+            )
+
+    def _current(self, cache_tensors: list[Any], extras: dict[str, Any]) -> list[tuple[str, int]]:
+        found = [(f"past_key_values tensor {i}", t.data_ptr()) for i, t in enumerate(cache_tensors)
+                 if isinstance(t, torch.Tensor)]
+        for name in sorted(extras):
+            leaves = tree_flatten(extras[name])[0]
+            found += [(f"extra input {name!r} (leaf {i})", t.data_ptr()) for i, t in enumerate(leaves)
+                      if isinstance(t, torch.Tensor)]
+        named = getattr(self.model, "named_parameters", None)
+        if named is not None:
+            found += [(f"model parameter {n!r}", p.data_ptr()) for n, p in named()]
+            found += [(f"model buffer {n!r}", b.data_ptr()) for n, b in self.model.named_buffers()]
+        return found
+
+
+def _read(inputs: StepInputs, batch: int) -> _Step:
+    """The step's attention tensors on the host, in one copy: one
+    synchronisation however many tensors."""
+    attn = inputs.attn_metadata
+    parts = (attn.block_offsets, attn.kv_seqlens, attn.kv_start_indices, attn.q_seqlens, attn.q_start_loc)
+    flat = torch.cat([t.reshape(-1).long() for t in parts]).cpu()
+    table_size = attn.block_offsets.numel()
+    table = flat[:table_size].view(batch, -1)
+    kv_lens, slots, q_lens, q_starts = flat[table_size:].view(4, batch)
+    return _Step(table, kv_lens, slots, q_lens, q_starts)
+
+
+def _first(bad: torch.Tensor, message: Any) -> None:
+    """Raise InputError(message(row)) for the first row where ``bad`` holds."""
+    if bad.any():
+        raise InputError("debug mode: " + message(int(bad.nonzero()[0])))
+
+
+def _bad(row: torch.Tensor, mask: torch.Tensor) -> int:
+    return int(row[mask][0])

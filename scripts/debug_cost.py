@@ -1,0 +1,48 @@
+"""Per-step cost of debug mode (docs/engines.md, "Debug mode") on the CPU
+emulator: the two checks it adds to a graph step, timed alone (median of 200
+calls), for a few batch sizes of the tiny reference model.
+
+    python scripts/debug_cost.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from setups import tiny_setup  # noqa: E402
+
+
+def median_ms(call: Callable[[], object], repeats: int = 200) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    for batch in (4, 16, 64):
+        setup = tiny_setup(max_batches=64, width=8, cache_blocks=64 * 8 + 1, capture_batch_sizes=[batch], debug=True)
+        seqs = setup.prefill(batch, [5] * batch)
+        with torch.inference_mode():
+            step = setup.engine.decode(seqs)
+            setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)  # captures
+            step = setup.engine.decode(seqs)
+            checker, captured = setup.runner._debug, setup.runner.graph(batch)
+            assert checker is not None and captured is not None
+            values = median_ms(lambda: checker.check_step(step, batch))
+            addresses = median_ms(lambda: checker.check_addresses(batch, captured.cache_tensors, captured.extras))
+        count = len(checker._addresses[batch])
+        print(f"batch {batch:3d}: check_step {values:.3f} ms, check_addresses {addresses:.3f} ms ({count} tensors)")
+
+
+if __name__ == "__main__":
+    main()

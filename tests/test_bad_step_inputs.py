@@ -1,0 +1,126 @@
+"""Bad inputs the way engines produce them: each is a clear error naming
+the field, the value, the limit and the fix, never an AttributeError from
+inside validation, an error about emulator internals, or a silent result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from setups import tiny_setup
+
+import graphmode
+from graphmode import ConfigError, InputError
+from graphmode.model import ModelConfig, build_reference_model
+
+
+def _decode(setup, batch=2):
+    seqs = setup.prefill(batch, [3] * batch)
+    return setup.engine.decode(seqs)
+
+
+def _call(setup, step, cache=None, **changes):
+    ids = changes.pop("input_ids", step.input_ids)
+    positions = changes.pop("position_ids", step.position_ids)
+    with torch.inference_mode():
+        return setup.runner(ids, positions, setup.graph_cache if cache is None else cache,
+                            step.attn_metadata.replace(**changes))
+
+
+@pytest.mark.parametrize("field", ["input_ids", "position_ids"])
+def test_a_per_token_input_of_the_wrong_length_is_named(field):
+    setup = tiny_setup()
+    step = _decode(setup)
+    with pytest.raises(InputError, match=rf"^{field} has 3 tokens, but .* have 2: .* fix {field}$"):
+        _call(setup, step, **{field: torch.zeros((1, 3), dtype=torch.int64)})
+
+
+@pytest.mark.parametrize("field", ["kv_seqlens", "q_seqlens", "block_offsets", "input_ids"])
+@pytest.mark.parametrize("value", [None, [3, 4]], ids=["None", "list"])
+def test_a_list_or_none_where_a_tensor_belongs_is_named(field, value):
+    setup = tiny_setup()
+    step = _decode(setup)
+    kind = "None" if value is None else "a list"
+    name = field if field == "input_ids" else f"attn_metadata.{field}"
+    with pytest.raises(InputError, match=rf"^{name} is {kind}; it must be a torch.Tensor"):
+        _call(setup, step, **{field: value})
+
+
+def test_host_lengths_that_are_not_a_tensor_are_named():
+    setup = tiny_setup()
+    step = _decode(setup)
+    with pytest.raises(InputError, match=r"kv_seqlens_cpu is a list; it must be a \(2,\) host tensor"):
+        _call(setup, step, kv_seqlens_cpu=[4, 4])
+
+
+def test_a_decode_flag_with_query_lengths_that_are_not_a_decode_is_refused():
+    # q_seqlens [2, 0] sum to the batch: replayed as two one-token rows before.
+    setup = tiny_setup()
+    step = _decode(setup)
+    with pytest.raises(InputError, match=r"is_decoding=True, but 2 new tokens for 2 sequences with "
+                       r"max_q_seq_len=2 is not a decode step.*checked on the host"):
+        _call(setup, step, q_seqlens=torch.tensor([2, 0], dtype=torch.int32), max_q_seq_len=2)
+
+
+def test_a_decode_flag_with_more_tokens_than_the_host_maximum_allows_is_refused():
+    # Five tokens for two sequences of at most one: a prefill flagged as a
+    # decode, which reached the model's decode kernel (an einsum error) before.
+    setup = tiny_setup()
+    seqs = setup.prefill(2, [3, 3])
+    step = setup.engine.prefill(seqs, [3, 2])
+    with pytest.raises(InputError, match=r"5 new tokens for 2 sequences with max_q_seq_len=1 is not a decode step"):
+        _call(setup, step, is_decoding=True, max_q_seq_len=1)
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "ascend", "camb"])
+def test_a_kv_cache_of_another_block_size_is_refused_at_capture(vendor):
+    setup = tiny_setup(vendor)
+    step = _decode(setup)
+    cache = setup.model.make_kv_cache(300, 8)
+    dim = {"cuda": 1, "ascend": 1, "camb": 2}[vendor]
+    with pytest.raises(InputError, match=rf"KV-cache tensor 0 has shape .*: blocks of 8 tokens \(dimension {dim} "
+                       r"of the layout .*\), but the runner was built with block_size=16"):
+        _call(setup, step, cache=cache)
+
+
+@pytest.mark.parametrize("model_vendor, runner_vendor", [("ascend", "cuda"), ("ppu", "cuda"), ("cuda", "camb")])
+def test_a_model_on_another_vendors_ops_is_refused_at_start_up(model_vendor, runner_vendor):
+    model = build_reference_model(ModelConfig.tiny(), model_vendor, "cpu")
+    with pytest.raises(ConfigError, match=rf"the model's attention ops are \w+ \(the '{model_vendor}' contract.*"
+                       rf"the runner's vendor '{runner_vendor}' drives .*or the runner with vendor='{model_vendor}'"):
+        graphmode.build_graph_runner(model, max_batches=4, num_blocks=8, block_size=16, device="cpu",
+                                     vendor=runner_vendor)
+
+
+def test_a_model_on_the_cuda_ops_runs_under_maca_which_uses_them():
+    model = build_reference_model(ModelConfig.tiny(), "cuda", "cpu")
+    graphmode.build_graph_runner(model, max_batches=4, num_blocks=8, block_size=16, device="cpu", vendor="maca")
+
+
+class _OptionalScale(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata, scale=None):
+        out = self.inner(input_ids, position_ids, past_key_values, attn_metadata)
+        return out if scale is None else out * scale
+
+
+def test_steps_passing_extras_that_warmup_was_not_given_are_told_to_pass_them_to_warmup():
+    setup = tiny_setup()
+    runner = graphmode.build_graph_runner(_OptionalScale(setup.model), max_batches=4, num_blocks=8, block_size=16,
+                                          device="cpu", capture_batch_sizes=[2, 4])
+    runner.warmup(setup.graph_cache, progress=False)
+    step = _decode(setup)
+    scale = torch.tensor(2.0)
+    with pytest.raises(InputError, match=r"passes extra model inputs \['scale'\], but the graph of bucket 2 was "
+                       r"captured with \[\] \(by warmup\(\)\).*runner.warmup\(past_key_values, scale=...\)"):
+        with torch.inference_mode():
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, scale=scale)
+    runner.reset()
+    runner.warmup(setup.graph_cache, progress=False, scale=scale)  # warm-up takes the extras: then it works
+    with torch.inference_mode():
+        graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, scale=scale).clone()
+        eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata) * 2
+    assert runner.stats.replays == 1
+    torch.testing.assert_close(graph[:, :2], eager[:, :2], atol=1e-5, rtol=1e-5)
