@@ -16,7 +16,10 @@ from graphmode.errors import ConfigError
 
 __all__ = ["EXECUTE_MODES", "ENV_EXECUTE_MODE", "GRAPHED_COMPILE_MODES", "RunnerConfig", "resolve_execute_mode"]
 
-EXECUTE_MODES = ("graph", "eager")
+# "graph": full graphs for decode steps (the rest eager); "piecewise": every
+# step in piecewise graphs (graphmode.piecewise); "full_and_piecewise": full
+# graphs for uniform decode, piecewise for the rest (vLLM's FULL_AND_PIECEWISE).
+EXECUTE_MODES = ("graph", "piecewise", "full_and_piecewise", "eager")
 ENV_EXECUTE_MODE = "GRAPHMODE_EXECUTE_MODE"
 # torch.compile modes that leave graph capture to graphmode: "reduce-overhead"
 # and "max-autotune" record CUDA graphs of their own, which cannot nest in ours.
@@ -51,7 +54,7 @@ class RunnerConfig:
     num_blocks: the widest block table a sequence may have.
     block_size: tokens per KV-cache block.
     device: the model's device; "cpu" runs the graph emulator.
-    execute_mode: "graph" or "eager" (``$GRAPHMODE_EXECUTE_MODE`` overrides).
+    execute_mode: one of EXECUTE_MODES (``$GRAPHMODE_EXECUTE_MODE`` overrides).
     capture_batch_sizes: the user's bucket list; None lets the vendor choose.
     num_layers: decoder layers of the model, for vendors that budget graph
         resources per layer; None when unknown.
@@ -67,6 +70,9 @@ class RunnerConfig:
         then be host tensors), False keeps the device-side fill, None decides
         at the first graph step: on when that step's inputs are host tensors
         and the vendor allows it.
+    capture_token_sizes: the token buckets of piecewise graphs (piecewise
+        modes only); None takes vLLM's default list up to
+        ``min(2 * max_batches, 512)`` (graphmode.piecewise.default_token_sizes).
     """
 
     max_batches: int
@@ -80,6 +86,7 @@ class RunnerConfig:
     compile: bool = False
     compile_options: dict[str, Any] = field(default_factory=dict)
     host_staging: bool | None = None
+    capture_token_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.host_staging not in (True, False, None):
@@ -97,6 +104,10 @@ class RunnerConfig:
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile={self.compile!r}: must be True or False")
         self.compile_options = _clean_compile_options(self.compile, self.compile_options)
+        if self.capture_token_sizes is not None:
+            from graphmode.piecewise.sizes import clean_token_sizes
+
+            self.capture_token_sizes = clean_token_sizes(self.capture_token_sizes)
 
     @property
     def torch_compile_options(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -43,6 +43,9 @@ from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.stats import RunnerStats
 from graphmode.runner.validate import check_inputs
 from graphmode.staging import HostStaging, staging_refusal, to_device, to_host
+
+if TYPE_CHECKING:
+    from graphmode.piecewise.graphs import PiecewiseGraphs
 
 __all__ = ["GraphRunner"]
 
@@ -100,6 +103,11 @@ class GraphRunner:
             raise ConfigError(f"host_staging=True: {self._staging_refusal}; build the runner with host_staging=None or False")
         self.staging: HostStaging | None = None
         self._staging_decided = False
+        self.piecewise: PiecewiseGraphs | None = None
+        if config.execute_mode in ("piecewise", "full_and_piecewise"):
+            from graphmode.piecewise.graphs import PiecewiseGraphs  # imports this module
+
+            self.piecewise = PiecewiseGraphs(self)
 
     # -- start-up checks ----------------------------------------------------
 
@@ -206,6 +214,8 @@ class GraphRunner:
     def _step(self, inputs: StepInputs) -> Any:
         batch, on_host = check_inputs(inputs, self.config)
         reason = self._eager_reason(inputs, batch)
+        if self.piecewise is not None and self.piecewise.takes(reason):
+            return self.piecewise.step(inputs, on_host)
         if self._ranks is not None and self._ranks.check_replays and reason in (None, "no_bucket"):
             # Before any collective: a rank on another graph would hang the rest.
             self._ranks.agree_on_step(batch, self._bucket_of[batch], "run")
@@ -358,10 +368,13 @@ class GraphRunner:
         row reads the reserved block 0, so no live cache block changes."""
         if self.config.execute_mode == "eager":
             return
-        todo = [b for b in reversed(self.capture_sizes) if b not in self._graphs]
+        full = self.config.execute_mode != "piecewise"
+        todo = [b for b in reversed(self.capture_sizes) if b not in self._graphs] if full else []
         if todo and not self._staging_decided:
             self._decide_staging(on_host=False)  # no step seen: host_staging=None means off
         with _frozen_gc(), torch.inference_mode():
+            if self.piecewise is not None:  # first, as vLLM: the larger activations take the pool first
+                self.piecewise.warmup(past_key_values, extras, self._report if progress else None)
             for index, bucket in enumerate(todo):
                 if progress:
                     self._report(f"capturing bucket {bucket} ({index + 1}/{len(todo)})", last=index + 1 == len(todo))
@@ -402,6 +415,8 @@ class GraphRunner:
         for captured in self._graphs.values():
             captured.graph.reset()
         self._graphs.clear()
+        if self.piecewise is not None:
+            self.piecewise.reset()
         self._pool = None
         self._outputs = SharedOutputs(self.config.max_batches)
         module: Any = getattr(torch, self.config.device.type, None)
