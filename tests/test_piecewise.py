@@ -291,3 +291,37 @@ def test_a_vendor_states_its_default_execute_mode(monkeypatch):
     assert graphmode.load_vendor("cuda").info.execute_mode == "graph"  # the built-in default is unchanged
     with pytest.raises(ValueError, match="execute_mode 'fast'"):
         VendorInfo("pw", ("cuda",), "none", None, False, "test", execute_mode="fast")
+
+
+def test_hugging_face_model_in_piecewise_graphs_gives_hf_greedy_tokens(tmp_path):
+    """The HF adapter, unchanged, through full_and_piecewise: prefill and
+    speculative verify steps replay piecewise graphs, decode steps full
+    graphs, and the tokens equal ``generate``'s."""
+    transformers = pytest.importorskip("transformers")
+    from test_huggingface import BLOCK_SIZE, MAX_BATCH, WIDTH, make_requests, serve_hf
+
+    from graphmode.integrations.huggingface import load_model, random_config
+
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(random_config("llama-tiny")).eval()
+    reference.save_pretrained(tmp_path)
+    expected = []
+    for item in make_requests():
+        prompt = torch.tensor([item.prompt])
+        out = reference.generate(prompt, max_new_tokens=item.max_new_tokens, do_sample=False,
+                                 attention_mask=torch.ones_like(prompt), pad_token_id=0)
+        expected.append(out[0, prompt.shape[1]:].tolist())
+    model = load_model(tmp_path)
+    kv_cache = model.make_kv_cache(MAX_BATCH * WIDTH + 1, BLOCK_SIZE)
+    runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, num_blocks=WIDTH, block_size=BLOCK_SIZE,
+                                          execute_mode="full_and_piecewise", capture_token_sizes=[4, 8, 16])
+    batch = serve_hf.PagedBatch(MAX_BATCH * WIDTH + 1, BLOCK_SIZE, WIDTH, torch.device("cpu"))
+    requests = make_requests()
+    eos = model.config.eos_token_id
+    steps = serve_hf.serve(runner, kv_cache, batch, requests, max_batch=MAX_BATCH, speculate=3,
+                           eos={eos} if isinstance(eos, int) else set(eos or []))
+    assert [r.output for r in requests] == expected
+    stats = runner.stats
+    assert steps["verify"] >= 1 and not stats.eager_steps
+    assert stats.piecewise_captures + stats.piecewise_replays == steps["prefill"] + steps["verify"]
+    assert stats.piecewise_replays >= 3 and stats.captures + stats.replays == steps["decode"]
