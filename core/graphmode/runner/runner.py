@@ -3,7 +3,9 @@
 The first decode step of a bucket fills the buffers, runs the model once
 outside any graph (that result is returned) and captures the same forward;
 every later step of the bucket fills the buffers and replays. Everything that
-is not a decode step runs eagerly and returns the same results.
+is not a decode step runs eagerly and returns the same results, or, in execute
+modes "piecewise" and "full_and_piecewise", in piecewise graphs
+(``graphmode.piecewise``).
 
 With ``compile=True`` the graphs hold ``torch.compile(model)``: the warm-up
 forward of a capture compiles (Dynamo traces, Inductor generates kernels and
@@ -11,7 +13,7 @@ autotunes, outside any graph), and the capture records the compiled kernels.
 Eager steps run the model uncompiled.
 
 What it deliberately does not do: it never reads device values on the host
-(no synchronisation per step), never captures prefill, and never copies the
+(no synchronisation per step), never captures prefill whole, and never copies the
 output: a replay result is a view of the graph's output, valid until the next
 step.
 """
