@@ -325,3 +325,44 @@ def test_hugging_face_model_in_piecewise_graphs_gives_hf_greedy_tokens(tmp_path)
     assert steps["verify"] >= 1 and not stats.eager_steps
     assert stats.piecewise_captures + stats.piecewise_replays == steps["prefill"] + steps["verify"]
     assert stats.piecewise_replays >= 3 and stats.captures + stats.replays == steps["decode"]
+
+
+# -- offloaded layers (seed 004) -------------------------------------------------
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2])
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_offloaded_layers_replay_per_layer_graphs_with_host_loads_between(vendor, num_buffers):
+    """Decode and prefill steps of a model whose layers run from a ring of
+    weight buffers: the loads run between the layer graphs at every replay, so
+    the results equal the eager model's, even after the host weights change."""
+    from graphmode.model import ModelConfig, build_reference_model
+    from graphmode.model.engine import ReferenceEngine
+    from graphmode.model.offload import OffloadedLlama
+
+    config = ModelConfig.tiny()
+    model = build_reference_model(config, graphmode.load_vendor(vendor))
+    offloaded = OffloadedLlama(model, num_buffers=num_buffers)
+    runner = graphmode.build_graph_runner(offloaded, max_batches=8, num_blocks=8, block_size=16, device="cpu",
+                                          vendor=vendor, execute_mode="piecewise", capture_token_sizes=[4, 8, 16])
+    engine = ReferenceEngine(65, 16, "cpu", vocab_size=config.vocab_size, table_width=8, seed=3)
+    setup = Setup(model, engine, offloaded.make_kv_cache(65, 16), model.make_kv_cache(65, 16), runner)
+    seqs = [engine.add() for _ in range(3)]
+    assert_same(setup, *run_step(setup, engine.prefill(seqs, [4, 2, 7])), "prefill")
+    layers = config.num_hidden_layers
+    for step in range(4):
+        if step == 2:  # the engine updates layer 1's weights on the host; the eager model gets the same
+            with torch.no_grad():
+                for host, param in zip(offloaded.host_weights[1], model.layers[1].parameters()):
+                    host.mul_(1.5)
+                    param.mul_(1.5)
+        loads = offloaded.loads
+        assert_same(setup, *run_step(setup, engine.decode(seqs)), f"decode {step}")
+        if step >= 1:  # replayed: every layer loaded once, between the graphs
+            assert offloaded.loads - loads == layers
+    graph = runner.piecewise.graph(4)
+    # Per layer: a load, then the layer's graphs around its attention.
+    assert len(graph.pieces.segments) == 2 * layers + 1
+    kinds = [[type(call).__name__ for call in gap] for gap in graph.pieces.gaps]
+    assert kinds == [["HostWork"], ["KVWrite", "Attention"]] * layers + [[]]
+    assert runner.stats.piecewise_replays == 3
