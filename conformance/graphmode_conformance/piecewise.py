@@ -59,6 +59,7 @@ class PiecewiseTests(ConformanceFixtures):
             vendor, device, _smaller(sizes), execute_mode=request.param, capture_token_sizes=TOKEN_SIZES,
             capture_batch_sizes=BATCH_SIZES,
         )
+        assert isinstance(harness, PiecewiseHarness)  # Harness.build makes the class it is called on
         harness.check = "piecewise graph equals eager"
         return harness
 
@@ -113,6 +114,7 @@ class PiecewiseTests(ConformanceFixtures):
         sizes = _smaller(sizes)
         harness = PiecewiseHarness.build(vendor, device, sizes, execute_mode="piecewise",
                                          capture_token_sizes=TOKEN_SIZES)
+        assert isinstance(harness, PiecewiseHarness)
         offloaded = OffloadedLlama(harness.model, num_buffers=1)
         harness.runner = graphmode.GraphRunner(
             offloaded,
