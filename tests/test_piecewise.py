@@ -366,3 +366,18 @@ def test_offloaded_layers_replay_per_layer_graphs_with_host_loads_between(vendor
     kinds = [[type(call).__name__ for call in gap] for gap in graph.pieces.gaps]
     assert kinds == [["HostWork"], ["KVWrite", "Attention"]] * layers + [[]]
     assert runner.stats.piecewise_replays == 3
+
+
+def test_steps_built_on_the_host_run_piecewise_with_eager_results():
+    """Host inputs (an engine scheduling on the CPU) reach the piecewise
+    graphs and the eager break points on the device."""
+    setup = piecewise_setup(mode="full_and_piecewise", host_inputs=True)
+    seqs = [setup.engine.add() for _ in range(3)]
+    for lengths in ([5, 1, 9], [4, 4, 4], [6, 6, 1]):  # 15, 12, 13 tokens: token bucket 16
+        step = setup.engine.prefill(seqs, lengths)
+        with torch.inference_mode():
+            graph = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata).clone()
+            device_step = graphmode.staging.to_device(step, torch.device("cpu"))
+            eager = setup.model(**{**device_step.as_kwargs(), "past_key_values": setup.eager_cache})
+        assert_same(setup, graph, eager, f"host step {lengths}")
+    assert setup.runner.stats.piecewise_replays == 2
