@@ -243,8 +243,9 @@ def test_a_segment_reading_the_attention_metadata_fails_at_capture():
     runner = graphmode.build_graph_runner(ReadsLengths(setup.model), max_batches=16, num_blocks=8, block_size=16,
                                           device="cpu", execute_mode="piecewise")
     step = setup.engine.prefill([setup.engine.add()], [3])
-    with torch.inference_mode(), pytest.raises(RuntimeError, match="meta"):
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="meta") as raised:
         runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    assert "Read it only inside the vendor's AttentionOps" in "".join(getattr(raised.value, "__notes__", []))
 
 
 def test_another_kv_cache_is_refused_at_replay():

@@ -140,8 +140,18 @@ class PiecewiseGraphs:
             shape_only(inputs.attn_metadata), dict(inputs.extras),
         )
         warm_up = EagerForward(live, self._buffers)
-        with intercepted(self.ops, warm_up):
-            warm_output = runner.model(**static.as_kwargs())
+        try:
+            with intercepted(self.ops, warm_up):
+                warm_output = runner.model(**static.as_kwargs())
+        except RuntimeError as error:
+            if "meta" in str(error) and hasattr(error, "add_note"):
+                error.add_note(
+                    "graphmode: in piecewise modes the model sees attn_metadata with tensors on the 'meta' "
+                    "device, and only the AttentionOps calls get the step's real metadata: code between "
+                    "them that reads attn_metadata would freeze one step's values into the graphs. Read "
+                    "it only inside the vendor's AttentionOps, or use execute_mode='graph'"
+                )
+            raise
         self._outputs.prepare(warm_output, bucket)
         hook, meta = runner.vendor.hook, runner.graph_meta()
         forward = CaptureForward(warm_up.views, lambda: hook.graphmode_make_graph(meta=meta), runner._pool)
