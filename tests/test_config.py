@@ -47,7 +47,7 @@ def test_execute_mode_from_the_environment_wins(monkeypatch):
     monkeypatch.setenv("GRAPHMODE_EXECUTE_MODE", "eager")
     assert RunnerConfig(16, 4, 16, "cpu", execute_mode="graph").execute_mode == "eager"
     monkeypatch.setenv("GRAPHMODE_EXECUTE_MODE", "fast")
-    with pytest.raises(ConfigError, match=r"\$GRAPHMODE_EXECUTE_MODE='fast' is not an execute mode; use one of graph, eager"):
+    with pytest.raises(ConfigError, match=r"\$GRAPHMODE_EXECUTE_MODE='fast' is not an execute mode; use one of graph, piecewise, full_and_piecewise, eager"):
         RunnerConfig(16, 4, 16, "cpu")
 
 

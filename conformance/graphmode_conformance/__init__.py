@@ -31,6 +31,7 @@ from graphmode_conformance.lifecycle import (
     LifecycleTests,
     ParameterUpdateTests,
 )
+from graphmode_conformance.piecewise import PiecewiseTests
 
 __all__ = [
     "CapabilityTests",
@@ -43,6 +44,7 @@ __all__ = [
     "KVCacheIntegrityTests",
     "LifecycleTests",
     "ParameterUpdateTests",
+    "PiecewiseTests",
     "Sizes",
 ]
 
@@ -50,6 +52,7 @@ __all__ = [
 # pytest collects inherited tests from the last base to the first: the quick,
 # precise hook-contract checks run first, the long equivalence runs last.
 class ConformanceTests(
+    PiecewiseTests,
     GraphEqualsEagerTests,
     ParameterUpdateTests,
     KVCacheIntegrityTests,

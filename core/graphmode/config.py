@@ -25,7 +25,10 @@ __all__ = [
     "resolve_execute_mode",
 ]
 
-EXECUTE_MODES = ("graph", "eager")
+# "graph": full graphs for decode steps (the rest eager); "piecewise": every
+# step in piecewise graphs (graphmode.piecewise); "full_and_piecewise": full
+# graphs for uniform decode, piecewise for the rest (vLLM's FULL_AND_PIECEWISE).
+EXECUTE_MODES = ("graph", "piecewise", "full_and_piecewise", "eager")
 ENV_EXECUTE_MODE = "GRAPHMODE_EXECUTE_MODE"
 ENV_DEBUG = "GRAPHMODE_DEBUG"
 # torch.compile modes that leave graph capture to graphmode: "reduce-overhead"
@@ -77,7 +80,7 @@ class RunnerConfig:
     num_blocks: the widest block table a sequence may have.
     block_size: tokens per KV-cache block.
     device: the model's device; "cpu" runs the graph emulator.
-    execute_mode: "graph" or "eager" (``$GRAPHMODE_EXECUTE_MODE`` overrides).
+    execute_mode: one of EXECUTE_MODES (``$GRAPHMODE_EXECUTE_MODE`` overrides).
     capture_batch_sizes: the user's bucket list; None lets the vendor choose.
     num_layers: decoder layers of the model, for vendors that budget graph
         resources per layer; None when unknown.
@@ -104,6 +107,9 @@ class RunnerConfig:
         give wrong results, and tensors the graph captured that moved
         (``graphmode.runner.debug``); ``$GRAPHMODE_DEBUG`` overrides. Off by
         default: it costs a device-to-host read per step.
+    capture_token_sizes: the token buckets of piecewise graphs (piecewise
+        modes only); None takes vLLM's default list up to
+        ``min(2 * max_batches, 512)`` (graphmode.piecewise.default_token_sizes).
     """
 
     max_batches: int
@@ -119,6 +125,7 @@ class RunnerConfig:
     compile_options: dict[str, Any] = field(default_factory=dict)
     host_staging: bool | None = None
     debug: bool = False
+    capture_token_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.host_staging not in (True, False, None):
@@ -141,6 +148,10 @@ class RunnerConfig:
             raise ConfigError(f"step_inputs has {wrong!r}; declare each as graphmode.spec.BufferSpec(name, dtype, ...)")
         self.step_inputs = tuple(s.bound(MODEL_INPUTS) for s in self.step_inputs)
         self.debug = resolve_debug(self.debug)
+        if self.capture_token_sizes is not None:
+            from graphmode.piecewise.sizes import clean_token_sizes
+
+            self.capture_token_sizes = clean_token_sizes(self.capture_token_sizes)
 
     @property
     def torch_compile_options(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def build_graph_runner(
     block_size: int,
     device: torch.device | str | None = None,
     vendor: str | None = None,
-    execute_mode: str = "graph",
+    execute_mode: str | None = None,
     capture_batch_sizes: Sequence[int] | None = None,
     num_layers: int | None = None,
     vendor_options: Any = None,
@@ -41,6 +41,7 @@ def build_graph_runner(
     compile_options: dict[str, Any] | None = None,
     host_staging: bool | None = None,
     debug: bool = False,
+    capture_token_sizes: Sequence[int] | None = None,
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -51,8 +52,11 @@ def build_graph_runner(
         table; block_size: tokens per KV block.
     device: the model's device by default; "cpu" captures emulated graphs.
     vendor: a vendor name; else ``$GRAPHMODE_VENDOR``; else detection.
-    execute_mode: "graph", or "eager" to run everything eagerly
-        (``$GRAPHMODE_EXECUTE_MODE`` overrides either).
+    execute_mode: "graph" (full graphs for decode steps), "piecewise" (every
+        step in piecewise graphs), "full_and_piecewise" (full graphs for
+        uniform decode, piecewise for the rest), or "eager"; None takes the
+        vendor's default (``VendorInfo.execute_mode``); ``$GRAPHMODE_EXECUTE_MODE``
+        overrides all.
     capture_batch_sizes: the buckets to capture; batches above the largest run
         eagerly. None lets the vendor choose.
     num_layers: decoder layers, for vendors that budget graph resources;
@@ -82,6 +86,8 @@ def build_graph_runner(
     debug: check every graph step's device values and the captured tensors'
         addresses, at one synchronisation per step (``$GRAPHMODE_DEBUG=1``
         overrides; docs/engines.md, "Debug mode").
+    capture_token_sizes: the token buckets of piecewise graphs; None takes
+        vLLM's default list (docs/architecture.md, "Piecewise graphs").
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -93,7 +99,7 @@ def build_graph_runner(
         num_blocks=num_blocks,
         block_size=block_size,
         device=device,
-        execute_mode=execute_mode,
+        execute_mode=execute_mode or chosen.info.execute_mode,
         capture_batch_sizes=tuple(capture_batch_sizes) if capture_batch_sizes is not None else None,
         num_layers=num_layers,
         vendor_options=vendor_options,
@@ -102,5 +108,6 @@ def build_graph_runner(
         compile_options=dict(compile_options or {}),
         host_staging=host_staging,
         debug=debug,
+        capture_token_sizes=tuple(capture_token_sizes) if capture_token_sizes is not None else None,
     )
     return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)

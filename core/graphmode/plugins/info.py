@@ -38,6 +38,9 @@ class VendorInfo:
     capabilities: what the vendor's kernels do that tests must know, from
         ``CAPABILITIES``; the conformance suite and the runner gate on these,
         never on names.
+    execute_mode: the execute mode a runner takes when the engine names none
+        (one of ``graphmode.config.EXECUTE_MODES``): "graph" unless the
+        vendor says otherwise.
     """
 
     name: str
@@ -47,8 +50,13 @@ class VendorInfo:
     detected: bool
     reason: str
     capabilities: frozenset[str] = frozenset()
+    execute_mode: str = "graph"
 
     def __post_init__(self) -> None:
+        from graphmode.config import EXECUTE_MODES
+
+        if self.execute_mode not in EXECUTE_MODES:
+            raise ValueError(f"VendorInfo({self.name!r}) has execute_mode {self.execute_mode!r}; use one of {EXECUTE_MODES}")
         unknown = set(self.capabilities) - set(CAPABILITIES)
         if unknown:
             raise ValueError(f"VendorInfo({self.name!r}) has unknown capabilities {sorted(unknown)}; known: {sorted(CAPABILITIES)}")

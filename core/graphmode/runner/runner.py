@@ -3,7 +3,9 @@
 The first decode step of a bucket fills the buffers, runs the model once
 outside any graph (that result is returned) and captures the same forward;
 every later step of the bucket fills the buffers and replays. Everything that
-is not a decode step runs eagerly and returns the same results.
+is not a decode step runs eagerly and returns the same results, or, in execute
+modes "piecewise" and "full_and_piecewise", in piecewise graphs
+(``graphmode.piecewise``).
 
 With ``compile=True`` the graphs hold ``torch.compile(model)``: the warm-up
 forward of a capture compiles (Dynamo traces, Inductor generates kernels and
@@ -13,7 +15,7 @@ Eager steps run the model uncompiled.
 What it deliberately does not do: it never reads device values on the host
 (no synchronisation per step; on the emulator, and on CUDA when asked, a hook
 that does is refused: see ``graphmode.runner.host_reads``), never captures
-prefill, and never copies the output: a replay result is a view of the
+prefill whole, and never copies the output: a replay result is a view of the
 graph's output, valid until the next step.
 """
 
@@ -29,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -48,6 +50,9 @@ from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
 from graphmode.runner.validate import check_cache_layout, check_inputs, check_model_ops
 from graphmode.staging import HostStaging, staging_refusal, to_device, to_host
+
+if TYPE_CHECKING:
+    from graphmode.piecewise.graphs import PiecewiseGraphs
 
 __all__ = ["GraphRunner"]
 
@@ -112,6 +117,11 @@ class GraphRunner:
         }
         self._replay_guard = replay_guard(config.device)
         self._debug = StepChecker(model, config.block_size) if config.debug else None
+        self.piecewise: PiecewiseGraphs | None = None
+        if config.execute_mode in ("piecewise", "full_and_piecewise"):
+            from graphmode.piecewise.graphs import PiecewiseGraphs  # imports this module
+
+            self.piecewise = PiecewiseGraphs(self)
 
     # -- start-up checks ----------------------------------------------------
 
@@ -199,6 +209,8 @@ class GraphRunner:
     def _step(self, inputs: StepInputs) -> Any:
         batch, on_host = check_inputs(inputs, self.config)
         reason = self._eager_reason(inputs, batch)
+        if self.piecewise is not None and self.piecewise.takes(reason):
+            return self.piecewise.step(inputs, on_host)
         if self._ranks is not None and self._ranks.check_replays and reason in (None, "no_bucket"):
             # Before any collective: a rank on another graph would hang the rest.
             self._ranks.agree_on_step(batch, self._bucket_of[batch], "run")
@@ -371,10 +383,13 @@ class GraphRunner:
         row reads the reserved block 0, so no live cache block changes."""
         if self.config.execute_mode == "eager":
             return
-        todo = [b for b in reversed(self.capture_sizes) if b not in self._graphs]
+        full = self.config.execute_mode != "piecewise"
+        todo = [b for b in reversed(self.capture_sizes) if b not in self._graphs] if full else []
         if todo and not self._staging_decided:
             self._decide_staging(on_host=False)  # no step seen: host_staging=None means off
         with _frozen_gc(), torch.inference_mode():
+            if self.piecewise is not None:  # first, as vLLM: the larger activations take the pool first
+                self.piecewise.warmup(past_key_values, extras, self._report if progress else None)
             for index, bucket in enumerate(todo):
                 if progress:
                     self._report(f"capturing bucket {bucket} ({index + 1}/{len(todo)})", last=index + 1 == len(todo))
@@ -421,6 +436,8 @@ class GraphRunner:
         for captured in self._graphs.values():
             captured.graph.reset()
         self._graphs.clear()
+        if self.piecewise is not None:
+            self.piecewise.reset()
         self._pool = None
         self._outputs = SharedOutputs(self.config.max_batches)
         module: Any = getattr(torch, self.config.device.type, None)

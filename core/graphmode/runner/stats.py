@@ -12,6 +12,7 @@ EAGER_REASONS = {
     "prefill": "not a decode step (prefill, or prefill mixed with decode)",
     "multi_token_decode": "a decode step with more tokens than sequences",
     "no_bucket": "the batch is larger than the largest capture size",
+    "no_token_bucket": "the step has more tokens than the largest piecewise token bucket (capture_token_sizes)",
 }
 
 
@@ -21,6 +22,8 @@ class RunnerStats:
     captured by ``warmup()`` from inert steps, which serve no tokens. replays: steps served by replaying a graph.
     eager_steps: steps run eagerly, by reason (see ``EAGER_REASONS``).
     real_tokens / padded_tokens: live and padding tokens of graph steps.
+    piecewise_captures / piecewise_replays: the same for piecewise graphs
+        (one per token bucket, however many segments), warm-up included.
     compile_seconds: with compile=True, host seconds spent in the compiled
         forward's warm-up calls before captures: Dynamo tracing, Inductor
         compilation and autotuning (on the first call of each shape it
@@ -33,6 +36,8 @@ class RunnerStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     compile_seconds: float = 0.0
+    piecewise_captures: int = 0
+    piecewise_replays: int = 0
 
     @property
     def padding_fraction(self) -> float:
@@ -43,6 +48,8 @@ class RunnerStats:
     def summary(self) -> str:
         eager = ", ".join(f"{n} {reason}" for reason, n in sorted(self.eager_steps.items())) or "none"
         compiled = f"; compile {self.compile_seconds:.1f} s" if self.compile_seconds else ""
+        if self.piecewise_captures or self.piecewise_replays:
+            compiled += f"; piecewise: {self.piecewise_captures} captures, {self.piecewise_replays} replays"
         return (
             f"{self.captures} captures ({self.warmup_captures} in warm-up), {self.replays} replays, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "

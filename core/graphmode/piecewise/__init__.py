@@ -1,0 +1,17 @@
+"""Piecewise graphs: the forward split at its attention calls (and at
+:func:`host_break` markers) into segments captured per token bucket, with the
+break points run eagerly between them at every replay.
+
+Execute modes "piecewise" (every step) and "full_and_piecewise" (full decode
+graphs for uniform decode steps, piecewise for the rest); see
+docs/architecture.md, "Piecewise graphs". The runner imports
+``graphmode.piecewise.graphs`` when a runner is built in one of these modes.
+"""
+
+from graphmode.piecewise.breaks import host_break
+from graphmode.piecewise.sizes import default_token_sizes, token_bucket
+
+__all__ = ["PIECEWISE_MODES", "default_token_sizes", "host_break", "token_bucket"]
+
+#: Execute modes with piecewise graphs (see graphmode.config.EXECUTE_MODES).
+PIECEWISE_MODES = ("piecewise", "full_and_piecewise")
