@@ -116,6 +116,24 @@ def test_fp16_and_fp32_match_reference(dtype):
 
 
 @gpu
+@pytest.mark.parametrize("splits", ["one partition", "several partitions"])
+def test_the_reserved_block_is_never_read(splits):
+    """NaN in block 0: live rows match the reference and padding rows (whose
+    table is all block 0) are zeros, with one partition and with several."""
+    from graphmode.kernels.triton_decode import paged_decode
+
+    width = 2 if splits == "one partition" else 40
+    lengths = lengths_of("random", 5, 16, 16 * width, seed=3)
+    query, k_cache, v_cache, table, lens = make_case(5, 8, 2, 64, 16, width, lengths, torch.bfloat16, "cuda", padding=3)
+    k_cache[0], v_cache[0] = float("nan"), float("nan")
+    out = paged_decode(query, k_cache, v_cache, table, lens, 0.125)
+    expected = reference(query, k_cache, v_cache, table, lens, 0.125)
+    assert not out.isnan().any()
+    assert out[5:].eq(0).all(), "padding rows must read nothing"
+    assert (out[:5].float() - expected[:5]).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
+@gpu
 def test_bench_shapes_match_reference():
     """The bench model's attention: 14 query heads on 2 KV heads (a group of
     7, not a power of two), head dim 64, block size 64."""

@@ -55,17 +55,21 @@ def decode_partition_kernel(
     table = table_ptr + seq.to(tl.int64) * stride_tb
     for start in range(lo, hi, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
-        live = tokens < hi
-        block = tl.load(table + tokens // PAGE, mask=live, other=0).to(tl.int64)
+        in_range = tokens < hi
+        block = tl.load(table + tokens // PAGE, mask=in_range, other=0).to(tl.int64)
+        # The reserved block 0 belongs to no sequence: never read, whatever it holds
+        # (padding rows, whose table is all block 0, read nothing and get zeros).
+        live = in_range & (block != 0)
         offset = (tokens % PAGE).to(tl.int64)
         mask = live[:, None] & dim_ok[None, :]
         k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         scores = tl.where(live[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every iteration has a live token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: weights 0, not NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
         v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
