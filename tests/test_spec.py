@@ -247,3 +247,36 @@ def test_every_installed_vendor_declares_a_valid_spec_and_its_buffers_match_it()
             tensor = meta.input_buffers[buffer_spec.name]
             expected = buffer_spec.size(meta.max_batchs, meta.max_tokens, meta.num_blocks)
             assert tuple(tensor.shape) == expected and tensor.dtype == buffer_spec.dtype, (name, buffer_spec.name)
+
+
+class MRopeLikeModel(torch.nn.Module):
+    """A model taking a (3, T) per-token input, as M-RoPE positions are."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata, mrope_positions):
+        logits = self.model(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits + mrope_positions.float().sum(0)[None, :, None]
+
+
+def test_a_declared_input_whose_rows_are_not_its_first_dimension():
+    setup = tiny_setup(capture_batch_sizes=[2, 4, 8])
+    model = MRopeLikeModel(setup.model)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=16, num_blocks=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8],
+        step_inputs=[BufferSpec("mrope_positions", torch.int64, shape=(3, TOKENS), padding=0)],
+    )
+    seqs = setup.prefill(6)
+    for batch in (6, 6, 3, 6):
+        step = setup.engine.decode(seqs[:batch])
+        mrope = torch.arange(3 * batch).view(3, batch) * (batch + 1)
+        with torch.inference_mode():
+            graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+                           mrope_positions=mrope).clone()
+            eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, mrope_positions=mrope)
+        torch.testing.assert_close(graph, eager)
+    assert runner.stats.replays == 2
+    buffer = runner.graph_meta().input_buffers["mrope_positions"]
+    assert buffer.shape == (3, 16) and buffer[:, 6:8].eq(0).all()

@@ -146,20 +146,56 @@ class _Plan:
                 )
             self.sourced.append((_fusable(target.view(shape)), get, shape, spec))
 
-    def pairs(self, inputs: StepInputs) -> Pairs:
-        pairs = []
-        for destination, get, shape, spec in self.sourced:
-            value = get(inputs)
-            if value is None or value.shape != shape:
-                got = "nothing" if value is None else f"shape {tuple(value.shape)}"
-                raise InputError(
-                    f"step input {spec.name!r} ({_origin(spec)}) has {got}; this step's buffer rows "
-                    f"take shape {shape}. Pass it with every step, one row per "
-                    f"{'token' if spec.per_token else 'sequence'}"
-                )
-            pairs.append((destination, value))
-        pairs.extend(self.constant)
-        return pairs
+        self._group(meta)
+
+    def _group(self, meta: GraphMeta) -> None:
+        """Group the copies by destination device and dtype once (each group
+        is one ``_foreach_copy_``), routed through host staging if any:
+        constant sources become their host copies here, step sources are
+        checked at each step."""
+        staging = meta.staging
+        sourced = [(d, d, g, shape, spec) for d, g, shape, spec in self.sourced]
+        constant = [(d, s) for d, s in self.constant if d.numel()]
+        if staging is not None:
+            sourced = [(m, d, g, shape, spec) for (m, _), (d, g, shape, spec)
+                       in zip(staging.route([(d, d) for d, *_ in self.sourced], host_sources=False), self.sourced)]
+            constant = staging.route(constant)
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list, list, list]] = {}
+        for target, original, get, shape, spec in sourced:
+            group = groups.setdefault((target.device, target.dtype), ([], [], []))
+            group[0].append(target)
+            # A destination staged through the mirror takes host sources only.
+            group[1].append((get, shape, spec, original if target is not original else None))
+        for target, source in constant:
+            group = groups.setdefault((target.device, target.dtype), ([], [], []))
+            group[2].append((target, source))
+        # Destinations: the step's rows first, then the constant copies.
+        self.groups = [
+            ([*targets, *(t for t, _ in consts)], getters, [s for _, s in consts])
+            for targets, getters, consts in groups.values()
+        ]
+        self.staging = staging
+
+    def run(self, inputs: StepInputs) -> None:
+        """This step's copies: one ``_foreach_copy_`` per group."""
+        for destinations, getters, constants in self.groups:
+            sources = [self._source(inputs, *getter) for getter in getters]
+            sources.extend(constants)
+            torch._foreach_copy_(destinations, sources)
+
+    def _source(self, inputs: StepInputs, get: Callable[[StepInputs], Any], shape: tuple[int, ...],
+                spec: BufferSpec, staged: torch.Tensor | None) -> torch.Tensor:
+        value = get(inputs)
+        if value is None or value.shape != shape:
+            got = "nothing" if value is None else f"shape {tuple(value.shape)}"
+            raise InputError(
+                f"step input {spec.name!r} ({_origin(spec)}) has {got}; this step's buffer rows "
+                f"take shape {shape}. Pass it with every step, one row per "
+                f"{'token' if spec.per_token else 'sequence'}"
+            )
+        if staged is not None:
+            return self.staging.host_source(value, staged)
+        return value
 
 
 def _shape(spec: BufferSpec, value: Any) -> tuple[int, ...]:
@@ -197,7 +233,7 @@ def fill(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
     plan = meta.views.get(key)
     if plan is None:
         plan = meta.views[key] = _Plan(meta, inputs, batch, bucket)
-    stage(meta, plan.pairs(inputs))
+    plan.run(inputs)
 
 
 def stage(meta: GraphMeta, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -162,9 +162,12 @@ class HostStaging:
         offset = tensor.data_ptr() - self._arena_range[0]
         return max((start, name) for name, start in self.offsets.items() if start <= offset)[1]
 
-    def route(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def route(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, host_sources: bool = True
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (destination, source) pairs with every destination in the arena
-        replaced by its mirror view, and its source by a host tensor."""
+        replaced by its mirror view, and its source by a host tensor (left
+        as is with ``host_sources=False``)."""
         routed: list[tuple[torch.Tensor, torch.Tensor]] = []
         for destination, source in pairs:
             entry = self._routes.get(id(destination))
@@ -177,7 +180,7 @@ class HostStaging:
             if mirror is None:
                 routed.append((destination, source))
             else:
-                routed.append((mirror, self.host_source(source, destination)))
+                routed.append((mirror, self.host_source(source, destination) if host_sources else source))
         return routed
 
 
