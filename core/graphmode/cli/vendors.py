@@ -11,6 +11,7 @@ import torch
 from graphmode.errors import GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, ENV_VENDOR, Vendor, select_vendor, vendor_statuses
 from graphmode.runner.setup import default_capture_sizes
+from graphmode.spec import BufferSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,8 +57,21 @@ def _describe(vendor: Vendor, max_batches: int) -> None:
     print(f"  graphs on: {devices}")
     if info.capabilities:
         print(f"  capabilities: {', '.join(sorted(info.capabilities))}")
+    spec = vendor.spec
+    blocks = "any" if spec.block_sizes is None else ", ".join(map(str, spec.block_sizes))
+    print(f"  block sizes: {blocks}; graph maxima: max_q_seq_len {spec.max_q_seq_len}, "
+          f"max_kv_seq_len {spec.max_kv_seq_len}; options: {spec.options.__name__}")
+    print("  buffers: " + "; ".join(_buffer(b) for b in spec.buffers))
     sizes = list(default_capture_sizes(vendor, max_batches))
     print(f"  capture list for max_batches={max_batches}: {len(sizes)} graphs {sizes}")
+
+
+def _buffer(spec: BufferSpec) -> str:
+    """One declared buffer in a line's worth: name, dtype, shape, padding, memory."""
+    dtype = str(spec.dtype).removeprefix("torch.")
+    shape = ", ".join(map(str, spec.shape))
+    fill = f"live {spec.live}, " if spec.live is not None else ("constant, " if not spec.written else "")
+    return f"{spec.name} {dtype} ({shape}) {fill}pad {spec.padding}{', host' if spec.host else ''}"
 
 
 def _known(device_type: str) -> bool:
