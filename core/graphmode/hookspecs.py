@@ -41,8 +41,9 @@ hookspec = pluggy.HookspecMarker("graphmode")
 def graphmode_vendor_info() -> VendorInfo:
     """Describe this vendor: its name, the device types it runs on, its
     runtime and version, and whether its hardware is present here (with the
-    reason when not). Called to list and auto-detect vendors; it must be cheap
-    and must not fail when the runtime is missing.
+    reason when not). Called to list and auto-detect vendors, once per loaded
+    vendor (cached on the ``Vendor``); it must be cheap and must not fail
+    when the runtime is missing: import the runtime inside the hook.
 
     Stops at the first non-None result.
     """
@@ -55,7 +56,8 @@ def graphmode_graph_spec() -> GraphSpec:
     come from, host or device memory) and its constraints (block sizes, KV
     layout, capture-size policy, the maxima graph contexts pass, the options
     dataclass). The built-in buffer hooks allocate, fill and view the
-    buffers from it. Called once per runner; must be cheap and pure.
+    buffers from it. Called once per loaded vendor (cached on the
+    ``Vendor``); must be cheap and pure; anything but a GraphSpec is refused.
 
     Stops at the first non-None result (the default: ``CUDA_SPEC``).
     """
@@ -96,8 +98,9 @@ def graphmode_capture_sizes(config: RunnerConfig, spec: GraphSpec) -> list[int]:
 def graphmode_compatible_size(batch_size: int, capture_sizes: tuple[int, ...]) -> int | None:
     """The bucket a batch of ``batch_size`` sequences runs in: a member of
     ``capture_sizes`` that is >= batch_size, or None when no graph can hold
-    it (the step then runs eagerly). The runner calls it once per batch size
-    at start-up and checks every answer.
+    it (the step then runs eagerly), allowed only above the largest capture
+    size. The runner calls it once per batch size at start-up, never per
+    step, and refuses any other answer.
 
     Stops at the first non-None result.
     """
@@ -165,8 +168,10 @@ def graphmode_update_context(
 @hookspec(firstresult=True)
 def graphmode_get_outputs(meta: GraphMeta, batch_size: int, num_tokens: int) -> Any:
     """The step's result from ``meta.output_buffers["output"]`` (what the
-    captured forward returned), cut to the ``num_tokens`` live tokens. The
-    result may be a view of the output buffer, valid until the next replay.
+    captured forward returned), cut to the ``num_tokens`` live tokens (the
+    second dimension). The result may be a view of the output buffer, valid
+    until the next replay. Called at every full-graph step, capture and
+    replay: no host reads of device values.
 
     Stops at the first non-None result.
     """
@@ -180,8 +185,9 @@ def graphmode_get_outputs(meta: GraphMeta, batch_size: int, num_tokens: int) -> 
 @hookspec(firstresult=True)
 def graphmode_make_graph(meta: GraphMeta) -> DeviceGraph:
     """A new, empty :class:`graphmode.graphs.DeviceGraph` for ``meta.device``
-    (the CPU emulator on "cpu"). Return None for devices this plugin does not
-    drive so that the default answers.
+    (the CPU emulator on "cpu"), one per call: each bucket (each piecewise
+    segment) captures into its own. Called only while capturing. Return None
+    for devices this plugin does not drive so that the default answers.
 
     Stops at the first non-None result.
     """
@@ -192,8 +198,10 @@ def graphmode_update_graph_params(
     graph: DeviceGraph, meta: GraphMeta, batch_size: int, bucket: int
 ) -> None:
     """Push this step's host-side kernel arguments into a captured graph,
-    after its buffers were filled and before it replays (Ascend's kv lengths).
-    The replay must not start before the update is complete.
+    after its buffers were filled and before it replays (Ascend's kv lengths,
+    read from its host buffer). Called before every replay, never at capture
+    (the capture step's values are already in the buffers); no host reads of
+    device values. The replay must not start before the update is complete.
 
     Every implementation is called; the runner skips the call entirely when
     no plugin implements it.
@@ -203,7 +211,9 @@ def graphmode_update_graph_params(
 @hookspec(firstresult=True)
 def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int) -> BaseException | None:
     """Turn a capture failure with a known vendor signature into an error
-    that says what to do. The runner raises the result ``from`` the original.
+    that says what to do. The runner raises the result ``from`` the original;
+    an error the plugin does not recognise must get None, so that it keeps
+    its type and a note naming the bucket. Called only when a capture raises.
 
     Stops at the first non-None result; None keeps the original error.
     """
@@ -216,8 +226,12 @@ def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int) 
 
 @hookspec(firstresult=True)
 def graphmode_attention_ops() -> AttentionOps:
-    """The vendor's attention kernels (fill KV cache, paged decode attention,
-    prefill attention) behind graphmode's :class:`AttentionOps` contract.
+    """The vendor's attention kernels behind graphmode's :class:`AttentionOps`
+    protocol (``graphmode.model.ops``): ``layout``, ``contract``,
+    ``cache_shape``, ``make_kv_cache``, ``block_view``, ``fill_kv_cache``,
+    ``paged_decode_attention``, ``prefill_attention``. Called when a model is
+    built for the vendor and once per runner (a model's ops must follow the
+    runner's vendor's ``contract``).
 
     Stops at the first non-None result.
     """
@@ -226,7 +240,8 @@ def graphmode_attention_ops() -> AttentionOps:
 @hookspec(firstresult=True)
 def graphmode_dist_backend(device: torch.device) -> str:
     """The ``torch.distributed`` backend for a process group on ``device``
-    (nccl, hccl, cncl, gloo).
+    (nccl, hccl, cncl, gloo); None for devices the plugin does not drive.
+    Called when a process group is made.
 
     Stops at the first non-None result.
     """

@@ -1,21 +1,23 @@
 """Attention ops: the contract the reference model calls, and its reference
 implementation in pure PyTorch.
 
-Every op is graph-capturable: no host synchronisation and static shapes in
-decode. The KV-cache contract, common to every vendor:
+The cache writes and decode attention are captured in graphs: no host
+synchronisation and static shapes. The KV-cache contract, common to every
+vendor:
 
 - slot ``-1`` writes nothing (the cache stays byte-for-byte unchanged);
 - a padded row's block table points at the reserved block 0, and its length
   (>= 1 unless a vendor says otherwise) makes it read only that block.
 
-Vendors differ in cache layout and in how lengths reach the kernel; they
-subclass :class:`ReferenceAttentionOps` and override ``block_view`` and the
-small ``_slots`` / ``_decode_limit`` hooks.
+Vendors differ in cache layout and in how lengths reach the kernel. The
+vendors here subclass :class:`ReferenceAttentionOps` and override
+``cache_shape``, ``block_view`` and the small ``_slots`` / ``_decode_limit``
+methods; any class with the members of :class:`AttentionOps` will do.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -26,38 +28,92 @@ __all__ = ["AttentionOps", "ReferenceAttentionOps", "attend", "owned_positions",
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+@runtime_checkable
 class AttentionOps(Protocol):
-    """What the reference model needs from a vendor's attention kernels.
+    """What graphmode calls on a vendor's attention kernels: the reference
+    model and the Hugging Face adapter (``model.ops``), the runner's checks,
+    piecewise graphs and the conformance suite. docs/writing-a-plugin.md
+    walks through an implementation.
 
     Shapes: ``T`` new tokens, ``B`` sequences, ``H`` query heads, ``K`` KV
     heads, ``D`` head dim. In decode ``T == B``.
+
+    The KV cache is one (key, value) pair of tensors per layer, in the
+    vendor's layout, of ``num_blocks`` blocks of ``block_size`` token slots;
+    slot ``s`` is offset ``s % block_size`` of block ``s // block_size``.
+    Block 0 is reserved: no sequence owns it, graphs point padding rows (and
+    the unused tail of every block table) at it, and it may hold anything
+    (NaN included): no live result may depend on it.
+
+    Values: the tensors of ``attn`` are device tensors, except
+    ``kv_seqlens_cpu`` and the buffers a vendor declares with ``host=True``;
+    ``max_q_seq_len`` and ``max_kv_seq_len`` are host ints. Inside a graph the
+    maxima are what the vendor's ``GraphSpec`` says (-1 for "derive it from
+    the length tensors", or a bound valid at every replay); eagerly they are
+    the step's own maxima. Vendor inputs declared in the ``GraphSpec`` reach
+    the kernels as ``attn.vendor_fields[name]`` in graph steps only: an eager
+    step (prefill, a batch above the buckets, piecewise attention) carries
+    the engine's fields alone, so a kernel derives its own inputs when they
+    are absent.
     """
+
+    #: The layout of one cache tensor, in words (``"[num_blocks, block_size,
+    #: kv_heads, head_dim]"``): named in the runner's errors.
+    layout: str
+    #: The vendor whose graph contract (buffers, lengths, host values) these
+    #: kernels follow: a runner refuses a model whose ops follow another
+    #: vendor's contract than its own vendor's ``graphmode_attention_ops``.
+    contract: str
+
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's key (or value) cache tensor. The block
+        count and the block size must each be one dimension of their own:
+        the runner reads them from a cache's shape to refuse a cache whose
+        blocks hold another number of tokens than its ``block_size``."""
 
     def make_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
         head_dim: int, dtype: torch.dtype, device: torch.device,
     ) -> KVCache:
-        """One (key, value) cache pair per layer, in the vendor's layout."""
+        """One (key, value) pair per layer, each of ``cache_shape``, block 0
+        included (reserved)."""
+
+    def block_view(self, cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """``cache`` as (num_blocks, block_size, K, D), sharing its memory
+        (a view: writing it writes the cache). The conformance suite compares
+        caches slot by slot through it, whatever the layout."""
 
     def fill_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, attn: AttnMetadata,
     ) -> None:
-        """Write key/value (T, K, D) to the slots ``attn.kv_start_indices``."""
+        """Write key and value (T, K, D) of token ``t`` to slot
+        ``attn.kv_start_indices[t]`` ((T,), or (T, 1) where the vendor
+        declares a column). A slot < 0 writes nothing: every byte of the
+        cache stays as it was (padding rows and warm-up steps pass -1). No
+        other slot changes. Captured in decode graphs: no host read of a
+        device value, no host-side branching on one."""
 
     def paged_decode_attention(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         attn: AttnMetadata, scale: float,
     ) -> torch.Tensor:
-        """(B, H, D) queries over each sequence's first ``kv_seqlens`` cached
-        tokens -> (B, H, D)."""
+        """(B, H, D) queries, row ``b`` over the first ``attn.kv_seqlens[b]``
+        cached tokens of its block table ``attn.block_offsets[b]`` (this
+        step's token included) -> (B, H, D). Captured in decode graphs: no
+        host read of a device value. A padding row has a table of block 0
+        and the declared padding kv length: its result is discarded, but it
+        must be finite whatever block 0 holds."""
 
     def prefill_attention(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         attn: AttnMetadata, scale: float,
     ) -> torch.Tensor:
-        """(T, H, D) queries, causal over each sequence's cached tokens
-        (earlier context and this step's) -> (T, H, D). Eager only."""
+        """(T, H, D) queries, sequence ``b``'s ``attn.q_seqlens[b]`` tokens
+        starting at ``attn.q_start_loc[b]``, causal over its
+        ``attn.kv_seqlens[b]`` cached tokens (earlier context and this step's)
+        -> (T, H, D). Eager only (piecewise graphs call it between their
+        segments): it may read host values."""
 
 
 def write_slots(blocks: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
