@@ -280,3 +280,12 @@ def test_a_declared_input_whose_rows_are_not_its_first_dimension():
     assert runner.stats.replays == 2
     buffer = runner.graph_meta().input_buffers["mrope_positions"]
     assert buffer.shape == (3, 16) and buffer[:, 6:8].eq(0).all()
+
+
+def test_a_function_source_computes_on_the_host_under_host_staging():
+    setup = tiny_setup("slotblock", plugin=SlotBlockVendor(), host_inputs=True, host_staging=True)
+    seqs = setup.prefill(6)
+    for batch in (6, 4, 6):
+        graph, eager = setup.decode(seqs[:batch])
+        torch.testing.assert_close(graph, eager)
+    assert setup.runner.staging is not None and setup.caches_close()

@@ -157,7 +157,7 @@ class _Plan:
         sourced = [(d, d, g, shape, spec) for d, g, shape, spec in self.sourced]
         constant = [(d, s) for d, s in self.constant if d.numel()]
         if staging is not None:
-            sourced = [(m, d, g, shape, spec) for (m, _), (d, g, shape, spec)
+            sourced = [(m, d, _on_host(g, spec, meta), shape, spec) for (m, _), (d, g, shape, spec)
                        in zip(staging.route([(d, d) for d, *_ in self.sourced], host_sources=False), self.sourced)]
             constant = staging.route(constant)
         groups: dict[tuple[torch.device, torch.dtype], tuple[list, list, list]] = {}
@@ -196,6 +196,21 @@ class _Plan:
         if staged is not None:
             return self.staging.host_source(value, staged)
         return value
+
+
+def _on_host(get: Callable[[StepInputs], Any], spec: BufferSpec, meta: GraphMeta) -> Callable[[StepInputs], Any]:
+    """With host staging the step's tensors are host tensors, so a function
+    source computes on the host too. On a device its result is a CPU tensor;
+    on the emulator, where every tensor is a CPU tensor, it is marked as host
+    memory, as its inputs are."""
+    if not callable(spec.source) or meta.device.type != "cpu":
+        return get
+
+    def marked(inputs: StepInputs) -> Any:
+        value = get(inputs)
+        return mark_host(value) if isinstance(value, torch.Tensor) else value
+
+    return marked
 
 
 def _shape(spec: BufferSpec, value: Any) -> tuple[int, ...]:
