@@ -50,8 +50,11 @@ def run_prefill(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"graphmode bench --workload prefill: --cases: {error}") from None
     wanted = chosen_modes(args.modes, PREFILL_MODES, "prefill")
-    workload = PrefillWorkload.build(config, device, cases, block_size=64 if config_name == "bench" else 16,
-                                     attention=args.attention)
+    try:
+        workload = PrefillWorkload.build(config, device, cases, block_size=64 if config_name == "bench" else 16,
+                                         attention=args.attention)
+    except ValueError as error:
+        raise SystemExit(f"graphmode bench --workload prefill: {error}") from None
     buckets = sorted({case.tokens for case in cases})
     decode_batches = sorted({case.sequences for case in cases if case.is_decoding})
     results: dict[str, Any] = {
