@@ -27,6 +27,7 @@ from graphmode.bench.modes import Eager, GraphmodeRunner, _sync
 from graphmode.bench.prefill import size
 from graphmode.bench.workload import Workload
 from graphmode.buckets import parse_sizes
+from graphmode.errors import ConfigError
 from graphmode.model import ModelConfig
 from graphmode.model.offload import OffloadedLlama
 
@@ -46,7 +47,10 @@ def run_offload(args: argparse.Namespace) -> int:
     total = args.warmup + args.steps
     workload = Workload.build(config, device, max_batches=max(batches), block_size=64 if config_name == "bench" else 16,
                               context=1024 if config_name == "bench" else 96, steps=total, attention=args.attention)
-    model = OffloadedLlama(workload.model, num_buffers=args.ring)
+    try:
+        model = OffloadedLlama(workload.model, num_buffers=args.ring)
+    except ConfigError as error:
+        raise SystemExit(f"graphmode bench --workload offload: --ring {args.ring}: {error}") from None
     layer_bytes = sum(p.numel() * p.element_size() for p in model.ring[0].parameters())
     modes: list[Any] = [
         Eager(model),
