@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -21,9 +20,12 @@ from typing import Any
 import torch
 
 import graphmode
-from graphmode.bench.common import DEFAULT_BATCHES, MODES, median_step
+from graphmode.bench.common import DEFAULT_BATCHES, MODES, chosen_modes, median_step
 from graphmode.bench.floor import bandwidth, step_bytes
+from graphmode.bench.measure import machine, release
 from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
+from graphmode.bench.offload import run_offload
+from graphmode.bench.prefill import run_prefill
 from graphmode.bench.tp import run_tp
 from graphmode.bench.workload import Workload
 from graphmode.buckets import padding_waste, parse_sizes
@@ -98,16 +100,20 @@ def vendor_padding_waste(max_batches: int) -> dict[str, dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     if args.tp > 1:
+        if args.workload != "decode":
+            raise SystemExit(f"graphmode bench: --tp {args.tp} measures the decode workload only, not "
+                             f"--workload {args.workload}; drop one of the two")
         return run_tp(args)
+    if args.workload == "prefill":
+        return run_prefill(args)
+    if args.workload == "offload":
+        return run_offload(args)
     device = torch.device(args.device)
     config_name = args.config or ("bench" if device.type == "cuda" else "tiny")
     config = ModelConfig.bench() if config_name == "bench" else ModelConfig.tiny()
     batches = parse_sizes(args.batches or (DEFAULT_BATCHES if device.type == "cuda" else "1,2,3,4,8"))
     total = args.warmup + args.steps
-    wanted = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(wanted) - set(MODES))
-    if unknown:
-        raise SystemExit(f"graphmode bench: --modes {','.join(unknown)} unknown; choose from {','.join(MODES)}")
+    wanted = chosen_modes(args.modes, MODES, "decode")
     workload = Workload.build(config, device, max_batches=max(256 if device.type == "cuda" else 8, *batches),
                               block_size=64 if config_name == "bench" else 16,
                               context=1024 if config_name == "bench" else 96, steps=total,
@@ -181,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{mode.name}: compile {results['compile_s'][mode.name]:.1f} s", flush=True)
         if isinstance(mode, (GraphmodeRunner, HandWrittenGraph)):
             del mode  # release graphs before the next mode captures
-        _release(device)
+        release(device)
     results["padding_waste"] = vendor_padding_waste(256)
     print_table(results)
     if args.json:
@@ -190,17 +196,6 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(results, args.plot)
     return 0
-
-
-def _release(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def machine(device: torch.device) -> dict[str, str]:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}), emulated graphs"
-    return {"device": name, "torch": torch.__version__, "cuda": str(torch.version.cuda), "python": platform.python_version()}
 
 
 def print_table(results: dict[str, Any]) -> None:

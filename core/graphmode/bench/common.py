@@ -15,10 +15,15 @@ import torch
 from graphmode.bench.modes import _sync
 from graphmode.kernels import ATTENTION_CHOICES
 
-__all__ = ["DEFAULT_BATCHES", "MODES", "add_arguments", "median_step"]
+__all__ = ["CPU_CASES", "DEFAULT_BATCHES", "GPU_CASES", "MODES", "PREFILL_MODES", "WORKLOADS", "add_arguments",
+           "chosen_modes", "median_step"]
 
 DEFAULT_BATCHES = "1,2,3,4,8,16,24,32,64,100,128,200,256"
 MODES = ("eager", "graphmode", "hand", "hand-exact", "compile", "graphmode-compile")
+WORKLOADS = ("decode", "prefill", "offload")
+PREFILL_MODES = ("eager", "piecewise", "full_and_piecewise", "compile")
+GPU_CASES = "1x128,1x512,1x2048,4x128,4x512,4x2048,16x128,16x512,16x2048,mix512+64,decode64"
+CPU_CASES = "1x8,1x32,4x8,4x32,mix16+4,decode4"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,9 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per batch size and mode")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (capture, compile)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"modes to time, of {','.join(MODES)} (graphmode: one per vendor; "
-                             "graphmode-compile: graphmode over torch.compile; default all)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="decode",
+                        help="decode: decode steps per batch size (default); prefill: prefill, chunked-prefill "
+                             "and decode steps per case, eager against piecewise graphs (--cases); offload: "
+                             "decode of the offloaded model, eager against per-layer graphs (--batches)")
+    parser.add_argument("--modes", default=None,
+                        help=f"modes to time (default all): decode {','.join(MODES)} (graphmode: one per vendor; "
+                             f"graphmode-compile: graphmode over torch.compile); prefill {','.join(PREFILL_MODES)}")
+    parser.add_argument("--cases", default=None,
+                        help=f"prefill cases (default {GPU_CASES}; {CPU_CASES} on the CPU): NxL is N sequences "
+                             "of L tokens, mixC+D one C-token chunk after C cached tokens plus D decodes, "
+                             "decodeB B decodes")
+    parser.add_argument("--compile-mode", choices=["reduce-overhead", "default"], default="reduce-overhead",
+                        help="torch.compile mode of the prefill workload's compile column (default "
+                             "reduce-overhead: Inductor kernels in CUDA graphs between the attention calls)")
+    parser.add_argument("--ring", type=int, default=2, help="offload workload: device layers in the weight ring")
     parser.add_argument("--attention", choices=ATTENTION_CHOICES, default=None,
                         help="CUDA attention kernels: triton, reference, or auto (Triton when it imports "
                              "on a CUDA device); default: the plugin's choice ($GRAPHMODE_ATTENTION, else auto)")
@@ -54,3 +71,14 @@ def median_step(call: Any, steps: list, device: torch.device) -> float:
         _sync(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def chosen_modes(text: str | None, known: tuple[str, ...], workload: str) -> list[str]:
+    """The modes of ``--modes`` (all of ``known`` when not given); an unknown
+    one stops the command with the list to choose from."""
+    wanted = [mode for mode in (text or ",".join(known)).split(",") if mode]
+    unknown = sorted(set(wanted) - set(known))
+    if unknown or not wanted:
+        raise SystemExit(f"graphmode bench --workload {workload}: --modes {text!r} names "
+                         f"{','.join(unknown) or 'nothing'}; choose from {','.join(known)}")
+    return wanted

@@ -135,18 +135,18 @@ class HandWrittenGraph:
 class Compiled:
     """``torch.compile(mode="reduce-overhead")`` of the same forward: Inductor
     kernels replayed from CUDA graph trees. The KV cache is marked as a static
-    address so that the trees accept the forward writing into it."""
+    address so that the trees accept the forward writing into it.
+    ``mode="default"``: Inductor kernels launched one by one, no graphs."""
 
-    name = "torch.compile reduce-overhead"
-
-    def __init__(self, model: Any, workload: Any) -> None:
+    def __init__(self, model: Any, workload: Any, mode: str = "reduce-overhead") -> None:
+        self.name = f"torch.compile {mode}"
         for pair in workload.kv_cache:
             for tensor in pair:
                 torch._dynamo.mark_static_address(tensor)
         config = torch._dynamo.config
         limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, limit, max(getattr(config, limit), 64))  # one graph per batch size
-        self.forward = torch.compile(model, mode="reduce-overhead")
+        self.forward = torch.compile(model, mode=mode)
         self.device = workload.device
         self.prepared: set[int] = set()
 

@@ -3,6 +3,7 @@
     graphmode conformance [--vendor NAME] [--device DEV] [--xfails FILE] [--report FILE.json] [-k EXPR]
     graphmode vendors [--max-batches N]
     graphmode bench [--device cuda] [--json FILE] [--plot FILE.png] ...
+    graphmode bench --workload prefill|offload [--cases 1x128,mix512+64,...] [--json FILE] ...
 
 Every command needs torch, which is imported here first, inside ``main``: when
 it fails (an auto-loaded device backend missing its libraries), the command

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from graphmode.kernels.sdpa_prefill import sdpa_prefill
 from graphmode.model.ops import ReferenceAttentionOps
 
 __all__ = ["TritonAttentionOps", "paged_decode", "triton_available", "write_kv"]
@@ -186,8 +187,10 @@ def _(query, k_cache, v_cache, block_offsets, kv_seqlens, scale):
 
 class TritonAttentionOps(ReferenceAttentionOps):
     """The reference ops with Triton's paged decode attention and KV write,
-    on CUDA tensors (or any tensors under ``TRITON_INTERPRET=1``); elsewhere,
-    and for prefill, the reference kernels. Same cache layout and contract.
+    on CUDA tensors (or any tensors under ``TRITON_INTERPRET=1``), and
+    prefill through PyTorch's fused SDPA kernels on CUDA tensors
+    (:func:`graphmode.kernels.sdpa_prefill.sdpa_prefill`); elsewhere the
+    reference kernels. Same cache layout and contract.
 
     Under ``torch.compile`` the KV write stays the reference's PyTorch code,
     which Inductor fuses into one kernel, and decode attention is one opaque
@@ -209,3 +212,8 @@ class TritonAttentionOps(ReferenceAttentionOps):
         head_dim = query.shape[-1]
         return _paged_decode_op(query, self.block_view(k_cache, head_dim), self.block_view(v_cache, head_dim),
                                 attn.block_offsets, self._decode_limit(attn).reshape(-1), float(scale))
+
+    def prefill_attention(self, query, k_cache, v_cache, attn, scale):
+        if query.device.type != "cuda":
+            return super().prefill_attention(query, k_cache, v_cache, attn, scale)
+        return sdpa_prefill(self, query, k_cache, v_cache, attn, scale)

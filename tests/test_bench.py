@@ -1,0 +1,101 @@
+"""``graphmode bench --workload prefill`` and ``--workload offload`` on the CPU
+emulator at tiny sizes: the commands run end to end, their tables and JSON
+hold a row per case (or batch) and a column per mode, the piecewise modes
+ran in graphs (no eager step), and their logits equal eager's. Timing is not
+checked here: the figures come from a GPU (docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from graphmode.bench.cases import parse_cases
+from graphmode.cli.main import main
+
+CASES = "1x8,4x8,mix16+4,decode4"
+
+
+def run_bench(capsys, tmp_path, *arguments: str) -> tuple[str, dict]:
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--device", "cpu", "--steps", "2", "--warmup", "2", "--json", str(path), *arguments]) == 0
+    return capsys.readouterr().out, json.loads(path.read_text())
+
+
+def test_prefill_workload_runs_every_case_in_every_mode_with_eager_results(capsys, tmp_path):
+    out, results = run_bench(capsys, tmp_path, "--workload", "prefill", "--cases", CASES)
+    modes = ["eager", "piecewise", "full_and_piecewise"]
+    names = CASES.split(",")
+    assert list(results["latency_ms"]) == modes  # no compile column off CUDA
+    assert [case["name"] for case in results["cases"]] == names
+    assert [case["tokens"] for case in results["cases"]] == [8, 32, 20, 4]
+    assert results["token_buckets"] == [4, 8, 20, 32] and results["full_graph_batches"] == [4]
+    for mode in modes:
+        assert set(results["latency_ms"][mode]) == set(names) and not results["errors"][mode]
+        assert all(ms > 0 for ms in results["latency_ms"][mode].values())
+    for mode in ("piecewise", "full_and_piecewise"):
+        assert results["max_abs_diff"][mode] == {name: 0.0 for name in names}, mode
+        assert set(results["speedup"][mode]) == set(names)
+        assert not results["stats"][mode]["eager_steps"] and results["stats"][mode]["padded_tokens"] == 0
+    # piecewise: every step in piecewise graphs (4 steps per case, one capture per bucket);
+    # full_and_piecewise: the decode case in a full graph instead.
+    assert results["stats"]["piecewise"]["piecewise_captures"] == 4
+    assert results["stats"]["piecewise"]["piecewise_replays"] == 4 * len(names) - 4
+    assert results["stats"]["full_and_piecewise"]["captures"] == 1
+    assert results["stats"]["full_and_piecewise"]["replays"] == 3
+    # The printed table: a header with every mode, then one row per case with its sequences and tokens.
+    lines = out.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("case ") and "eager" in line))
+    assert lines[header].split() == ["case", "seqs", "tokens", "eager", "piecewise", "full+piecewise"]
+    rows = [line.split() for line in lines[header + 1: header + 1 + len(names)]]
+    assert [(row[0], row[1], row[2]) for row in rows] == [("1x8", "1", "8"), ("4x8", "4", "32"),
+                                                         ("mix16+4", "5", "20"), ("decode4", "4", "4")]
+    assert all(len(row) == 6 for row in rows)
+    assert "speed-up over eager (eager ms / mode ms)" in out and "max |logits - eager logits|" in out
+
+
+def test_offload_workload_compares_per_layer_graphs_with_eager(capsys, tmp_path):
+    out, results = run_bench(capsys, tmp_path, "--workload", "offload", "--batches", "1,3")
+    assert results["batches"] == [1, 3] and results["ring"] == 2
+    for mode in ("eager", "piecewise"):
+        assert set(results["latency_ms"][mode]) == {"1", "3"} and not results["errors"][mode]
+    assert results["max_abs_diff"]["piecewise"] == {"1": 0.0, "3": 0.0}
+    assert results["loads_ms"] > 0 and results["loaded_bytes_per_step"] > 0
+    assert "eager steps: none" in results["stats"] and "2 captures, 6 replays" in results["stats"]
+    table = out[out.index("offloaded decode, median step ms"):].splitlines()
+    assert table[1].split() == ["batch", "eager", "piecewise", "speed-up", "max", "|diff|"]
+    assert [row.split()[0] for row in table[2:4]] == ["1", "3"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("2y8", "case '2y8' is not one of NxL"),
+        ("0x8", "case '0x8': sequences and tokens must be >= 1"),
+        ("mix8+0", "case 'mix8+0': sequences and tokens must be >= 1"),
+        ("4x8,4x8", "repeat one"),
+        (",", "no cases"),
+    ],
+)
+def test_bad_cases_are_refused_with_the_forms(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_cases(text, decode_context=48)
+
+
+def test_cases_parse_into_sequences_and_tokens():
+    prompt, mix, decode = parse_cases("16x2048,mix512+64,decode64", decode_context=1024)
+    assert (prompt.sequences, prompt.tokens, prompt.longest, prompt.is_decoding) == (16, 32768, 2048, False)
+    assert (mix.sequences, mix.tokens, mix.context[0], mix.new[0]) == (65, 576, 512, 512)
+    assert all(1 <= c < 1024 for c in mix.context[1:]) and set(mix.new[1:]) == {1}
+    assert (decode.sequences, decode.tokens, decode.is_decoding) == (64, 64, True)
+
+
+def test_a_case_longer_than_the_model_positions_is_refused(capsys):
+    with pytest.raises(SystemExit, match="above the model's max_position_embeddings=4096"):
+        main(["bench", "--device", "cpu", "--workload", "prefill", "--cases", "1x5000"])
+
+
+def test_tensor_parallel_with_another_workload_is_refused():
+    with pytest.raises(SystemExit, match="--tp 2 measures the decode workload only"):
+        main(["bench", "--device", "cpu", "--workload", "prefill", "--tp", "2"])
