@@ -18,12 +18,14 @@ need no extra dependency:
 
 The lengths are read on the host once per call (one device-to-host copy);
 this is a break point of piecewise graphs and an eager operator, never
-captured. Under ``torch.compile`` it is opaque (``torch.compiler.disable``):
-Dynamo breaks the graph here, as vLLM's compile splits at attention.
+captured. Under ``torch.compile`` it is opaque (:func:`opaque_sdpa_prefill`,
+``torch.compiler.disable``): Dynamo breaks the graph here, as vLLM's compile
+splits at attention.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -32,10 +34,17 @@ import torch.nn.functional as F
 
 from graphmode.context import AttnMetadata
 
-__all__ = ["sdpa_prefill"]
+__all__ = ["opaque_sdpa_prefill", "sdpa_prefill"]
 
 
-@torch.compiler.disable
+@functools.cache
+def opaque_sdpa_prefill() -> Any:
+    """:func:`sdpa_prefill` behind ``torch.compiler.disable``, made on first
+    use: applying it imports Dynamo (and with it Triton), which choosing the
+    ops must not."""
+    return torch.compiler.disable(sdpa_prefill)
+
+
 def sdpa_prefill(ops: Any, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  attn: AttnMetadata, scale: float) -> torch.Tensor:
     """``ops.prefill_attention``'s contract with fused kernels: (T, H, D)

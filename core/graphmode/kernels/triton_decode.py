@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from graphmode.kernels.sdpa_prefill import sdpa_prefill
+from graphmode.kernels.sdpa_prefill import opaque_sdpa_prefill
 from graphmode.model.ops import ReferenceAttentionOps
 
 __all__ = ["TritonAttentionOps", "paged_decode", "triton_available", "write_kv"]
@@ -189,7 +189,7 @@ class TritonAttentionOps(ReferenceAttentionOps):
     """The reference ops with Triton's paged decode attention and KV write,
     on CUDA tensors (or any tensors under ``TRITON_INTERPRET=1``), and
     prefill through PyTorch's fused SDPA kernels on CUDA tensors
-    (:func:`graphmode.kernels.sdpa_prefill.sdpa_prefill`); elsewhere the
+    (:func:`graphmode.kernels.sdpa_prefill.sdpa_prefill`, opaque to torch.compile); elsewhere the
     reference kernels. Same cache layout and contract.
 
     Under ``torch.compile`` the KV write stays the reference's PyTorch code,
@@ -216,4 +216,4 @@ class TritonAttentionOps(ReferenceAttentionOps):
     def prefill_attention(self, query, k_cache, v_cache, attn, scale):
         if query.device.type != "cuda":
             return super().prefill_attention(query, k_cache, v_cache, attn, scale)
-        return sdpa_prefill(self, query, k_cache, v_cache, attn, scale)
+        return opaque_sdpa_prefill()(self, query, k_cache, v_cache, attn, scale)
