@@ -76,7 +76,7 @@ class StepChecker:
             f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
             f"arange(batch) x {q_len}"))
         _first(step.kv_lens < q_len, lambda r: (
-            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, below its {q_len} new token(s): a decoding "
+            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, below {q_len} (its new tokens): a decoding "
             "sequence holds at least this step's tokens; pass its cached tokens plus this step's"))
         _first(step.kv_lens > capacity, lambda r: (
             f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
@@ -116,12 +116,13 @@ class StepChecker:
             f"the sequence's own blocks {table[t][owned[t]].tolist()}: it would overwrite another "
             "sequence's (or the reserved block's) cache. Write the token to its sequence's slot"))
         # The new tokens are the sequence's last q_len positions, in order.
-        position = step.kv_lens[seq] - q_len + torch.arange(slots.shape[0]) % q_len
+        behind = q_len - torch.arange(slots.shape[0]) % q_len  # 1 for a sequence's last new token
+        position = step.kv_lens[seq] - behind
         column = position.clamp(min=0) // block_size
         expected = table.gather(1, column[:, None])[:, 0] * block_size + position % block_size
         _first(writes & (slots != expected), lambda t: (
             f"token {t} (sequence {int(seq[t])}) writes slot {int(slots[t])}, but its position "
-            f"{int(position[t])} (kv_seqlens - q_len + its index) lives at slot {int(expected[t])} (block "
+            f"kv_seqlens-{int(behind[t])}={int(position[t])} lives at slot {int(expected[t])} (block "
             f"{int(table[t, column[t]])}, offset {int(position[t]) % block_size}); the next step would read a "
             "token that was never written. Slot = block_offsets[seq, pos // block_size] x block_size + "
             "pos % block_size"))
