@@ -33,10 +33,8 @@ def _churn(setup, q_lens=(1, 2, 4)) -> float:
         for q_len in q_lens:
             graph, eager = setup.decode(seqs, q_len)
             worst = max(worst, (graph - eager).abs().max().item())
-        if round_ == 0:
-            seqs = seqs[:3]  # three finish
-        else:
-            seqs = seqs[1:] + setup.prefill(1)  # one finishes, one joins
+        # First three finish; then one finishes and one joins each round.
+        seqs = seqs[:3] if round_ == 0 else seqs[1:] + setup.prefill(1)
     return worst
 
 
