@@ -5,8 +5,12 @@ one prefill of the requests that just arrived (eager), a decode step of every
 running request (one token each: a graph replay), or, with ``--speculate K``,
 a verify step: each request feeds its last token plus up to K tokens drafted
 from its own history (prompt lookup), keeps the drafts the model agrees with
-and one token more. Decoding is greedy, so the tokens are exactly those of
-plain greedy decoding, only fewer steps.
+and one token more. Drafts are padded to the step's longest (with the last
+token, which verification rejects unless the model agrees), so every request
+of a verify step carries the same q_len and the step replays the graph of
+(batch bucket, q_len): the runner is built with ``max_q_len=K + 1``.
+Decoding is greedy, so the tokens are exactly those of plain greedy
+decoding, only fewer steps.
 
     python examples/serve_hf.py --model /path/to/hf-model-dir          # a local checkpoint
     python examples/serve_hf.py --random-config llama-1b --device cuda  # random 1B Llama
@@ -115,8 +119,11 @@ def serve(runner, kv_cache, batch: PagedBatch, requests: list[Request], *, max_b
                     observe(request, rows[i : i + 1])
             running += arrived
             steps["prefill"] += 1
-        elif running:  # decode (graph replay), or verify drafted tokens
+        elif running:  # decode, or verify drafted tokens (graph replays either way)
             drafts = [draft(r.tokens, speculate) if speculate else [] for r in running]
+            # One q_len for every request: a graph step, not an eager one.
+            longest = max(map(len, drafts))
+            drafts = [d + [r.tokens[-1]] * (longest - len(d)) for r, d in zip(running, drafts)]
             fed = [[r.output[-1], *d] for r, d in zip(running, drafts)]
             logits = runner(past_key_values=kv_cache, **batch.step(running, fed, True))
             greedy = logits[0].argmax(-1).tolist()
@@ -171,7 +178,7 @@ def main() -> None:
     kv_cache = model.make_kv_cache(args.max_batch * width + 1, args.block_size)
     runner = graphmode.build_graph_runner(
         model, max_batches=args.max_batch, num_blocks=width, block_size=args.block_size, vendor=args.vendor,
-        execute_mode="eager" if args.eager else "graph",
+        execute_mode="eager" if args.eager else "graph", max_q_len=args.speculate + 1,
     )
     batch = PagedBatch(args.max_batch * width + 1, args.block_size, width, device)
     generator = torch.Generator().manual_seed(0)

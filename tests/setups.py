@@ -30,9 +30,10 @@ class Setup:
             self.model(step.input_ids, step.position_ids, self.eager_cache, step.attn_metadata)
         return seqs
 
-    def decode(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step through the runner and through the model."""
-        step = self.engine.decode(seqs)
+    def decode(self, seqs: list[int], q_len: int | list[int] = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step (``q_len`` new tokens per sequence) through the
+        runner and through the model."""
+        step = self.engine.decode(seqs, q_len)
         with torch.inference_mode():
             graph = self.runner(step.input_ids, step.position_ids, self.graph_cache, step.attn_metadata).clone()
             eager = self.model(step.input_ids, step.position_ids, self.eager_cache, step.attn_metadata)

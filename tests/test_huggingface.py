@@ -59,7 +59,9 @@ def checkpoint(request, tmp_path_factory):
 def serve(directory, speculate: int):
     model = load_model(directory)
     kv_cache = model.make_kv_cache(MAX_BATCH * WIDTH + 1, BLOCK_SIZE)
-    runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, num_blocks=WIDTH, block_size=BLOCK_SIZE)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=MAX_BATCH, num_blocks=WIDTH, block_size=BLOCK_SIZE, max_q_len=speculate + 1
+    )
     batch = serve_hf.PagedBatch(MAX_BATCH * WIDTH + 1, BLOCK_SIZE, WIDTH, torch.device("cpu"))
     requests = make_requests()
     eos = model.config.eos_token_id
@@ -83,12 +85,12 @@ def test_verify_steps_give_hf_greedy_tokens(checkpoint):
     outputs, steps, stats = serve(directory, speculate=3)
     assert outputs == expected
     assert steps["verify"] >= 1 and steps["decode"] >= 1 and steps["accepted"] >= 1
-    assert stats.captures + stats.replays == steps["decode"]
-    # Currently-eager expectation: the runner has no multi-token decode graphs
-    # yet, so every verify step runs eagerly. Once it captures them, this
-    # becomes `stats.eager_steps["multi_token_decode"] == 0`.
-    assert stats.eager_steps["multi_token_decode"] == steps["verify"]
-    assert stats.eager_steps["prefill"] == steps["prefill"]
+    # Every decode and verify step was a graph step (captured once per
+    # (bucket, q_len), replayed after); only prefills ran eagerly.
+    assert stats.captures + stats.replays == steps["decode"] + steps["verify"]
+    assert dict(stats.eager_steps) == {"prefill": steps["prefill"]}
+    verify_replays = sum(n for q_len, n in stats.replays_by_q_len.items() if q_len > 1)
+    assert verify_replays >= 1, stats.summary()
 
 
 def test_sliding_window_beyond_the_table_is_refused():

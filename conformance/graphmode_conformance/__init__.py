@@ -31,6 +31,7 @@ from graphmode_conformance.lifecycle import (
     LifecycleTests,
     ParameterUpdateTests,
 )
+from graphmode_conformance.multi_token import MultiTokenDecodeTests
 from graphmode_conformance.piecewise import PiecewiseTests
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "HookContractTests",
     "KVCacheIntegrityTests",
     "LifecycleTests",
+    "MultiTokenDecodeTests",
     "ParameterUpdateTests",
     "PiecewiseTests",
     "Sizes",
@@ -52,6 +54,7 @@ __all__ = [
 # pytest collects inherited tests from the last base to the first: the quick,
 # precise hook-contract checks run first, the long equivalence runs last.
 class ConformanceTests(
+    MultiTokenDecodeTests,
     PiecewiseTests,
     GraphEqualsEagerTests,
     ParameterUpdateTests,

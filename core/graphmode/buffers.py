@@ -3,7 +3,9 @@
 From the :class:`graphmode.spec.GraphSpec` in ``meta.spec``:
 
 - :func:`allocate` makes every declared buffer at full size, holding its
-  padding value (the runner snapshots them into ``meta.padding_buffers``);
+  padding value (the runner snapshots them into ``meta.padding_buffers``,
+  and the padding of ``q_len_scaled`` buffers for every q_len above 1 into
+  ``meta.q_len_padding``: :func:`q_len_paddings`);
 - :func:`fill` copies one step's live rows into the buffers and resets every
   other row to its padding value, in one fused copy per dtype;
 - :func:`graph_context` builds the step the captured forward sees, every
@@ -23,12 +25,12 @@ from typing import Any
 import torch
 
 from graphmode.context import AttnMetadata, StepInputs
-from graphmode.emulator.host import mark_host
+from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
 from graphmode.spec import BLOCKS, BufferSpec
 
-__all__ = ["allocate", "fill", "graph_context", "host_zeros", "stage", "step_value"]
+__all__ = ["allocate", "fill", "graph_context", "host_zeros", "q_len_paddings", "stage", "step_value"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -52,6 +54,23 @@ def allocate(meta: GraphMeta) -> dict[str, torch.Tensor]:
         spec.name: spec.allocate(meta.max_batchs, meta.max_tokens, meta.num_blocks, meta.device)
         for spec in meta.spec.buffers
     }
+
+
+def q_len_paddings(meta: GraphMeta) -> dict[int, dict[str, torch.Tensor]]:
+    """For every q_len in 2..max_q_len, the padding of each ``q_len_scaled``
+    buffer at that q_len: its q_len-1 padding (the snapshot) times q_len.
+    Empty when the runner graphs one-token decode only."""
+    scaled = [spec.name for spec in meta.spec.buffers if spec.q_len_scaled]
+    paddings: dict[int, dict[str, torch.Tensor]] = {}
+    for q_len in range(2, meta.max_q_len + 1):
+        paddings[q_len] = {}
+        for name in scaled:
+            base = meta.padding_buffers[name]
+            pattern = base * q_len
+            if meta.device.type == "cpu" and is_host(base):
+                mark_host(pattern)
+            paddings[q_len][name] = pattern
+    return paddings
 
 
 def live_values(meta: GraphMeta) -> dict[str, torch.Tensor]:
@@ -110,12 +129,19 @@ class _Plan:
         rows = {False: (batch, bucket), True: (tokens, bucket * per_seq)}
         self.sourced: list[tuple[torch.Tensor, Callable[[StepInputs], Any], tuple[int, ...], BufferSpec]] = []
         self.constant: Pairs = []
+        # When graphs of several q_len share the buffers, the q_len_scaled ones
+        # get this q_len's pattern in every row of the bucket, every step.
+        rescaled = meta.max_q_len > 1
+        scaled_padding = meta.q_len_padding.get(per_seq, {})
         for spec in meta.spec.buffers:
-            if not spec.written:
-                continue
             buffer, padding = meta.input_buffers[spec.name], meta.padding_buffers[spec.name]
-            live, full = rows[spec.per_token]
+            padding = scaled_padding.get(spec.name, padding)
             row = spec.row_dim
+            if not spec.written:
+                if rescaled and spec.q_len_scaled:
+                    self.constant.append((buffer.narrow(row, 0, bucket), padding.narrow(row, 0, bucket)))
+                continue
+            live, full = rows[spec.per_token]
             self.constant.append((buffer.narrow(row, live, full - live), padding.narrow(row, live, full - live)))
             target = buffer.narrow(row, 0, live)
             if spec.live is not None:

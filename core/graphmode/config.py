@@ -110,6 +110,11 @@ class RunnerConfig:
     capture_token_sizes: the token buckets of piecewise graphs (piecewise
         modes only); None takes vLLM's default list up to
         ``min(2 * max_batches, 512)`` (graphmode.piecewise.default_token_sizes).
+    max_q_len: the most new tokens per sequence a decode graph takes
+        (speculative verify and MTP steps carry ``1 + k``): a decode step
+        whose sequences all carry the same ``q_len <= max_q_len`` replays the
+        graph of (batch bucket, q_len); the buffers hold ``max_batches x
+        max_q_len`` tokens. 1 (the default) graphs one-token decode only.
     """
 
     max_batches: int
@@ -126,12 +131,13 @@ class RunnerConfig:
     host_staging: bool | None = None
     debug: bool = False
     capture_token_sizes: tuple[int, ...] | None = None
+    max_q_len: int = 1
 
     def __post_init__(self) -> None:
         if self.host_staging not in (True, False, None):
             raise ConfigError(f"host_staging={self.host_staging!r}: use True, False or None (decide at the first graph step)")
         self.device = _with_index(torch.device(self.device))
-        for name in ("max_batches", "num_blocks", "block_size"):
+        for name in ("max_batches", "num_blocks", "block_size", "max_q_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be a positive integer")
@@ -152,6 +158,11 @@ class RunnerConfig:
             from graphmode.piecewise.sizes import clean_token_sizes
 
             self.capture_token_sizes = clean_token_sizes(self.capture_token_sizes)
+
+    @property
+    def max_tokens(self) -> int:
+        """The most new tokens of a graph step: ``max_batches x max_q_len``."""
+        return self.max_batches * self.max_q_len
 
     @property
     def torch_compile_options(self) -> dict[str, Any]:

@@ -24,7 +24,10 @@ class AttnMetadata:
     Tensors live on the model's device unless said otherwise. Integer tensors
     may be int32 or int64.
 
-    is_decoding: every sequence adds exactly one token (``T == batch``).
+    is_decoding: a decode step: every sequence adds 1 to ``max_q_seq_len``
+        tokens (one in plain decode, ``T == batch``; ``1 + k`` in a
+        speculative verify or MTP step). A step whose sequences all add the
+        same number (``T == batch x max_q_seq_len``) can replay a graph.
     block_offsets: (batch, width) the KV-cache block ids of each sequence, in
         order. Block 0 is reserved for padding: an engine never gives it to a
         sequence.

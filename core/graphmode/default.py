@@ -5,7 +5,8 @@ reference), registered like any other plugin. Vendor plugins register after
 it and override only what differs. Its buffer hooks work from the declared
 :class:`graphmode.spec.GraphSpec` (``meta.spec``): a vendor whose buffers
 differ declares them (``graphmode_graph_spec``) and keeps these hooks. The
-CUDA declarations are :data:`graphmode.spec.CUDA_SPEC`.
+CUDA declarations are :data:`graphmode.spec.CUDA_VENDOR_SPEC`: the base
+:data:`graphmode.spec.CUDA_SPEC` with multi-token decode graphs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from graphmode.context import StepInputs
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.meta import GraphMeta
 from graphmode.plugins.info import VendorInfo
-from graphmode.spec import CUDA_SPEC, GraphSpec
+from graphmode.spec import CUDA_VENDOR_SPEC, GraphSpec
 
 
 @hookimpl
@@ -47,7 +48,7 @@ def graphmode_vendor_info() -> VendorInfo:
 
 @hookimpl
 def graphmode_graph_spec() -> GraphSpec:
-    return CUDA_SPEC
+    return CUDA_VENDOR_SPEC
 
 
 @hookimpl

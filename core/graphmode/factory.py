@@ -42,6 +42,7 @@ def build_graph_runner(
     host_staging: bool | None = None,
     debug: bool = False,
     capture_token_sizes: Sequence[int] | None = None,
+    max_q_len: int = 1,
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -88,6 +89,10 @@ def build_graph_runner(
         overrides; docs/engines.md, "Debug mode").
     capture_token_sizes: the token buckets of piecewise graphs; None takes
         vLLM's default list (docs/architecture.md, "Piecewise graphs").
+    max_q_len: the most new tokens per sequence a decode graph takes: 1
+        (default) for one-token decode; ``1 + k`` to replay graphs for
+        speculative verify or MTP steps of ``k`` draft tokens, keyed by
+        (batch bucket, q_len) (docs/engines.md, "Speculative decoding").
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -109,5 +114,6 @@ def build_graph_runner(
         host_staging=host_staging,
         debug=debug,
         capture_token_sizes=tuple(capture_token_sizes) if capture_token_sizes is not None else None,
+        max_q_len=max_q_len,
     )
     return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)

@@ -24,8 +24,9 @@ class GraphMeta:
 
     max_batchs: (sic, as upstream) the most sequences a graph step can hold;
         per-sequence buffers have this many rows.
-    max_tokens: the most new tokens in a graph step (``max_batchs`` when
-        decoding one token per sequence); per-token buffers have this length.
+    max_tokens: the most new tokens in a graph step, ``max_batchs x
+        max_q_len`` (``max_batchs`` when decoding one token per sequence);
+        per-token buffers have this length.
     num_blocks: columns of the block-table buffer, the most KV blocks one
         sequence may own; a step's block table may be narrower, never wider.
     block_size: tokens per KV-cache block.
@@ -42,6 +43,9 @@ class GraphMeta:
         vendor's :class:`graphmode.spec.GraphSpec` plus the engine's step inputs.
     live_buffers: for buffers whose live rows take a constant (``live``), a
         tensor like the buffer holding it.
+    q_len_padding: q_len -> name -> the padding of each ``q_len_scaled``
+        buffer at that q_len, for q_len 2..max_q_len (q_len 1 is
+        ``padding_buffers``); see :func:`graphmode.buffers.q_len_paddings`.
     capture_sizes: the runner's buckets.
     vendor_options: the vendor's options object (``spec.options``), checked.
     vendor_state: what a plugin keeps at run time across a runner's graphs
@@ -65,6 +69,7 @@ class GraphMeta:
     output_buffers: dict[str, Any] = field(default_factory=dict)
     spec: GraphSpec = CUDA_SPEC
     live_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    q_len_padding: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     capture_sizes: tuple[int, ...] = ()
     vendor_options: Any = None
     vendor_state: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +101,11 @@ class GraphMeta:
     def max_batches(self) -> int:
         """``max_batchs`` spelt in English."""
         return self.max_batchs
+
+    @property
+    def max_q_len(self) -> int:
+        """The most new tokens per sequence of a graph step."""
+        return self.max_tokens // self.max_batchs
 
     @property
     def kv_capacity(self) -> int:

@@ -37,6 +37,7 @@ from graphmode.errors import ConfigError
 __all__ = [
     "BLOCKS",
     "CUDA_SPEC",
+    "CUDA_VENDOR_SPEC",
     "ROW_INDEX",
     "ROW_NUMBER",
     "SEQUENCES",
@@ -122,6 +123,15 @@ class BufferSpec:
     host: the buffer lives in host memory, for kernels that take host values
         (the graph freezes them: the vendor pushes them in before each
         replay); otherwise it lives on the device.
+    q_len_scaled: the padding is multiplied by the graph's query length
+        (its new tokens per sequence, q_len): for the per-sequence constants
+        of a decode step, whose values depend on q_len. q_start_loc is
+        ``ROW_INDEX`` scaled (each row's first token: 0, q_len, 2 q_len,
+        ...), q_seqlens ``1`` scaled (q_len), a cumulative q_seqlens
+        ``ROW_NUMBER`` scaled. The core writes the pattern of the step's
+        q_len into the bucket's rows (padding rows, and live rows too when
+        the buffer has no source): a graph of one q_len reads its own.
+        Per-sequence buffers of integer dtype only.
     """
 
     name: str
@@ -132,6 +142,7 @@ class BufferSpec:
     live: int | float | bool | None = None
     context: tuple[str, ...] | None = None
     host: bool = False
+    q_len_scaled: bool = False
 
     def __post_init__(self) -> None:
         where = f"BufferSpec({self.name!r})"
@@ -155,6 +166,11 @@ class BufferSpec:
             object.__setattr__(self, "source", (self.source,))
         if self.context is not None:
             object.__setattr__(self, "context", tuple(self.context))
+        if self.q_len_scaled and (self.per_token or self.dtype.is_floating_point or self.dtype == torch.bool):
+            raise ConfigError(
+                f"{where}: q_len_scaled=True needs a per-sequence buffer (shape with {SEQUENCES!r}) of an "
+                f"integer dtype; it has shape {self.shape} and dtype {self.dtype}"
+            )
 
     def bound(self, root: str) -> BufferSpec:
         """This spec with its default context resolved under ``root``
@@ -237,6 +253,12 @@ class GraphSpec:
         ``__post_init__`` checks values. A field whose metadata has
         ``removed`` is an option of an earlier release, kept so that
         ``__post_init__`` can refuse it with the reason.
+    max_q_len: the most new tokens per sequence its kernels take in a decode
+        graph (speculative verify, MTP); None for no limit. 1 unless
+        declared: a vendor opts in to multi-token decode graphs once its
+        decode kernel takes several causal queries per sequence. A runner
+        asking for more (``max_q_len``) is refused at configuration time,
+        with ``max_q_len_reason`` (why the kernels stop there).
     """
 
     buffers: tuple[BufferSpec, ...]
@@ -245,6 +267,8 @@ class GraphSpec:
     max_q_seq_len: str = "bound"
     max_kv_seq_len: str = "dynamic"
     options: type = NoOptions
+    max_q_len: int | None = 1
+    max_q_len_reason: str = "its decode kernel is not declared to take several queries per sequence"
     names: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -269,6 +293,8 @@ class GraphSpec:
             raise ConfigError(f"GraphSpec max_kv_seq_len={self.max_kv_seq_len!r}: use 'dynamic' or 'capacity'")
         if self.block_sizes is not None:
             object.__setattr__(self, "block_sizes", tuple(self.block_sizes))
+        if self.max_q_len is not None and (not isinstance(self.max_q_len, int) or self.max_q_len < 1):
+            raise ConfigError(f"GraphSpec max_q_len={self.max_q_len!r}: use an int >= 1, or None for no limit")
         if not dataclasses.is_dataclass(self.options):
             raise ConfigError(f"GraphSpec options={self.options!r} must be a dataclass type")
 
@@ -319,15 +345,22 @@ class GraphSpec:
 
 # The CUDA default, lmdeploy's contract: int64 tokens and slots, int32 block
 # tables and lengths; padding reads the reserved block once (length 1) and
-# writes nothing (slot -1).
+# writes nothing (slot -1). A decode graph of q_len tokens per sequence reads
+# q_start_loc 0, q_len, 2 q_len, ... and q_seqlens q_len (q_len_scaled).
 CUDA_SPEC = GraphSpec(
     buffers=(
         BufferSpec("input_ids", torch.int64, shape=(1, TOKENS)),
         BufferSpec("position_ids", torch.int64, shape=(1, TOKENS)),
         BufferSpec("block_offsets", torch.int32, shape=(SEQUENCES, BLOCKS)),
-        BufferSpec("q_start_loc", torch.int32, padding=ROW_INDEX, source=None),
-        BufferSpec("q_seqlens", torch.int32, padding=1, source=None),
+        BufferSpec("q_start_loc", torch.int32, padding=ROW_INDEX, source=None, q_len_scaled=True),
+        BufferSpec("q_seqlens", torch.int32, padding=1, source=None, q_len_scaled=True),
         BufferSpec("kv_seqlens", torch.int32, padding=1),
         BufferSpec("kv_start_indices", torch.int64, shape=(TOKENS,), padding=-1),
     ),
 )
+
+# The declarations of the built-in CUDA vendor: CUDA_SPEC, whose decode kernels
+# (the reference, and Triton with the reference for several queries per
+# sequence) also take multi-token decode graphs. CUDA_SPEC itself, the base
+# vendors derive from, keeps max_q_len=1: a vendor opts in for its own kernels.
+CUDA_VENDOR_SPEC = CUDA_SPEC.replace(max_q_len=None)

@@ -77,7 +77,10 @@ class HostStaging:
             view.copy_(old)
         self.mirror.copy_(self.arena)
         # Host copies of the constant sources (padding, live values), found by storage.
-        constants = [*meta.padding_buffers.values(), *meta.live_buffers.values()]
+        constants = [
+            *meta.padding_buffers.values(), *meta.live_buffers.values(),
+            *(t for paddings in meta.q_len_padding.values() for t in paddings.values()),
+        ]
         self._constants = {
             t.untyped_storage().data_ptr(): (t, t.to("cpu", copy=True)) for t in constants if not self.on_host(t)
         }

@@ -8,8 +8,9 @@ tested (see docs/engines.md). The adapter
 - registers :func:`paged_attention` with ``transformers.AttentionInterface``
   under :data:`ATTENTION` and selects it on the model, so each attention layer
   writes its keys and values into graphmode's paged cache with the vendor's
-  ``fill_kv_cache`` and attends with ``paged_decode_attention`` (one token per
-  sequence) or ``prefill_attention`` (prefill, chunks, and verify steps);
+  ``fill_kv_cache`` and attends with ``paged_decode_attention`` (decode steps:
+  one token per sequence, or several in speculative verify steps, causal
+  among them) or ``prefill_attention`` (prefill and chunks);
 - wraps the model in :class:`HuggingFaceModel`, which has graphmode's model
   contract (``input_ids``/``position_ids`` (1, T), ``past_key_values`` = one
   (key, value) cache pair per layer in the vendor's layout, ``attn_metadata``)
@@ -136,12 +137,10 @@ def paged_attention(
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     ops.fill_kv_cache(k, v, k_cache, v_cache, attn)
-    # Shapes, not values, choose the kernel, so the choice is graph-safe.
-    # A verify step (several new tokens per sequence, is_decoding=True) goes
-    # to prefill_attention, which is causal over the cached tokens; the
-    # reference prefill reads lengths on the host, so such a step runs
-    # eagerly until the ops have a capturable multi-query decode kernel.
-    if attn.is_decoding and q.shape[0] == attn.q_seqlens.shape[0]:
+    # A flag, not values, chooses the kernel, so the choice is graph-safe. A
+    # decode step may carry several new tokens per sequence (a speculative
+    # verify step): the decode kernel is causal among them.
+    if attn.is_decoding:
         out = ops.paged_decode_attention(q, k_cache, v_cache, attn, scale)
     else:
         out = ops.prefill_attention(q, k_cache, v_cache, attn, scale)

@@ -189,8 +189,9 @@ class TritonAttentionOps(ReferenceAttentionOps):
     """The reference ops with Triton's paged decode attention and KV write,
     on CUDA tensors (or any tensors under ``TRITON_INTERPRET=1``), and
     prefill through PyTorch's fused SDPA kernels on CUDA tensors
-    (:func:`graphmode.kernels.sdpa_prefill.sdpa_prefill`, opaque to torch.compile); elsewhere the
-    reference kernels. Same cache layout and contract.
+    (:func:`graphmode.kernels.sdpa_prefill.sdpa_prefill`, opaque to
+    torch.compile); elsewhere, and for decode steps of several tokens per
+    sequence, the reference kernels. Same cache layout and contract.
 
     Under ``torch.compile`` the KV write stays the reference's PyTorch code,
     which Inductor fuses into one kernel, and decode attention is one opaque
@@ -207,7 +208,10 @@ class TritonAttentionOps(ReferenceAttentionOps):
                  self._slots(attn))
 
     def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
-        if not self._runs_triton(query):
+        # The Triton kernel takes one query per sequence; a decode step of
+        # several tokens per sequence (speculative verify, MTP) runs the
+        # reference kernel, chosen by shapes, so the choice is graph-safe.
+        if not self._runs_triton(query) or query.shape[0] != attn.block_offsets.shape[0]:
             return super().paged_decode_attention(query, k_cache, v_cache, attn, scale)
         head_dim = query.shape[-1]
         return _paged_decode_op(query, self.block_view(k_cache, head_dim), self.block_view(v_cache, head_dim),

@@ -99,9 +99,11 @@ class ReferenceEngine:
         each sequence."""
         return self._step(seq_ids, lengths, is_decoding=False)
 
-    def decode(self, seq_ids: list[int]) -> StepInputs:
-        """A decode step: one new token per sequence."""
-        return self._step(seq_ids, [1] * len(seq_ids), is_decoding=True)
+    def decode(self, seq_ids: list[int], q_len: int | list[int] = 1) -> StepInputs:
+        """A decode step: ``q_len`` new tokens per sequence (1; more in a
+        speculative verify or MTP step), or ``q_len[i]`` for sequence i."""
+        lengths = list(q_len) if isinstance(q_len, list) else [q_len] * len(seq_ids)
+        return self._step(seq_ids, lengths, is_decoding=True)
 
     def _step(self, seq_ids: list[int], lengths: list[int], is_decoding: bool) -> StepInputs:
         tokens: list[int] = []

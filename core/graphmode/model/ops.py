@@ -23,7 +23,7 @@ import torch
 
 from graphmode.context import AttnMetadata
 
-__all__ = ["AttentionOps", "ReferenceAttentionOps", "attend", "owned_positions", "write_slots"]
+__all__ = ["AttentionOps", "ReferenceAttentionOps", "attend", "owned_positions", "token_rows", "write_slots"]
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -36,7 +36,8 @@ class AttentionOps(Protocol):
     walks through an implementation.
 
     Shapes: ``T`` new tokens, ``B`` sequences, ``H`` query heads, ``K`` KV
-    heads, ``D`` head dim. In decode ``T == B``.
+    heads, ``D`` head dim. In decode ``T == B``, or ``T > B`` when sequences
+    add several tokens (speculative verify, MTP).
 
     The KV cache is one (key, value) pair of tensors per layer, in the
     vendor's layout, of ``num_blocks`` blocks of ``block_size`` token slots;
@@ -98,12 +99,16 @@ class AttentionOps(Protocol):
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         attn: AttnMetadata, scale: float,
     ) -> torch.Tensor:
-        """(B, H, D) queries, row ``b`` over the first ``attn.kv_seqlens[b]``
-        cached tokens of its block table ``attn.block_offsets[b]`` (this
-        step's token included) -> (B, H, D). Captured in decode graphs: no
-        host read of a device value. A padding row has a table of block 0
-        and the declared padding kv length: its result is discarded, but it
-        must be finite whatever block 0 holds."""
+        """(T, H, D) queries of a decode step -> (T, H, D). With ``T == B``
+        (one new token per sequence) row ``b`` reads the first
+        ``attn.kv_seqlens[b]`` cached tokens of its block table
+        ``attn.block_offsets[b]`` (this step's token included). With
+        ``T > B`` sequence ``b``'s ``q_seqlens[b]`` tokens (from
+        ``q_start_loc[b]``) are its last cached tokens, and each reads the
+        cache up to its own position (causal among the new tokens). Captured
+        in decode graphs: no host read of a device value. A padding row has a
+        table of block 0 and the declared padding kv length: its result is
+        discarded, but it must be finite whatever block 0 holds."""
 
     def prefill_attention(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -150,6 +155,19 @@ def attend(
     values = values.float().masked_fill(~visible[:, :, None, None], 0.0)
     out = torch.einsum("nkgl,nlkd->nkgd", probs, values)
     return out.reshape(n, heads, dim).to(query.dtype)
+
+
+def token_rows(attn: AttnMetadata, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of a step's ``tokens`` new tokens, on the device: the row
+    (sequence) it belongs to, from ``q_start_loc`` (ascending: sequences back
+    to back), and how many of its sequence's new tokens come after it, from
+    ``q_seqlens``. No host reads; shapes depend only on ``tokens`` and the
+    batch."""
+    token = torch.arange(tokens, device=attn.q_start_loc.device)
+    starts = attn.q_start_loc.long()
+    row = (token[:, None] >= starts[None, :]).sum(1) - 1
+    ahead = starts[row] + attn.q_seqlens.long()[row] - 1 - token
+    return row, ahead
 
 
 def owned_positions(block_offsets: torch.Tensor, length: int) -> torch.Tensor:
@@ -207,8 +225,15 @@ class ReferenceAttentionOps:
         keys = self._gather(k_cache, attn.block_offsets, query.shape[-1])
         values = self._gather(v_cache, attn.block_offsets, query.shape[-1])
         positions = torch.arange(keys.shape[1], device=query.device)
-        visible = (positions[None, :] < self._decode_limit(attn)) & owned_positions(attn.block_offsets, keys.shape[1])
-        return attend(query, keys, values, visible, scale)
+        limit = self._decode_limit(attn)
+        owned = owned_positions(attn.block_offsets, keys.shape[1])
+        if query.shape[0] == attn.block_offsets.shape[0]:  # one new token per sequence
+            return attend(query, keys, values, (positions[None, :] < limit) & owned, scale)
+        # Several new tokens per sequence: each token sees its sequence's cache
+        # up to its own position, kv_seqlens - (its sequence's tokens after it).
+        row, ahead = token_rows(attn, query.shape[0])
+        visible = (positions[None, :] < limit[row] - ahead[:, None]) & owned[row]
+        return attend(query, keys[row], values[row], visible, scale)
 
     def prefill_attention(self, query, k_cache, v_cache, attn, scale):
         head_dim = query.shape[-1]

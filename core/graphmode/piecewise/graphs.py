@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["PIECEWISE_MODES", "PiecewiseGraph", "PiecewiseGraphs", "shape_only"]
 
 #: Why a full-graph runner would run a step eagerly, that piecewise graphs take.
-_NOT_FULL = ("prefill", "multi_token_decode", "no_bucket")
+_NOT_FULL = ("prefill", "multi_token_decode", "mixed_q_len", "no_bucket")
 
 
 @dataclass

@@ -38,7 +38,7 @@ class _Step:
 
     table: torch.Tensor  # (B, W) int64
     kv_lens: torch.Tensor  # (B,)
-    slots: torch.Tensor  # (B,)
+    slots: torch.Tensor  # (T,), T = B x q_len
     q_lens: torch.Tensor  # (B,)
     q_starts: torch.Tensor  # (B,)
 
@@ -51,29 +51,33 @@ class StepChecker:
         self.model = model
         self.block_size = block_size
         self.geometry = cache_geometry(model)
-        self._addresses: dict[int, list[tuple[str, int]]] = {}
+        self._addresses: dict[str, list[tuple[str, int]]] = {}
 
     # -- values ---------------------------------------------------------------
 
     def check_step(self, inputs: StepInputs, batch: int) -> None:
-        """Refuse a graph step (one new token per sequence) whose device values
-        would make the graph read or write the wrong cache entries."""
+        """Refuse a graph step (``q_len`` new tokens per sequence, proved on
+        the host from ``max_q_seq_len``) whose device values would make the
+        graph read or write the wrong cache entries."""
         step = _read(inputs, batch)
+        q_len = inputs.num_tokens // batch
         block_size = self.block_size
         width = step.table.shape[1]
         capacity = width * block_size
         cache_blocks = self._cache_blocks(inputs.past_key_values)
         rows = torch.arange(batch)
-        _first(step.q_lens != 1, lambda r: (
-            f"sequence {r} (row {r}) has q_seqlens={int(step.q_lens[r])}, but a graph decode step has exactly 1 "
-            f"new token per sequence ({batch} tokens for {batch} sequences); pass is_decoding=False "
-            "for steps with other query lengths"))
-        _first(step.q_starts != rows, lambda r: (
-            f"sequence {r} has q_start_loc={int(step.q_starts[r])}; in a decode step of one token per sequence "
-            f"sequence {r}'s token is token {r}: q_start_loc must be arange(batch)"))
-        _first(step.kv_lens < 1, lambda r: (
-            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, below 1: a decoding sequence holds at least "
-            "its new token; pass its cached tokens plus this step's"))
+        _first(step.q_lens != q_len, lambda r: (
+            f"sequence {r} (row {r}) has q_seqlens={int(step.q_lens[r])}, but this graph decode step has "
+            f"{q_len} new token(s) per sequence ({inputs.num_tokens} tokens for {batch} sequences, "
+            f"max_q_seq_len={inputs.attn_metadata.max_q_seq_len}); pass the step's real q_seqlens and "
+            "max_q_seq_len (a step of unequal query lengths runs eagerly), or is_decoding=False"))
+        _first(step.q_starts != rows * q_len, lambda r: (
+            f"sequence {r} has q_start_loc={int(step.q_starts[r])}; in a decode step of {q_len} token(s) per "
+            f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
+            f"arange(batch) x {q_len}"))
+        _first(step.kv_lens < q_len, lambda r: (
+            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, below {q_len} (its new tokens): a decoding "
+            "sequence holds at least this step's tokens; pass its cached tokens plus this step's"))
         _first(step.kv_lens > capacity, lambda r: (
             f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
             f"can address ({width} blocks x block_size={block_size}); give it more blocks (a wider table)"))
@@ -95,36 +99,42 @@ class StepChecker:
         _first(reserved.any(1), lambda r: (
             f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
             f"kv_seqlens={int(step.kv_lens[r])}); block 0 is reserved for padding rows: never give it to a sequence"))
-        self._check_slots(step, owned)
+        self._check_slots(step, owned, q_len)
 
-    def _check_slots(self, step: _Step, owned: torch.Tensor) -> None:
+    def _check_slots(self, step: _Step, owned: torch.Tensor, q_len: int) -> None:
         block_size, slots = self.block_size, step.slots
+        seq = torch.arange(slots.shape[0]) // q_len  # token t belongs to sequence t // q_len
+        table, owned = step.table[seq], owned[seq]  # per token
         writes = slots >= 0
-        _first(slots < -1, lambda r: (
-            f"token {r} (sequence {r}) has slot {int(slots[r])}; a slot is block x block_size + offset, "
+        _first(slots < -1, lambda t: (
+            f"token {t} (sequence {int(seq[t])}) has slot {int(slots[t])}; a slot is block x block_size + offset, "
             "or -1 to write nothing"))
         block_of = torch.where(writes, slots // block_size, -1)
-        mine = ((step.table == block_of[:, None]) & owned).any(1)
-        _first(writes & ~mine, lambda r: (
-            f"token {r} (sequence {r}) writes slot {int(slots[r])} (block {int(block_of[r])}), outside the "
-            f"sequence's own blocks {step.table[r][owned[r]].tolist()}: it would overwrite another "
+        mine = ((table == block_of[:, None]) & owned).any(1)
+        _first(writes & ~mine, lambda t: (
+            f"token {t} (sequence {int(seq[t])}) writes slot {int(slots[t])} (block {int(block_of[t])}), outside "
+            f"the sequence's own blocks {table[t][owned[t]].tolist()}: it would overwrite another "
             "sequence's (or the reserved block's) cache. Write the token to its sequence's slot"))
-        position = step.kv_lens - 1  # the new token's position in its sequence
+        # The new tokens are the sequence's last q_len positions, in order.
+        behind = q_len - torch.arange(slots.shape[0]) % q_len  # 1 for a sequence's last new token
+        position = step.kv_lens[seq] - behind
         column = position.clamp(min=0) // block_size
-        expected = step.table.gather(1, column[:, None])[:, 0] * block_size + position % block_size
-        _first(writes & (slots != expected), lambda r: (
-            f"token {r} (sequence {r}) writes slot {int(slots[r])}, but its position kv_seqlens-1="
-            f"{int(position[r])} lives at slot {int(expected[r])} (block {int(step.table[r, column[r]])}, "
-            f"offset {int(position[r]) % block_size}); the next step would read a token that was never "
-            "written. Slot = block_offsets[seq, pos // block_size] x block_size + pos % block_size"))
+        expected = table.gather(1, column[:, None])[:, 0] * block_size + position % block_size
+        _first(writes & (slots != expected), lambda t: (
+            f"token {t} (sequence {int(seq[t])}) writes slot {int(slots[t])}, but its position "
+            f"kv_seqlens-{int(behind[t])}={int(position[t])} lives at slot {int(expected[t])} (block "
+            f"{int(table[t, column[t]])}, offset {int(position[t]) % block_size}); the next step would read a "
+            "token that was never written. Slot = block_offsets[seq, pos // block_size] x block_size + "
+            "pos % block_size"))
         written = slots[writes]
         unique, counts = written.unique(return_counts=True)
         if (counts > 1).any():
             slot = int(unique[counts > 1][0])
-            tokens = (slots == slot).nonzero().reshape(-1).tolist()
+            tokens = (slots == slot).nonzero().reshape(-1)
             raise InputError(
-                f"debug mode: tokens {tokens} (sequences {tokens}) all write slot {slot}: two tokens writing one slot "
-                "leave one of them lost (which one is undefined on a device). Give each token its own slot"
+                f"debug mode: tokens {tokens.tolist()} (sequences {seq[tokens].tolist()}) all write slot {slot}: two "
+                "tokens writing one slot leave one of them lost (which one is undefined on a device). Give each "
+                "token its own slot"
             )
 
     def _cache_blocks(self, past_key_values: Any) -> int | None:
@@ -138,27 +148,28 @@ class StepChecker:
 
     # -- addresses ------------------------------------------------------------
 
-    def record(self, bucket: int, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
-        """Remember where every tensor a graph captured by reference lives."""
-        self._addresses[bucket] = self._current(cache_tensors, extras)
+    def record(self, graph: str, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
+        """Remember where every tensor a graph (named "bucket 8" or "bucket 8,
+        q_len 2") captured by reference lives."""
+        self._addresses[graph] = self._current(cache_tensors, extras)
 
-    def check_addresses(self, bucket: int, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
+    def check_addresses(self, graph: str, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
         """Refuse a replay when a captured tensor's memory moved since capture."""
-        then = self._addresses.get(bucket)
+        then = self._addresses.get(graph)
         if then is None:
             return
         now = self._current(cache_tensors, extras)
         for (name, before), (_, after) in zip(then, now):
             if before != after:
                 raise InputError(
-                    f"debug mode: {name} is at address {after:#x}, but the graph of bucket {bucket} captured it at "
+                    f"debug mode: {name} is at address {after:#x}, but the graph of {graph} captured it at "
                     f"{before:#x}: the graph would keep reading (and writing) the old memory. Change captured "
                     "tensors in place (.copy_()), or call runner.reset() after giving them new memory "
                     "(param.data = ..., tensor.set_(...), a reallocated cache)"
                 )
         if len(then) != len(now):
             raise InputError(
-                f"debug mode: the graph of bucket {bucket} captured {len(then)} tensors by reference, now there are "
+                f"debug mode: the graph of {graph} captured {len(then)} tensors by reference, now there are "
                 f"{len(now)} (parameters or buffers added or removed); call runner.reset() to capture again"
             )
 
@@ -184,7 +195,9 @@ def _read(inputs: StepInputs, batch: int) -> _Step:
     flat = torch.cat([t.reshape(-1).long() for t in parts]).cpu()
     table_size = attn.block_offsets.numel()
     table = flat[:table_size].view(batch, -1)
-    kv_lens, slots, q_lens, q_starts = flat[table_size:].view(4, batch)
+    kv_lens, slots, q_lens, q_starts = flat[table_size:].split(
+        [batch, attn.kv_start_indices.numel(), batch, batch]
+    )
     return _Step(table, kv_lens, slots, q_lens, q_starts)
 
 

@@ -1,8 +1,11 @@
-"""GraphRunner: run a model's decode steps as one device graph per batch bucket.
+"""GraphRunner: run a model's decode steps as one device graph per batch bucket
+and query length.
 
-The first decode step of a bucket fills the buffers, runs the model once
-outside any graph (that result is returned) and captures the same forward;
-every later step of the bucket fills the buffers and replays. Everything that
+A decode step whose sequences all carry ``q_len`` new tokens (1, or ``1 + k``
+for speculative verify and MTP; at most ``max_q_len``) runs in the graph of
+(batch bucket, q_len). The first such step fills the buffers, runs the model
+once outside any graph (that result is returned) and captures the same
+forward; every later step of that key fills the buffers and replays. Everything that
 is not a decode step runs eagerly and returns the same results, or, in execute
 modes "piecewise" and "full_and_piecewise", in piecewise graphs
 (``graphmode.piecewise``).
@@ -29,7 +32,7 @@ import operator
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +51,7 @@ from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
-from graphmode.runner.validate import check_cache_layout, check_inputs, check_model_ops
+from graphmode.runner.validate import check_cache_layout, check_inputs, check_model_ops, uniform_q_len
 from graphmode.staging import HostStaging, staging_refusal, to_device, to_host
 
 if TYPE_CHECKING:
@@ -59,7 +62,7 @@ __all__ = ["GraphRunner"]
 
 @dataclass
 class CapturedGraph:
-    """One bucket's graph, and what it captured by reference."""
+    """One (bucket, q_len) graph, and what it captured by reference."""
 
     bucket: int
     graph: DeviceGraph
@@ -69,6 +72,12 @@ class CapturedGraph:
     cache_tensors: list[Any]
     flatten_cache: Callable[[Any], list[Any]]
     in_warmup: bool = False  # captured by warmup(), with the extras given to it
+    q_len: int = 1  # new tokens per sequence
+
+    @property
+    def name(self) -> str:
+        """How errors name it: "bucket 8", or "bucket 8, q_len 3"."""
+        return f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "")
 
 
 class GraphRunner:
@@ -97,11 +106,11 @@ class GraphRunner:
         if self._ranks is not None:
             self._ranks.agree_on_setup(config.execute_mode, self.capture_sizes)
         self.meta: GraphMeta | None = None
-        self._graphs: dict[int, CapturedGraph] = {}
+        self._graphs: dict[tuple[int, int], CapturedGraph] = {}  # by (bucket, q_len)
         self._pool: Any = None
         self.stats = RunnerStats()
         self._busy = threading.Lock()
-        self._outputs = SharedOutputs(config.max_batches)
+        self._outputs = SharedOutputs(config.max_tokens)
         # What warm-ups and captures run: the model, or its compiled forward.
         self._compiled = config.compile and config.execute_mode == "graph"
         self._forward = self._compile_model() if self._compiled else model
@@ -208,7 +217,8 @@ class GraphRunner:
 
     def _step(self, inputs: StepInputs) -> Any:
         batch, on_host = check_inputs(inputs, self.config)
-        reason = self._eager_reason(inputs, batch)
+        q_len = uniform_q_len(inputs.attn_metadata, batch, inputs.num_tokens)
+        reason = self._eager_reason(inputs, batch, q_len)
         if self.piecewise is not None and self.piecewise.takes(reason):
             return self.piecewise.step(inputs, on_host)
         if self._ranks is not None and self._ranks.check_replays and reason in (None, "no_bucket"):
@@ -221,20 +231,22 @@ class GraphRunner:
             return self.model(**inputs.as_kwargs())
         inputs = self._placed(inputs, on_host)
         bucket = self._bucket_of[batch]
-        assert bucket is not None  # _eager_reason said "no_bucket" otherwise
+        assert bucket is not None and q_len is not None  # _eager_reason said why otherwise
         if self._debug is not None:
             self._debug.check_step(inputs, batch)
-        captured = self._graphs.get(bucket)
+        captured = self._graphs.get((bucket, q_len))
         if captured is None:
             return self._capture(inputs, batch, bucket)
         return self._replay(captured, inputs, batch)
 
-    def _eager_reason(self, inputs: StepInputs, batch: int) -> str | None:
+    def _eager_reason(self, inputs: StepInputs, batch: int, q_len: int | None) -> str | None:
         if self.config.execute_mode == "eager":
             return "eager_mode"
         if not inputs.attn_metadata.is_decoding:
             return "prefill"
-        if inputs.num_tokens != batch:
+        if q_len is None:
+            return "mixed_q_len"
+        if q_len > self.config.max_q_len:
             return "multi_token_decode"
         if self._bucket_of[batch] is None:
             return "no_bucket"
@@ -270,8 +282,8 @@ class GraphRunner:
     def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int) -> Any:
         _check_same_objects(captured, inputs)
         if self._debug is not None:
-            self._debug.check_addresses(captured.bucket, captured.cache_tensors, captured.extras)
-        meta, bucket, staging = captured.meta, captured.bucket, self.staging
+            self._debug.check_addresses(captured.name, captured.cache_tensors, captured.extras)
+        meta, bucket, staging, q_len = captured.meta, captured.bucket, self.staging, captured.q_len
         if staging is not None:
             staging.wait()  # the previous replay has copied the mirror: it may be written
         # No hook may read a device value on the host from here on.
@@ -286,10 +298,11 @@ class GraphRunner:
             if staging is not None:
                 staging.copied()
             self.stats.replays += 1
-            self.stats.real_tokens += batch
-            self.stats.padded_tokens += bucket - batch
+            self.stats.replays_by_q_len[q_len] += 1
+            self.stats.real_tokens += batch * q_len
+            self.stats.padded_tokens += (bucket - batch) * q_len
             guard.running("graphmode_get_outputs")
-            return self._hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
+            return self._hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch * q_len)
 
     def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
         if self._ranks is not None and not self._ranks.check_replays:
@@ -297,6 +310,9 @@ class GraphRunner:
             self._ranks.agree_on_step(batch, bucket, "capture")
         flatten = cache_flattener(inputs.past_key_values)
         check_cache_layout(self.model, flatten(inputs.past_key_values), self.config.block_size)
+        q_len = inputs.num_tokens // batch  # proved uniform by the caller
+        tokens = bucket * q_len  # the graph's, padding rows included
+        key = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")
         meta = self.graph_meta().for_graph()
         hook, staging = self._hook, self.staging
         if staging is not None:
@@ -313,7 +329,7 @@ class GraphRunner:
         warm_output = self._forward(**static.as_kwargs())
         if self._compiled:
             self.stats.compile_seconds += time.perf_counter() - started
-        self._outputs.prepare(warm_output, bucket)
+        self._outputs.prepare(warm_output, tokens)
         graph = hook.graphmode_make_graph(meta=meta)
         if self._ranks is not None:
             self._ranks.barrier()
@@ -321,33 +337,33 @@ class GraphRunner:
             with graph.capture(pool=self._pool):
                 if staging is not None:
                     staging.copy_in(bucket)  # the graph's first node: the mirror, read live
-                meta.output_buffers["output"] = self._outputs.publish(self._forward(**static.as_kwargs()), bucket)
+                meta.output_buffers["output"] = self._outputs.publish(self._forward(**static.as_kwargs()), tokens)
         except Exception as error:
             advice = hook.graphmode_capture_error(error=error, meta=meta, bucket=bucket)
             if advice is not None:
                 raise advice from error
             if hasattr(error, "add_note"):
-                error.add_note(f"graphmode: while capturing the decode graph of bucket {bucket} ({self.vendor.name})")
+                error.add_note(f"graphmode: while capturing the decode graph of {key} ({self.vendor.name})")
             raise
         if self._pool is None:
             self._pool = graph.pool()
         flatten = cache_flattener(static.past_key_values)
         # Extras without a buffer are captured by reference: later steps must pass the same objects.
         frozen = {name: value for name, value in inputs.extras.items() if name not in self._declared_extras}
-        captured = self._graphs[bucket] = CapturedGraph(
+        captured = self._graphs[(bucket, q_len)] = CapturedGraph(
             bucket, graph, meta, static.past_key_values, frozen, flatten(static.past_key_values), flatten,
-            in_warmup=warmup,
+            in_warmup=warmup, q_len=q_len,
         )
         if self._debug is not None:
-            self._debug.record(bucket, captured.cache_tensors, captured.extras)
+            self._debug.record(captured.name, captured.cache_tensors, captured.extras)
         self.stats.captures += 1
         if warmup:  # an inert step: no served tokens
             self.stats.warmup_captures += 1
         else:
-            self.stats.real_tokens += batch
-            self.stats.padded_tokens += bucket - batch
+            self.stats.real_tokens += batch * q_len
+            self.stats.padded_tokens += (bucket - batch) * q_len
         warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})
-        return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch)
+        return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch * q_len)
 
     @torch.inference_mode()
     def graph_meta(self) -> GraphMeta:
@@ -358,7 +374,7 @@ class GraphRunner:
             config = self.config
             meta = GraphMeta(
                 max_batchs=config.max_batches,
-                max_tokens=config.max_batches,
+                max_tokens=config.max_tokens,
                 num_blocks=config.num_blocks,
                 block_size=config.block_size,
                 device=config.device,
@@ -369,52 +385,73 @@ class GraphRunner:
             )
             meta.input_buffers = self._hook.graphmode_make_buffers(meta=meta)
             meta.padding_buffers = {name: t.clone() for name, t in meta.input_buffers.items()}
+            meta.q_len_padding = buffers.q_len_paddings(meta)
             meta.live_buffers = buffers.live_values(meta)
             self.meta = meta
         return self.meta
 
     # -- whole-runner operations ------------------------------------------
 
-    def warmup(self, past_key_values: Any, *, progress: bool = True, **extras: Any) -> None:
-        """Capture every bucket not captured yet, largest first, into one pool
-        (on every rank in the same order, when tensor parallel).
+    def warmup(
+        self, past_key_values: Any, *, progress: bool = True, q_lens: Sequence[int] | None = None, **extras: Any
+    ) -> None:
+        """Capture every graph not captured yet, largest first, into one pool
+        (on every rank in the same order, when tensor parallel): for each
+        query length of ``q_lens`` (default: every one in 1..max_q_len), every
+        bucket.
 
         The warm-up steps are inert: every slot is -1 (no KV write) and every
         row reads the reserved block 0, so no live cache block changes."""
         if self.config.execute_mode == "eager":
             return
+        limit = self.config.max_q_len
+        wanted = range(1, limit + 1) if q_lens is None else list(q_lens)
+        bad = [q for q in wanted if not isinstance(q, int) or not 1 <= q <= limit]
+        if bad:
+            raise ConfigError(
+                f"warmup(q_lens={list(wanted)}): {bad} outside 1..max_q_len={limit}; pass query lengths the "
+                "runner graphs, or build it with a larger max_q_len"
+            )
         full = self.config.execute_mode != "piecewise"
-        todo = [b for b in reversed(self.capture_sizes) if b not in self._graphs] if full else []
+        todo = [
+            (b, q) for q in sorted(set(wanted), reverse=True) for b in reversed(self.capture_sizes)
+            if (b, q) not in self._graphs
+        ] if full else []
         if todo and not self._staging_decided:
             self._decide_staging(on_host=False)  # no step seen: host_staging=None means off
         with _frozen_gc(), torch.inference_mode():
             if self.piecewise is not None:  # first, as vLLM: the larger activations take the pool first
                 self.piecewise.warmup(past_key_values, extras, self._report if progress else None)
-            for index, bucket in enumerate(todo):
+            for index, (bucket, q_len) in enumerate(todo):
                 if progress:
-                    self._report(f"capturing bucket {bucket} ({index + 1}/{len(todo)})", last=index + 1 == len(todo))
-                self._capture(self._inert_step(bucket, past_key_values, extras), bucket, bucket, warmup=True)
+                    name = f"bucket {bucket}" + (f", q_len {q_len}" if limit > 1 else "")
+                    self._report(f"capturing {name} ({index + 1}/{len(todo)})", last=index + 1 == len(todo))
+                step = self._inert_step(bucket, past_key_values, extras, q_len)
+                self._capture(step, bucket, bucket, warmup=True)
 
-    def _inert_step(self, batch: int, past_key_values: Any, extras: dict[str, Any]) -> StepInputs:
+    def _inert_step(self, batch: int, past_key_values: Any, extras: dict[str, Any], q_len: int = 1) -> StepInputs:
+        """A decode step of ``batch`` sequences of ``q_len`` tokens that
+        changes nothing: every slot -1, every row on the reserved block 0."""
         device, int32 = self.config.device, torch.int32
+        tokens = batch * q_len
         attn = AttnMetadata(
             is_decoding=True,
             block_offsets=torch.zeros((batch, 1), dtype=int32, device=device),
-            q_start_loc=torch.arange(batch, dtype=int32, device=device),
-            q_seqlens=torch.ones(batch, dtype=int32, device=device),
-            kv_seqlens=torch.ones(batch, dtype=int32, device=device),
-            kv_start_indices=torch.full((batch,), -1, dtype=torch.int64, device=device),
-            max_q_seq_len=1,
-            max_kv_seq_len=1,
-            kv_seqlens_cpu=torch.ones(batch, dtype=int32),
+            q_start_loc=torch.arange(0, tokens, q_len, dtype=int32, device=device),
+            q_seqlens=torch.full((batch,), q_len, dtype=int32, device=device),
+            kv_seqlens=torch.full((batch,), q_len, dtype=int32, device=device),
+            kv_start_indices=torch.full((tokens,), -1, dtype=torch.int64, device=device),
+            max_q_seq_len=q_len,
+            max_kv_seq_len=q_len,
+            kv_seqlens_cpu=torch.full((batch,), q_len, dtype=int32),
         )
-        zeros = torch.zeros((1, batch), dtype=torch.int64, device=device)
+        zeros = torch.zeros((1, tokens), dtype=torch.int64, device=device)
         extras = dict(extras)
         padding = self.graph_meta().padding_buffers
         for spec in self.spec.buffers:  # declared engine inputs not given: their padding rows
             name = spec.name
             if name in self._declared_extras and name not in extras:
-                extras[name] = padding[name].narrow(spec.row_dim, 0, batch)
+                extras[name] = padding[name].narrow(spec.row_dim, 0, tokens if spec.per_token else batch)
         step = StepInputs(zeros, zeros.clone(), past_key_values, attn, extras)
         # With host staging the step comes from the host, as an engine's steps do.
         return to_host(step, device) if self.staging is not None else step
@@ -439,7 +476,7 @@ class GraphRunner:
         if self.piecewise is not None:
             self.piecewise.reset()
         self._pool = None
-        self._outputs = SharedOutputs(self.config.max_batches)
+        self._outputs = SharedOutputs(self.config.max_tokens)
         module: Any = getattr(torch, self.config.device.type, None)
         if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
             module.empty_cache()
@@ -452,7 +489,13 @@ class GraphRunner:
 
     @property
     def captured_buckets(self) -> list[int]:
-        """The buckets with a graph, in the order they were captured."""
+        """The buckets with a one-token decode graph, in the order they were
+        captured (:attr:`captured_graphs` lists every q_len)."""
+        return [bucket for bucket, q_len in self._graphs if q_len == 1]
+
+    @property
+    def captured_graphs(self) -> list[tuple[int, int]]:
+        """Every graph's (bucket, q_len), in the order they were captured."""
         return list(self._graphs)
 
     def bucket_of(self, batch_size: int) -> int | None:
@@ -461,15 +504,16 @@ class GraphRunner:
             raise InputError(f"batch size {batch_size} is outside 1..max_batches={self.config.max_batches}")
         return self._bucket_of[batch_size]
 
-    def graph(self, bucket: int) -> CapturedGraph | None:
-        """The captured graph of a bucket, if captured."""
-        return self._graphs.get(bucket)
+    def graph(self, bucket: int, q_len: int = 1) -> CapturedGraph | None:
+        """The captured graph of a bucket and query length, if captured."""
+        return self._graphs.get((bucket, q_len))
 
     def __repr__(self) -> str:
         compiled = ", compiled" if self._compiled else ""
         return (
             f"<GraphRunner {self.vendor.name} on {self.config.device}, {self.config.execute_mode} mode{compiled}, "
-            f"buckets {list(self.capture_sizes)}, captured {self.captured_buckets}>"
+            f"buckets {list(self.capture_sizes)}, captured "
+            f"{self.captured_graphs if self.config.max_q_len > 1 else self.captured_buckets}>"
         )
 
 
@@ -519,7 +563,7 @@ def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
     if len(now) != len(then) or not all(map(operator.is_, now, then)):
         changed = next((i for i, (a, b) in enumerate(zip(now, then)) if a is not b), min(len(now), len(then)))
         raise InputError(
-            f"past_key_values are not the tensors the graph of bucket {captured.bucket} captured "
+            f"past_key_values are not the tensors the graph of {captured.name} captured "
             f"(tensor {changed} of {len(then)} differs; {len(now)} given): the graph would keep "
             "reading and writing the old cache. Call runner.reset() after reallocating or "
             "replacing any KV-cache tensor"
@@ -532,8 +576,8 @@ def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
         for name, value in captured.extras.items():
             if given[name] is not value:
                 raise InputError(
-                    f"extra model input {name!r} is not the object the graph of bucket "
-                    f"{captured.bucket} captured; graphs freeze extra inputs that have no buffer. "
+                    f"extra model input {name!r} is not the object the graph of "
+                    f"{captured.name} captured; graphs freeze extra inputs that have no buffer. "
                     "Keep it fixed, or declare it as a step input (build_graph_runner(step_inputs="
                     "[BufferSpec(...)]), docs/engines.md) so that every step's value is copied in"
                 )
@@ -550,7 +594,7 @@ def _refuse_other_extras(captured: CapturedGraph, given: list[str]) -> None:
     else:
         fix = "pass the same extra inputs at every decode step, or call runner.reset() to capture again"
     raise InputError(
-        f"this step passes extra model inputs {given}, but the graph of bucket {captured.bucket} was captured "
+        f"this step passes extra model inputs {given}, but the graph of {captured.name} was captured "
         f"with {then}{' (by warmup())' if captured.in_warmup else ''}: graphs freeze extra inputs. {fix}"
     )
 

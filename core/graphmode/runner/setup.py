@@ -28,6 +28,13 @@ def configure(vendor: Vendor, config: RunnerConfig) -> GraphSpec:
             f"{' or '.join(map(str, spec.block_sizes))} tokens (GraphSpec.block_sizes); allocate the "
             f"KV cache with block_size={spec.block_sizes[0]}"
         )
+    if spec.max_q_len is not None and config.max_q_len > spec.max_q_len:
+        raise ConfigError(
+            f"max_q_len={config.max_q_len}: vendor {vendor.name!r} graphs decode steps of at most "
+            f"{spec.max_q_len} new token(s) per sequence (GraphSpec.max_q_len)"
+            + (f": {spec.max_q_len_reason}" if spec.max_q_len_reason else "")
+            + f". Build the runner with max_q_len <= {spec.max_q_len}; longer decode steps then run eagerly"
+        )
     taken = [s.name for s in config.step_inputs if s.name in spec.names]
     if taken:
         raise ConfigError(

@@ -10,7 +10,9 @@ __all__ = ["EAGER_REASONS", "RunnerStats"]
 EAGER_REASONS = {
     "eager_mode": "execute_mode is eager",
     "prefill": "not a decode step (prefill, or prefill mixed with decode)",
-    "multi_token_decode": "a decode step with more tokens than sequences",
+    "multi_token_decode": "a decode step of more new tokens per sequence than the runner's max_q_len",
+    "mixed_q_len": "a decode step whose sequences carry different numbers of new tokens (or whose "
+                   "max_q_seq_len does not prove them equal: tokens != batch x max_q_seq_len)",
     "no_bucket": "the batch is larger than the largest capture size",
     "no_token_bucket": "the step has more tokens than the largest piecewise token bucket (capture_token_sizes)",
 }
@@ -21,7 +23,10 @@ class RunnerStats:
     """captures: graphs captured, warm-up included. warmup_captures: those
     captured by ``warmup()`` from inert steps, which serve no tokens. replays: steps served by replaying a graph.
     eager_steps: steps run eagerly, by reason (see ``EAGER_REASONS``).
-    real_tokens / padded_tokens: live and padding tokens of graph steps.
+    real_tokens / padded_tokens: live and padding tokens of graph steps
+        (a padding row of a graph of q_len tokens per sequence counts q_len).
+    replays_by_q_len: replays by the graph's new tokens per sequence (1 for
+        one-token decode; 1 + k for speculative verify of k draft tokens).
     piecewise_captures / piecewise_replays: the same for piecewise graphs
         (one per token bucket, however many segments), warm-up included.
     compile_seconds: with compile=True, host seconds spent in the compiled
@@ -38,6 +43,7 @@ class RunnerStats:
     compile_seconds: float = 0.0
     piecewise_captures: int = 0
     piecewise_replays: int = 0
+    replays_by_q_len: Counter = field(default_factory=Counter)
 
     @property
     def padding_fraction(self) -> float:
@@ -50,8 +56,12 @@ class RunnerStats:
         compiled = f"; compile {self.compile_seconds:.1f} s" if self.compile_seconds else ""
         if self.piecewise_captures or self.piecewise_replays:
             compiled += f"; piecewise: {self.piecewise_captures} captures, {self.piecewise_replays} replays"
+        replays = f"{self.replays} replays"
+        if any(q_len > 1 for q_len in self.replays_by_q_len):
+            by_q_len = ", ".join(f"{n} of q_len {q_len}" for q_len, n in sorted(self.replays_by_q_len.items()))
+            replays += f" ({by_q_len})"
         return (
-            f"{self.captures} captures ({self.warmup_captures} in warm-up), {self.replays} replays, eager steps: {eager}; "
+            f"{self.captures} captures ({self.warmup_captures} in warm-up), {replays}, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
             f"({self.padding_fraction:.1%}){compiled}"
         )

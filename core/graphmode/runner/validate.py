@@ -17,7 +17,10 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
 
-__all__ = ["CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model_ops", "check_step"]
+__all__ = [
+    "CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model_ops", "check_step",
+    "uniform_q_len",
+]
 
 _INTEGER = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
 
@@ -197,6 +200,25 @@ def _check_decode(attn: AttnMetadata, batch: int, tokens: int) -> None:
             "are read only in debug mode, GRAPHMODE_DEBUG=1). Pass is_decoding=False for a prefill "
             "or mixed step, or the step's real max_q_seq_len"
         )
+
+
+def uniform_q_len(attn: AttnMetadata, batch: int, tokens: int) -> int | None:
+    """The number of new tokens every sequence of a decode step carries, when
+    host facts prove they all carry the same; None when they do not.
+
+    No device value is read. ``max_q_seq_len`` bounds every ``q_seqlens``
+    entry (the AttnMetadata contract, checked by :func:`_check_decode`
+    against the token count), so ``tokens == batch x max_q_seq_len`` means
+    every entry equals it: entries of at most ``q`` summing to ``batch x q``.
+    ``tokens == batch`` is one token each (a decode adds at least one). A
+    step with ``max_q_seq_len`` -1 (unknown) and more tokens than sequences
+    cannot be proved uniform."""
+    if tokens == batch:
+        return 1
+    q_max = attn.max_q_seq_len
+    if q_max >= 1 and tokens == batch * q_max:
+        return q_max
+    return None
 
 
 def check_model_ops(model: Any, vendor: Any) -> None:

@@ -7,6 +7,15 @@ kv_heads * head_dim], and ``actual_seq_lengths_kv`` as a host list. The
 emulator freezes that list at capture, exactly like an NPU graph, unless the
 graph's parameters are updated before the replay; so a missing update gives
 wrong output on the CPU too.
+
+A decode step of several new tokens per sequence (speculative verify, MTP)
+calls FIA in TND layout with the cumulative query lengths
+``actual_seq_lengths`` (host values too), a causal ``atten_mask`` and
+``sparse_mode=3``, as dlinfer's ``paged_prefill_attention`` does
+(DeepLink-org/dlinfer, ``dlinfer/vendor/ascend/torch_npu_ops.py``). In a graph
+every sequence carries the graph's q_len, so those lengths are the same at
+every replay of the graph (``q_len, 2 q_len, ...``, from shapes and
+``max_q_seq_len``); only the kv lengths are pushed in before each replay.
 """
 
 from __future__ import annotations
@@ -20,17 +29,30 @@ from graphmode_ascend.emulated_npu import register_updatable
 __all__ = ["AscendAttentionOps", "fused_infer_attention_score", "fused_infer_attention_score_out"]
 
 
-def _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size):
-    batch = query.shape[0]
-    head_dim = query.shape[-1] // num_heads
+def _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size,
+               actual_seq_lengths=None):
+    """BSH decode (one query per sequence) without ``actual_seq_lengths``;
+    TND with them: query (T, N, D), sequence ``b``'s queries ending at
+    ``actual_seq_lengths[b]`` (cumulative), causal over its cache (sparse
+    mode 3: the queries are the sequence's last tokens)."""
+    head_dim = query.shape[-1] // num_heads if actual_seq_lengths is None else query.shape[-1]
     lengths = torch.tensor(actual_seq_lengths_kv, dtype=torch.long, device=query.device)
     blocks = block_table.long()
     keys = key.view(key.shape[0], block_size, num_key_value_heads, head_dim)[blocks].flatten(1, 2)
     values = value.view(value.shape[0], block_size, num_key_value_heads, head_dim)[blocks].flatten(1, 2)
-    visible = torch.arange(keys.shape[1], device=query.device)[None, :] < lengths[:, None]
-    visible &= owned_positions(blocks, keys.shape[1])  # the reserved block is never read
-    out = attend(query.view(batch, num_heads, head_dim), keys, values, visible, scale)
-    return out.reshape(batch, 1, num_heads * head_dim)
+    positions = torch.arange(keys.shape[1], device=query.device)
+    owned = owned_positions(blocks, keys.shape[1])  # the reserved block is never read
+    if actual_seq_lengths is None:
+        batch = query.shape[0]
+        visible = (positions[None, :] < lengths[:, None]) & owned
+        out = attend(query.view(batch, num_heads, head_dim), keys, values, visible, scale)
+        return out.reshape(batch, 1, num_heads * head_dim)
+    ends = torch.tensor(actual_seq_lengths, dtype=torch.long, device=query.device)
+    token = torch.arange(query.shape[0], device=query.device)
+    row = torch.searchsorted(ends, token, right=True)
+    ahead = ends[row] - 1 - token
+    visible = (positions[None, :] < (lengths[row] - ahead)[:, None]) & owned[row]
+    return attend(query, keys[row], values[row], visible, scale)
 
 
 # The schemas are written out (as torch 2.13 infers them): torch 2.5 infers
@@ -39,30 +61,38 @@ _FIA_ARGS = (
     "Tensor query, Tensor key, Tensor value, Tensor block_table, SymInt[] actual_seq_lengths_kv, "
     "SymInt num_heads, SymInt num_key_value_heads, float scale, SymInt block_size"
 )
+_Q_LENGTHS = "SymInt[]? actual_seq_lengths=None"
 
 
 @torch.library.custom_op(
-    "graphmode_ascend::fused_infer_attention_score", mutates_args=(), schema=f"({_FIA_ARGS}) -> Tensor"
+    "graphmode_ascend::fused_infer_attention_score", mutates_args=(),
+    schema=f"({_FIA_ARGS}, {_Q_LENGTHS}) -> Tensor",
 )
 def fused_infer_attention_score(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
     actual_seq_lengths_kv: list[int], num_heads: int, num_key_value_heads: int, scale: float, block_size: int,
+    actual_seq_lengths: list[int] | None = None,
 ) -> torch.Tensor:
     """FIA's decode contract in PyTorch: query (B, 1, H*D), key/value caches
-    (num_blocks, block_size, K*D), kv lengths as host values."""
-    return _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size)
+    (num_blocks, block_size, K*D), kv lengths as host values; with the
+    cumulative query lengths ``actual_seq_lengths`` (host values), TND
+    layout, query (T, H, D), causal (FIA's sparse_mode 3)."""
+    return _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale,
+                      block_size, actual_seq_lengths)
 
 
 @torch.library.custom_op(
-    "graphmode_ascend::fused_infer_attention_score_out", mutates_args=("out",), schema=f"({_FIA_ARGS}, Tensor(a!) out) -> ()"
+    "graphmode_ascend::fused_infer_attention_score_out", mutates_args=("out",),
+    schema=f"({_FIA_ARGS}, Tensor(a!) out, {_Q_LENGTHS}) -> ()",
 )
 def fused_infer_attention_score_out(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_table: torch.Tensor,
     actual_seq_lengths_kv: list[int], num_heads: int, num_key_value_heads: int, scale: float, block_size: int,
-    out: torch.Tensor,
+    out: torch.Tensor, actual_seq_lengths: list[int] | None = None,
 ) -> None:
     """The same, writing into ``out``: the form an ACL task update re-issues."""
-    out.copy_(_reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size))
+    out.copy_(_reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale,
+                         block_size, actual_seq_lengths))
 
 
 @torch.library.custom_op(
@@ -105,6 +135,9 @@ class AscendAttentionOps(ReferenceAttentionOps):
     layout = "[num_blocks, block_size, kv_heads * head_dim]"
     contract = "ascend"
 
+    def __init__(self) -> None:
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
     def cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (num_blocks, block_size, num_kv_heads * head_dim)
 
@@ -117,6 +150,8 @@ class AscendAttentionOps(ReferenceAttentionOps):
         lengths = host.tolist()  # host values: frozen by a graph until updated
         kv_heads = k_cache.shape[-1] // head_dim
         block_size = k_cache.shape[1]
+        if batch != attn.block_offsets.shape[0]:  # several new tokens per sequence
+            return self._multi_token(query, k_cache, v_cache, attn, scale, lengths)
         bsh = query.reshape(batch, 1, heads * head_dim)
         if query.device.type == "npu":
             import torch_npu
@@ -131,3 +166,44 @@ class AscendAttentionOps(ReferenceAttentionOps):
                 bsh, k_cache, v_cache, attn.block_offsets, lengths, heads, kv_heads, scale, block_size
             )
         return out.view(batch, heads, head_dim)
+
+    def _multi_token(self, query, k_cache, v_cache, attn: AttnMetadata, scale, lengths: list[int]):
+        """FIA in TND layout, causal among each sequence's new tokens."""
+        tokens, heads, head_dim = query.shape
+        kv_heads = k_cache.shape[-1] // head_dim
+        block_size = k_cache.shape[1]
+        q_ends = _cumulative_q_lengths(attn, tokens)
+        if query.device.type == "npu":
+            import torch_npu
+
+            out, _ = torch_npu.npu_fused_infer_attention_score(
+                query.contiguous(), k_cache, v_cache, atten_mask=self._causal_mask(query.device),
+                block_table=attn.block_offsets, input_layout="TND", block_size=block_size,
+                actual_seq_lengths=q_ends, actual_seq_lengths_kv=lengths, num_key_value_heads=kv_heads,
+                num_heads=heads, scale=scale, sparse_mode=3,
+            )
+            return out.view(tokens, heads, head_dim)
+        return torch.ops.graphmode_ascend.fused_infer_attention_score(
+            query.contiguous(), k_cache, v_cache, attn.block_offsets, lengths, heads, kv_heads, scale, block_size,
+            q_ends,
+        )
+
+    def _causal_mask(self, device: torch.device) -> torch.Tensor:
+        """FIA's sparse_mode 3 mask: a 2048 x 2048 upper triangle (True =
+        masked), as dlinfer passes it; made once per device, outside any
+        capture (the warm-up forward runs first)."""
+        if device not in self._masks:
+            self._masks[device] = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+        return self._masks[device]
+
+
+def _cumulative_q_lengths(attn: AttnMetadata, tokens: int) -> list[int]:
+    """FIA's ``actual_seq_lengths``: where each sequence's queries end. When
+    host facts prove every sequence carries ``max_q_seq_len`` tokens (always
+    so in a graph, whose contexts pass the graph's q_len), from those facts
+    alone; otherwise (an eager step of unequal lengths) read from the step's
+    ``q_seqlens``, which an eager step may do."""
+    batch, q_len = attn.block_offsets.shape[0], attn.max_q_seq_len
+    if q_len >= 1 and tokens == batch * q_len:
+        return [q_len * (row + 1) for row in range(batch)]
+    return attn.q_seqlens.long().cumsum(0).tolist()

@@ -6,8 +6,10 @@ kernels take them:
 
     input_ids, position_ids   (1, max_tokens) int32                 padding 0
     block_offsets             (max_batchs, num_blocks) int32        padding 0
-    q_start_loc               (max_batchs,) int32, device, 0, 1, 2, ... (constant)
-    q_seqlens                 (max_batchs,) int32, host, cumulative 1, 2, 3, ... (constant)
+    q_start_loc               (max_batchs,) int32, device, 0, 1, 2, ... (constant;
+                              x q_len in a graph of q_len tokens per sequence)
+    q_seqlens                 (max_batchs,) int32, host, cumulative 1, 2, 3, ...
+                              (constant; x q_len, as dlinfer's multi-token buffers)
     kv_seqlens                (max_batchs,) int32, host             padding 1
                               (also the context's kv_seqlens_cpu)
     kv_start_indices          (max_tokens,) int32                   padding -1
@@ -15,7 +17,9 @@ kernels take them:
 
 The core fills them and resets every padding row every step. Options
 (``vendor_options`` of ``build_graph_runner``, :class:`AscendOptions`):
-``update_path`` ("auto", "graph_update", "task_group"). Every capture size
+``update_path`` ("auto", "graph_update", "task_group"). Decode graphs of
+several tokens per sequence (``max_q_len > 1``) need the "graph_update"
+path, as upstream dlinfer allows them only there. Every capture size
 asked for is captured (no stream-budget trimming, as vllm-ascend since PR
 9962); running out of streams at capture becomes advice.
 """
@@ -81,8 +85,8 @@ ASCEND_SPEC = GraphSpec(
         BufferSpec("input_ids", torch.int32, shape=(1, TOKENS)),
         BufferSpec("position_ids", torch.int32, shape=(1, TOKENS)),
         BufferSpec("block_offsets", torch.int32, shape=(SEQUENCES, BLOCKS)),
-        BufferSpec("q_start_loc", torch.int32, padding=ROW_INDEX, source=None),
-        BufferSpec("q_seqlens", torch.int32, padding=ROW_NUMBER, source=None, host=True),
+        BufferSpec("q_start_loc", torch.int32, padding=ROW_INDEX, source=None, q_len_scaled=True),
+        BufferSpec("q_seqlens", torch.int32, padding=ROW_NUMBER, source=None, host=True, q_len_scaled=True),
         BufferSpec(
             "kv_seqlens", torch.int32, padding=1, host=True,
             source=("attn_metadata.kv_seqlens_cpu", "attn_metadata.kv_seqlens"),
@@ -92,6 +96,7 @@ ASCEND_SPEC = GraphSpec(
         BufferSpec("x_active_mask", torch.bool, shape=(TOKENS,), padding=False, live=True),
     ),
     capture_sizes=three_stage_sizes,
+    max_q_len=None,  # FIA in TND layout on the graph_update path; check_config refuses task_group
     options=AscendOptions,
 )
 
@@ -129,6 +134,14 @@ def graphmode_check_config(config: RunnerConfig) -> None:
         )
     options = config.vendor_options
     path = resolve_update_path(options.update_path, torch_npu_version()[0])
+    if config.max_q_len > 1 and path != "graph_update":
+        raise ConfigError(
+            f"max_q_len={config.max_q_len} with Ascend update_path={path!r}: decode graphs of several tokens "
+            "per sequence run only on the 'graph_update' path (torch_npu >= 2.8.0.post1), as upstream dlinfer "
+            "allows them (its task-group path re-issues a one-query-per-sequence kernel). Set "
+            "vendor_options={'update_path': 'graph_update'} with torch_npu >= 2.8.0.post1, or build the "
+            "runner with max_q_len=1 (longer decode steps then run eagerly)"
+        )
     config.vendor_options = dataclasses.replace(options, update_path=path)
 
 

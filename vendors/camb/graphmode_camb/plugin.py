@@ -31,6 +31,9 @@ CAMB_SPEC = CUDA_SPEC.with_buffers(
     block_sizes=(BLOCK_SIZE,),
     max_q_seq_len="dynamic",
     max_kv_seq_len="dynamic",
+    # Several causal queries per sequence in a decode graph: the reference contract
+    # takes them (not checked on an MLU).
+    max_q_len=None,
 )
 
 

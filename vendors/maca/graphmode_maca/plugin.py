@@ -17,10 +17,13 @@ import torch
 from graphmode import VendorInfo, hookimpl
 from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec, GraphSpec
 
+# Decode graphs of several causal queries per sequence (flash attention with
+# kvcache takes a (B, q, H, D) query): taken by the reference contract, not
+# checked on a MetaX GPU.
 MACA_SPEC = CUDA_SPEC.with_buffers(
     BufferSpec("kv_start_indices", torch.int64, shape=(TOKENS, 1), padding=-1),
     BufferSpec("kv_seqlens", torch.int32, padding=0),
-)
+).replace(max_q_len=None)
 
 
 def _metax_device() -> tuple[bool, str]:

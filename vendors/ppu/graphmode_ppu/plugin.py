@@ -20,10 +20,12 @@ from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec, GraphSpec
 from graphmode_ppu.ops import PPUAttentionOps
 
 # Every replay's block table fits the buffer, so its capacity bounds every
-# replay's kv lengths; each decode row adds one query token ("bound").
+# replay's kv lengths; a decode graph's rows add its q_len query tokens
+# ("bound"). FlashAttention's varlen kernel takes several causal queries per
+# sequence (taken by the reference contract, not checked on a PPU).
 PPU_SPEC = CUDA_SPEC.with_buffers(
     BufferSpec("kv_start_indices", torch.int64, shape=(TOKENS, 1), padding=-1),
-).replace(max_q_seq_len="bound", max_kv_seq_len="capacity")
+).replace(max_q_seq_len="bound", max_kv_seq_len="capacity", max_q_len=None)
 
 
 @hookimpl
