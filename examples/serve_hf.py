@@ -97,11 +97,12 @@ def draft(tokens: list[int], k: int, n: int = 2) -> list[int]:
 
 
 def serve(runner, kv_cache, batch: PagedBatch, requests: list[Request], *, max_batch: int,
-          speculate: int = 0, eos: set[int] = frozenset(), observe=None) -> Counter:
+          speculate: int = 0, eos: set[int] = frozenset(), observe=None, drafter=draft) -> Counter:
     """Run every request to completion; return the number of steps by kind
     (prefill, decode, verify) and of drafted and accepted tokens.
     ``observe(request, rows)``, if given, sees the logits rows that chose the
-    tokens a step appended to a request (before truncation at the end)."""
+    tokens a step appended to a request (before truncation at the end).
+    ``drafter(tokens, k)`` proposes up to k tokens (n-gram lookup by default)."""
     waiting = sorted(requests, key=lambda r: r.arrival)
     running: list[Request] = []
     steps: Counter = Counter()
@@ -120,7 +121,7 @@ def serve(runner, kv_cache, batch: PagedBatch, requests: list[Request], *, max_b
             running += arrived
             steps["prefill"] += 1
         elif running:  # decode, or verify drafted tokens (graph replays either way)
-            drafts = [draft(r.tokens, speculate) if speculate else [] for r in running]
+            drafts = [drafter(r.tokens, speculate) if speculate else [] for r in running]
             # One q_len for every request: a graph step, not an eager one.
             longest = max(map(len, drafts))
             drafts = [d + [r.tokens[-1]] * (longest - len(d)) for r, d in zip(running, drafts)]

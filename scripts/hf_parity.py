@@ -4,6 +4,7 @@ against graphmode's eager steps and against ``model.generate(do_sample=False)``
 
     python scripts/hf_parity.py --device cuda --config llama-1b --dtype bfloat16
     python scripts/hf_parity.py --device cpu --config llama-tiny --dtype float32   # the emulator
+    python scripts/hf_parity.py --device cuda --config llama-1b --speculate 3      # verify steps as graphs
 
 Tolerance rule (bf16 makes bit-equality meaningless): two runs of a request
 produce the same tokens up to the first step where they differ; there, both
@@ -43,16 +44,25 @@ def make_requests(count: int, prompt_len: int, new_tokens: int, vocab: int) -> l
 
 def run_graphmode(model, args, execute_mode: str):
     """Tokens and the logits rows that chose them, per request; runner stats."""
-    width = -(-(args.prompt_len + args.new_tokens) // args.block_size)
+    width = -(-(args.prompt_len + args.new_tokens + args.speculate) // args.block_size)
     kv_cache = model.make_kv_cache(args.max_batch * width + 1, args.block_size)
     runner = graphmode.build_graph_runner(model, max_batches=args.max_batch, num_blocks=width,
-                                          block_size=args.block_size, execute_mode=execute_mode)
+                                          block_size=args.block_size, execute_mode=execute_mode,
+                                          max_q_len=args.speculate + 1)
     batch = serve_hf.PagedBatch(args.max_batch * width + 1, args.block_size, width, torch.device(args.device))
     requests = make_requests(args.requests, args.prompt_len, args.new_tokens, model.config.vocab_size)
     rows: dict[int, list[torch.Tensor]] = {id(r): [] for r in requests}
     steps = serve_hf.serve(runner, kv_cache, batch, requests, max_batch=args.max_batch, eos=eos_of(model),
+                           speculate=args.speculate, drafter=always_draft,
                            observe=lambda request, logits: rows[id(request)].append(logits.to("cpu", torch.float32, copy=True)))
     return [(r.output, torch.cat(rows[id(r)])) for r in requests], steps, runner.stats
+
+
+def always_draft(tokens: list[int], k: int) -> list[int]:
+    """The n-gram draft, else the last token k times: every step verifies k
+    drafts (a random model's text rarely repeats), so every decode step is a
+    graph of k + 1 tokens per sequence."""
+    return serve_hf.draft(tokens, k) or [tokens[-1]] * k
 
 
 def run_hf_generate(model, args):
@@ -151,6 +161,8 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--latency-batches", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--latency-steps", type=int, default=50)
+    parser.add_argument("--speculate", type=int, default=0, metavar="K",
+                        help="verify up to K n-gram drafted tokens per step (decode graphs of K+1 tokens per sequence)")
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -162,9 +174,9 @@ def main() -> int:
 
     graph, steps, stats = run_graphmode(model, args, "graph")
     print(f"graph run: steps {dict(steps)}; runner: {stats.summary()}")
-    ok = stats.replays > 0 and stats.captures + stats.replays == steps["decode"]
+    ok = stats.replays > 0 and stats.captures + stats.replays == steps["decode"] + steps["verify"]
     if not ok:
-        print("NOT ALL DECODE STEPS WERE GRAPH STEPS")
+        print("NOT ALL DECODE AND VERIFY STEPS WERE GRAPH STEPS")
     eager, _, eager_stats = run_graphmode(model, args, "eager")
     print(f"eager run: runner: {eager_stats.summary()}")
     hf = run_hf_generate(model, args)
