@@ -25,7 +25,7 @@ model, read from the step's ``extras``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,6 +237,10 @@ class GraphSpec:
         ``__post_init__`` checks values. A field whose metadata has
         ``removed`` is an option of an earlier release, kept so that
         ``__post_init__`` can refuse it with the reason.
+    option_variants: the ``vendor_options`` configurations the vendor must
+        work under, each a dict of option fields (Ascend: both update
+        paths). The conformance suite runs its harness under every one in
+        every run; () runs it once, with the defaults.
     """
 
     buffers: tuple[BufferSpec, ...]
@@ -245,6 +249,7 @@ class GraphSpec:
     max_q_seq_len: str = "bound"
     max_kv_seq_len: str = "dynamic"
     options: type = NoOptions
+    option_variants: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
     names: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -271,6 +276,17 @@ class GraphSpec:
             object.__setattr__(self, "block_sizes", tuple(self.block_sizes))
         if not dataclasses.is_dataclass(self.options):
             raise ConfigError(f"GraphSpec options={self.options!r} must be a dataclass type")
+        object.__setattr__(self, "option_variants", tuple(self.option_variants))
+        known = {f.name for f in dataclasses.fields(self.options) if f.init and not f.metadata.get("removed")}
+        for index, variant in enumerate(self.option_variants):
+            if not isinstance(variant, Mapping):
+                raise ConfigError(f"GraphSpec option_variants[{index}]={variant!r}: give a dict of option fields")
+            unknown = sorted(set(variant) - known)
+            if unknown:
+                raise ConfigError(
+                    f"GraphSpec option_variants[{index}] has {unknown}, not fields of {self.options.__name__} "
+                    f"({sorted(known) or 'none'})"
+                )
 
     def buffer(self, name: str) -> BufferSpec:
         for spec in self.buffers:
