@@ -27,7 +27,7 @@ import torch
 from graphmode.errors import GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, installed_vendor_names, select_vendor
 from graphmode.runner.host_reads import ENV_CHECK_HOST_READS
-from graphmode_conformance.plugin import describe, resolve_target
+from graphmode_conformance.plugin import Target, describe, resolve_target
 from graphmode_conformance.sizes import DTYPES, Sizes, parse_capture_sizes
 
 SUITE = Path(__file__).with_name("test_conformance.py")
@@ -91,6 +91,23 @@ def plugin_path(plugin: str | None) -> str | None:
     return str(path.parent if Path(location).name == "__init__.py" else path)
 
 
+def process_env(target: Target, plugin: str | None) -> dict[str, str]:
+    """The environment of a vendor's pytest process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if target.device.type == "cpu":
+        # The suite's model is tiny: a second thread per process only adds
+        # contention (eight times slower on a loaded 2-core machine).
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if target.device.type == "cuda":
+        # The replay path may not read device values on the host: on CUDA the
+        # runner checks that only when asked (graphmode.runner.host_reads).
+        env.setdefault(ENV_CHECK_HOST_READS, "1")
+    where = plugin_path(plugin)
+    if where:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (where, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def targets(vendor: str | None, device: str | None, plugin: str | None = None) -> list[tuple[str | None, str | None]]:
     """(vendor, device) pairs to run: the asked vendor (or plugin object), the
     detected one on its device, or every installed vendor on the emulator."""
@@ -120,18 +137,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"== vendor {index}/{len(plan)}: {target.vendor.name} on {target.device} ==", flush=True)
         for line in describe(target, sizes):
             print(f"   {line}", flush=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if target.device.type == "cpu":
-            # The suite's model is tiny: a second thread per process only adds
-            # contention (eight times slower on a loaded 2-core machine).
-            env.setdefault("OMP_NUM_THREADS", "1")
-        if target.device.type == "cuda":
-            # The replay path may not read device values on the host: on
-            # CUDA the runner checks that only when asked.
-            env.setdefault(ENV_CHECK_HOST_READS, "1")
-        where = plugin_path(args.plugin)
-        if where:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (where, env.get("PYTHONPATH")) if p)
+        env = process_env(target, args.plugin)
         with tempfile.TemporaryDirectory() as scratch:
             report = Path(scratch) / "report.json"
             command = [
@@ -155,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             status = subprocess.call(command, env=env)
             elapsed = time.perf_counter() - started
             data = json.loads(report.read_text()) if report.exists() else {"records": [], "device": device}
-        data.update(vendor=data.get("vendor") or vendor, exit_status=status, seconds=round(elapsed, 1))
+        data.update(vendor=data.get("vendor") or target.vendor.name, exit_status=status, seconds=round(elapsed, 1))
         runs.append(data)
     print_summary(runs)
     if args.report:

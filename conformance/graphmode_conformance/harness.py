@@ -173,7 +173,7 @@ class Harness:
             if self._captured_context is not None and bucket is not None:
                 self.contexts[bucket] = self._captured_context
             graph = raw.clone() if isinstance(raw, torch.Tensor) else raw
-            check_unmodified(f"[{self.check}] {where}", inputs, snapshot, self._probes(batch, bucket) if graph_step else [])
+            check_unmodified(where, inputs, snapshot, self._probes(batch, bucket) if graph_step else [])
             eager = self.model(inputs.input_ids, inputs.position_ids, self.eager_cache, inputs.attn_metadata)
         if meta is not None and bucket is not None:
             self.check_buffers(where, meta, inputs, batch, bucket, buffers_before)

@@ -45,7 +45,7 @@ def _fill(harness: Harness, step: StepInputs, batch: int, bucket: int | None = N
 
     fill(step)
     where = f"vendor {harness.vendor.name}{harness.variant}, graphmode_fill_buffers of a batch of {batch} in bucket {bucket}"
-    check_unmodified(f"[hook contract] {where}", step, snapshot, [("graphmode_fill_buffers", fill)])
+    check_unmodified(where, step, snapshot, [("graphmode_fill_buffers", fill)])
     harness.check_buffers(where, meta, step, batch, bucket, before)
     return meta, bucket
 
@@ -178,5 +178,6 @@ class HookContractTests(ConformanceFixtures):
                 f"[step context] vendor {vendor.name}: the graph context has max_kv_seq_len="
                 f"{attn.max_kv_seq_len}. A graph freezes host values, so every replay would use the "
                 "capture step's max length; graph contexts must pass -1 where the kernel derives it on "
-                f"the device, or a bound valid at every replay: the block table's capacity, {capacity}"
+                f"the device, or a bound valid at every replay: the block table's capacity, {capacity}. Hook: "
+                "graphmode_update_context (or the GraphSpec's max_kv_seq_len policy)"
             )

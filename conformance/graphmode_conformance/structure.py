@@ -100,10 +100,11 @@ class DeclaredBuffers:
             for spec in self.spec.buffers:
                 problem = self._check_buffer(spec, meta, step, batch, bucket, before)
                 if problem:
-                    problems.append(problem)
+                    problems.append((spec.name, problem))
             if problems:
-                more = f" (and {len(problems) - 1} more: " + "; ".join(problems[1:3]) + ")" if len(problems) > 1 else ""
-                raise ConformanceFailure(f"[declared buffers] {where}: {problems[0]}{more}")
+                others = [name for name, _ in problems[1:]]
+                more = f" (buffers {', '.join(others)} are wrong too)" if others else ""
+                raise ConformanceFailure(f"[declared buffers] {where}: {problems[0][1]}{more}")
         finally:
             self.last = (batch, bucket)
 
