@@ -42,12 +42,12 @@ def test_the_protocol_names_what_graphmode_calls_and_nothing_else():
         return Recording(walkthrough.AcmeAttentionOps(), used)
 
     vendor = graphmode.load_vendor("acme", plugin=variant(walkthrough, "acme", graphmode_attention_ops=recorded_ops))
-    graphs = harness(vendor, max_batches=8, debug=True)
+    graphs = harness(vendor, max_batches=12, debug=True)
     graphs.runner.warmup(graphs.graph_cache, progress=False)
     seqs = graphs.start(5)  # prefill, eager
     for batch in (5, 5, 3):
         graphs.step(seqs[:batch])  # replays, checked slot by slot through block_view
-    pieces = harness(vendor, max_batches=8, execute_mode="piecewise")
+    pieces = harness(vendor, max_batches=12, execute_mode="piecewise")
     seqs = pieces.start(3)
     pieces.step(seqs)
     assert pieces.runner.stats.piecewise_captures >= 1

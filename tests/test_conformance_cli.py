@@ -4,8 +4,17 @@ pytest process starts, and what it prints per vendor."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
+import pytest
+import torch
+
+import graphmode
 from graphmode_conformance import cli
+from graphmode_conformance.plugin import Target
+
+TESTS = Path(__file__).parent
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -23,10 +32,29 @@ def test_a_mistaken_vendor_name_is_one_clear_error(capsys):
     assert rest[-1] == "Install the vendor's package (pip install graphmode[acme]) or pick one above."
 
 
-def test_plugin_option_is_documented_in_help():
+def test_plugin_and_size_options_are_documented_in_help():
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    assert "--plugin MODULE:OBJECT" in parser.format_help()
+    text = parser.format_help()
+    assert "--plugin MODULE:OBJECT" in text
+    for flag in ("--block-size", "--max-batches", "--capture-sizes 1,3,6", "--dtype", "--table-width"):
+        assert flag in text
+
+
+def test_a_size_the_suite_cannot_run_is_one_clear_error(capsys):
+    assert cli.run(_args("--vendor", "cuda", "--device", "cpu", "--max-batches", "4")) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        "graphmode conformance: conformance sizes: max_batches=4; the suite's steps hold up to 12 sequences: use >= 12"
+    )
+
+
+def test_runs_on_cuda_check_host_reads_on_the_replay_path(monkeypatch):
+    monkeypatch.delenv("GRAPHMODE_CHECK_HOST_READS", raising=False)
+    vendor = graphmode.load_vendor("cuda")
+    assert cli.process_env(Target(vendor, torch.device("cuda")), None)["GRAPHMODE_CHECK_HOST_READS"] == "1"
+    assert "GRAPHMODE_CHECK_HOST_READS" not in cli.process_env(Target(vendor, torch.device("cpu")), None)
 
 
 def test_each_vendor_run_starts_with_its_header(capfd):
@@ -37,4 +65,34 @@ def test_each_vendor_run_starts_with_its_header(capfd):
     start = lines.index("== vendor 1/1: cuda on cpu ==")
     header = "\n".join(lines[start + 1: start + 5])
     assert "vendor cuda (plugin" in header and "device cpu (CPU graph emulator); torch" in header
-    assert "capture list at the suite's max_batches=48: [1, 2, 3" in header
+    assert "sizes: block size 16 (suite default), max_batches 48, block-table width 8, model dtype float32" in header
+    assert "capture list at max_batches=48: [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20" in header
+    assert "(the vendor's policy)" in header
+
+
+def test_size_flags_reach_the_suite_and_its_header(tmp_path, capfd):
+    report = tmp_path / "report.json"
+    status = cli.run(_args(
+        "--vendor", "cuda", "--device", "cpu", "--block-size", "32", "--max-batches", "24", "--capture-sizes", "1,3,6,12,24",
+        "--dtype", "bfloat16", "--table-width", "10", "--report", str(report), "-k", "capture_list or buffers_are_made",
+    ))
+    out = capfd.readouterr().out
+    assert status == 0, out
+    assert "sizes: block size 32 (given), max_batches 24, block-table width 10, model dtype bfloat16" in out
+    assert "capture list at max_batches=24: [1, 3, 6, 12, 24] (given)" in out
+    records = json.loads(report.read_text())["runs"][0]["records"]
+    assert {r["outcome"] for r in records} == {"passed"} and len(records) == 3
+
+
+@pytest.mark.slow
+def test_a_vendor_written_from_the_docs_passes_unchanged(capfd, monkeypatch):
+    """tests/acme_vendor.py: block size 32, capture list [1, 3, 6, 12, 24, 48]
+    from its declared policy, a per-token kernel input of its own, a user
+    list trimmed to six sizes; the whole suite, from the tests directory."""
+    monkeypatch.chdir(TESTS)
+    status = cli.run(_args("--device", "cpu", "--plugin", "acme_vendor:plugin"))
+    out = capfd.readouterr().out
+    assert status == 0, out
+    assert "sizes: block size 32 (declared by the vendor)" in out
+    assert "capture list at max_batches=48: [1, 3, 6, 12, 24, 48] (the vendor's policy)" in out
+    assert "acme             cpu" in out and "PASS" in out

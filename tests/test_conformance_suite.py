@@ -7,23 +7,85 @@ from __future__ import annotations
 import json
 
 import pytest
+from broken_plugins import BROKEN, OPTIONS, ORIGINALS
 
 from graphmode_conformance import cli
-from graphmode_conformance.broken import BROKEN, ORIGINALS
 
 pytestmark = pytest.mark.slow
 
-# What the first failure of each broken plugin must say.
+# What the first failure of each broken plugin must say: the hook and the mechanism.
 DIAGNOSES = {
-    "slot_zero_padding": "kv_start_indices padding [0] (must be -1: no KV write)",
-    "stale_padding": "padding rows 9..9 are not neutral",
-    "context_not_on_buffer": "attn_metadata.kv_seqlens of the graph context is not a view of an input buffer",
-    "frozen_max_len": "A graph freezes host values, so every replay would use the capture step's max length",
-    "kv_lengths_never_pushed": "on the device this replay would hang",
-    "bucket_below_batch": "graphmode_compatible_size(9) returned 8; it must be a capture size >= 9",
-    "captured_at_batch_size": "has 9 rows for a batch of 9 in bucket 10; graphs must be captured at their bucket's size",
-    "unsliced_outputs": "Likely cause: outputs not cut to the live tokens",
-    "minus_one_max_len": "max_kv_seq_len=-1: PPU's FlashAttention varlen kernel needs a positive upper bound",
+    "slot_zero_padding": (
+        "buffer kv_start_indices held [0] when made, not its declared padding -1",
+        "graphmode_make_buffers must return every buffer holding its padding",
+    ),
+    "stale_padding": (
+        "buffer input_ids padding rows 45..47 hold",
+        "Hook: graphmode_fill_buffers did not reset them",
+        "padding left stale after the batch shrank from 48 to 45 inside bucket 48",
+    ),
+    "stale_after_larger_bucket": (
+        "[declared buffers] vendor camb, graphmode_fill_buffers of a batch of 41 in bucket 44",
+        "Hook: graphmode_fill_buffers did not reset them: these rows still hold what the step of bucket 48 "
+        "(batch 48) wrote: padding left stale when bucket 44 was reused after a larger bucket ran",
+    ),
+    "stale_after_shrink": (
+        "Hook: graphmode_fill_buffers did not reset them",
+        "padding left stale after the batch shrank from 48 to 45 inside bucket 48",
+    ),
+    "padding_to_power_of_two": (
+        "buffer input_ids padding rows 32..47 hold",
+        "Hook: graphmode_fill_buffers did not reset them: it reset rows 25..31 but not rows 32..47: padding reset to "
+        "a bound (row 32, the next power of two above the batch (25)) other than the bucket (48)",
+    ),
+    "wrong_padding_kv_length": (
+        "buffer kv_seqlens padding rows 45..47 hold [1, 1, 1], not the declared padding 0",
+        "Hook: graphmode_fill_buffers wrote [1, 1, 1] into padding rows. That is a padding kv length other than "
+        "the vendor's declared 0",
+    ),
+    "context_not_on_buffer": (
+        "attn_metadata.kv_seqlens of the graph context is not a view of its buffer kv_seqlens",
+        "Hook: graphmode_update_context",
+    ),
+    "frozen_max_len": (
+        "A graph freezes host values, so every replay would use the capture step's max length",
+        "Hook: graphmode_update_context",
+    ),
+    "kv_lengths_never_pushed": ("(replay): the runner raised ReplayError", "on the device this replay would hang"),
+    "bucket_below_batch": ("graphmode_compatible_size(9) returned 8; it must be a capture size >= 9",),
+    "captured_at_batch_size": (
+        "input_ids has 9 rows for a batch of 9 in bucket 10; graphs must be captured at their bucket's size",
+        "Hook: graphmode_update_context",
+    ),
+    "unsliced_outputs": ("Likely cause: outputs not cut to the live tokens (graphmode_get_outputs",),
+    "outputs_from_wrong_rows": (
+        "(capture): max |graph - eager|",
+        "Likely cause: outputs cut from the wrong rows: the graph's output holds eager's values in its first 3 "
+        "token rows, but graphmode_get_outputs returned the rows from token 1 on",
+    ),
+    "minus_one_max_len": ("max_kv_seq_len=-1: PPU's FlashAttention varlen kernel needs a positive upper bound",),
+    "host_read_in_fill": (
+        "(replay): the runner raised ReplayError in graphmode_fill_buffers",
+        "graphmode_fill_buffers read a device value on the host during a replay step (Tensor.item() of device memory",
+    ),
+    "host_read_in_update": (
+        "vendor_options {'update_path': 'graph_update'}",
+        "the runner raised ReplayError in graphmode_update_graph_params",
+        "read a device value on the host during a replay step (Tensor.__bool__() of device memory",
+    ),
+    "host_read_in_outputs": (
+        "the runner raised ReplayError in graphmode_get_outputs",
+        "read a device value on the host during a replay step (Tensor.__int__() of device memory",
+    ),
+    "update_without_wait": (
+        "the runner raised ReplayError in graphmode_update_graph_params",
+        "would change parameters the previous replay is still reading",
+    ),
+    "mutates_engine_inputs": (
+        "[engine inputs] vendor ascend, vendor_options {'update_path': 'graph_update'}, graphmode_fill_buffers",
+        "modified the engine's attn_metadata.q_seqlens in place: [1, 1, 1, 1, 1] became [1, 2, 3, 4, 5]. Hook: "
+        "graphmode_fill_buffers",
+    ),
 }
 
 
@@ -43,16 +105,24 @@ def test_every_bug_class_has_a_broken_plugin_and_a_diagnosis():
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_the_suite_fails_on_a_broken_vendor_for_the_right_reason(name, tmp_path):
-    status, report = run_suite(tmp_path, "--plugin", f"graphmode_conformance.broken:{name}", "--", "-x")
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", f"broken_plugins:{name}", *OPTIONS.get(name, ()), "--", "-x")
     assert status != 0
     failed = failures(report)
     assert failed, f"{name}: the suite reported no failure"
-    assert DIAGNOSES[name] in failed[0]["message"], failed[0]["message"]
+    for part in DIAGNOSES[name]:
+        assert part in failed[0]["message"], failed[0]["message"]
 
 
 @pytest.mark.parametrize("name", sorted(ORIGINALS))
 def test_the_suite_passes_on_the_correct_originals(name, tmp_path):
-    status, report = run_suite(tmp_path, "--plugin", f"graphmode_conformance.broken:{name}")
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", f"broken_plugins:{name}")
+    assert status == 0, failures(report)
+
+
+def test_the_power_of_two_plant_passes_on_a_power_of_two_capture_list(tmp_path):
+    # Why it runs with 1,3,6,12,24,48: on powers of two the bug is invisible.
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "broken_plugins:padding_to_power_of_two",
+                               "--capture-sizes", "1,2,4,8,16,32,48", "-k", "declared_padding")
     assert status == 0, failures(report)
 
 
@@ -65,25 +135,30 @@ def test_graphmode_conformance_passes_for_every_installed_vendor_on_the_emulator
     assert "== graphmode conformance summary ==" in summary
 
 
-def test_ascend_passes_on_the_task_group_update_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAPHMODE_ASCEND_UPDATE_PATH", "task_group")
-    status, report = run_suite(tmp_path, "--vendor", "ascend", "--device", "cpu")
+def test_ascend_runs_every_test_on_both_update_paths(tmp_path):
+    status, report = run_suite(tmp_path, "--vendor", "ascend", "--device", "cpu", "-k", "capture_step_and_replay")
     assert status == 0, failures(report)
+    assert sorted(r["test"] for r in report["runs"][0]["records"]) == [
+        "test_capture_step_and_replay_steps_are_both_correct[update_path=graph_update]",
+        "test_capture_step_and_replay_steps_are_both_correct[update_path=task_group]",
+    ]
+    assert "option variants (GraphSpec.option_variants), each test under every one: update_path=graph_update, " \
+        "update_path=task_group" in report["runs"][0]["header"]
 
 
 def test_xfails_file_marks_tests_and_reports_ids_matching_nothing(tmp_path, capfd):
     xfails = tmp_path / "xfails.txt"
     xfails.write_text(
         "# known problems of this vendor\n"
-        "test_padding_is_neutral_after_a_larger_batch  # upstream keeps stale padding\n"
+        "test_declared_padding_after_shrinks_and_larger_buckets  # upstream keeps stale padding\n"
         "test_that_does_not_exist\n"
     )
     status, report = run_suite(
-        tmp_path, "--plugin", "graphmode_conformance.broken:stale_padding", "--xfails", str(xfails),
-        "-k", "padding_is_neutral or vendor_describes",
+        tmp_path, "--plugin", "broken_plugins:stale_padding", "--xfails", str(xfails),
+        "-k", "declared_padding_after or vendor_describes",
     )
     records = {r["test"]: r for r in report["runs"][0]["records"]}
-    assert records["test_padding_is_neutral_after_a_larger_batch"]["outcome"] == "xfailed"
+    assert records["test_declared_padding_after_shrinks_and_larger_buckets"]["outcome"] == "xfailed"
     assert records["test_vendor_describes_itself"]["outcome"] == "passed"
     assert status == 0
     assert "xfail ids matching no test: test_that_does_not_exist" in capfd.readouterr().out

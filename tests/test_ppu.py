@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from broken_plugins import BROKEN, variant
 from setups import tiny_setup
 
 import graphmode
 import graphmode_ppu.plugin as ppu
 from graphmode import InputError
-from graphmode_conformance.broken import BROKEN, variant
 from graphmode_ppu.ops import PPUAttentionOps
 
 

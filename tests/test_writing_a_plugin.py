@@ -135,5 +135,5 @@ class TestAcmeConformance(ConformanceTests):
 
     @pytest.fixture
     def sizes(self):
-        return Sizes(block_size=32, table_width=4)  # 4 blocks of 32: 128 tokens per sequence
+        return Sizes(block_size=32, table_width=6)  # 6 blocks of 32: 192 tokens per sequence
 # --8<-- [end:suite]

@@ -1,6 +1,12 @@
 """``graphmode conformance``: run the suite for one vendor, or for every
 installed vendor on the CPU emulator, and print a summary table.
 
+Sizes come from the vendor's declarations, then from the size flags
+(``--block-size``, ``--max-batches``, ``--capture-sizes``, ``--dtype``,
+``--table-width``); each run's header says what was used. On ``--device
+cuda`` the runs set ``GRAPHMODE_CHECK_HOST_READS=1`` (unless set), so that a
+host read on the replay path fails there too.
+
 Each vendor runs in its own pytest process, so one vendor's failure (or
 crash) cannot hide another's result. Exit status: 0 when every run passed.
 """
@@ -20,7 +26,9 @@ import torch
 
 from graphmode.errors import GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, installed_vendor_names, select_vendor
-from graphmode_conformance.plugin import describe, resolve_target
+from graphmode.runner.host_reads import ENV_CHECK_HOST_READS
+from graphmode_conformance.plugin import Target, describe, resolve_target
+from graphmode_conformance.sizes import DTYPES, Sizes, parse_capture_sizes
 
 SUITE = Path(__file__).with_name("test_conformance.py")
 
@@ -33,7 +41,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", dest="keyword", help="only tests matching this pytest expression")
     parser.add_argument("--plugin", metavar="MODULE:OBJECT",
                         help="test this plugin object (a plugin in development, not installed) instead of an entry point")
+    sizes = parser.add_argument_group("sizes (default: the vendor's declarations, then the suite's defaults)")
+    sizes.add_argument("--block-size", type=int, help="KV-cache block size (default: the vendor's first declared, else 16)")
+    sizes.add_argument("--max-batches", type=int, help="the runner's max_batches (default 48)")
+    sizes.add_argument("--capture-sizes", metavar="1,3,6", help="a user capture list (default: the vendor's policy)")
+    sizes.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default float32)")
+    sizes.add_argument("--table-width", type=int, help="block-table buffer width in blocks (default 8)")
     parser.add_argument("pytest_args", nargs="*", help="further pytest arguments, after --")
+
+
+def given_sizes(args: argparse.Namespace) -> Sizes:
+    """The sizes the flags give, checked (every flag left out: the default)."""
+    given: dict = {}
+    if args.block_size is not None:
+        given["block_size"] = args.block_size
+    if args.max_batches is not None:
+        given["max_batches"] = args.max_batches
+    if args.table_width is not None:
+        given["table_width"] = args.table_width
+    if args.capture_sizes:
+        given["capture_sizes"] = parse_capture_sizes(args.capture_sizes)
+    if args.dtype:
+        given["dtype"] = DTYPES[args.dtype]
+    return Sizes(**given)
+
+
+def size_options(args: argparse.Namespace) -> list[str]:
+    """The size flags as the pytest plugin's options."""
+    pairs = [
+        ("--graphmode-block-size", args.block_size), ("--graphmode-max-batches", args.max_batches),
+        ("--graphmode-table-width", args.table_width), ("--graphmode-capture-sizes", args.capture_sizes),
+        ("--graphmode-dtype", args.dtype),
+    ]
+    return [part for option, value in pairs if value is not None for part in (option, str(value))]
+
+
+def plugin_path(plugin: str | None) -> str | None:
+    """The directory the plugin object's top-level module was imported from
+    (after :func:`resolve_target` imported it), for the pytest process to
+    import it alike: a module beside one's tests, say."""
+    if not plugin:
+        return None
+    name = plugin.partition(":")[0].split(".")[0]
+    top = sys.modules.get(name)
+    location = getattr(top, "__file__", None)
+    if location is None:
+        return None
+    path = Path(location).resolve().parent
+    return str(path.parent if Path(location).name == "__init__.py" else path)
+
+
+def process_env(target: Target, plugin: str | None) -> dict[str, str]:
+    """The environment of a vendor's pytest process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if target.device.type == "cpu":
+        # The suite's model is tiny: a second thread per process only adds
+        # contention (eight times slower on a loaded 2-core machine).
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if target.device.type == "cuda":
+        # The replay path may not read device values on the host: on CUDA the
+        # runner checks that only when asked (graphmode.runner.host_reads).
+        env.setdefault(ENV_CHECK_HOST_READS, "1")
+    where = plugin_path(plugin)
+    if where:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (where, env.get("PYTHONPATH")) if p)
+    return env
 
 
 def targets(vendor: str | None, device: str | None, plugin: str | None = None) -> list[tuple[str | None, str | None]]:
@@ -52,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     # Resolve every target here, once: a mistaken vendor or device is one
     # clear line, not the same error from every test of a pytest process.
     try:
+        sizes = given_sizes(args)
+        if args.plugin and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m` does: a plugin module here imports
         plan = targets(args.vendor, args.device, args.plugin)
         resolved = [resolve_target(vendor, device, args.plugin) for vendor, device in plan]
     except GraphModeError as error:
@@ -60,13 +135,9 @@ def run(args: argparse.Namespace) -> int:
     runs = []
     for index, ((vendor, device), target) in enumerate(zip(plan, resolved, strict=True), start=1):
         print(f"== vendor {index}/{len(plan)}: {target.vendor.name} on {target.device} ==", flush=True)
-        for line in describe(target):
+        for line in describe(target, sizes):
             print(f"   {line}", flush=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if target.device.type == "cpu":
-            # The suite's model is tiny: a second thread per process only adds
-            # contention (eight times slower on a loaded 2-core machine).
-            env.setdefault("OMP_NUM_THREADS", "1")
+        env = process_env(target, args.plugin)
         with tempfile.TemporaryDirectory() as scratch:
             report = Path(scratch) / "report.json"
             command = [
@@ -82,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
                 command += ["--graphmode-xfails", str(Path(args.xfails).resolve())]
             if args.plugin:
                 command += ["--graphmode-plugin", args.plugin]
+            command += size_options(args)
             if args.keyword:
                 command += ["-k", args.keyword]
             command += args.pytest_args
@@ -89,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             status = subprocess.call(command, env=env)
             elapsed = time.perf_counter() - started
             data = json.loads(report.read_text()) if report.exists() else {"records": [], "device": device}
-        data.update(vendor=data.get("vendor") or vendor, exit_status=status, seconds=round(elapsed, 1))
+        data.update(vendor=data.get("vendor") or target.vendor.name, exit_status=status, seconds=round(elapsed, 1))
         runs.append(data)
     print_summary(runs)
     if args.report:

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from graphmode_conformance.fixtures import ConformanceFixtures
 
-__all__ = ["GraphEqualsEagerTests"]
+__all__ = ["USER_CAPTURE_SIZES", "GraphEqualsEagerTests"]
+
+# A user's capture list, not of powers of two (cut at max_batches, which ends it).
+USER_CAPTURE_SIZES = (1, 2, 3, 5, 7, 9, 11, 14, 18, 22, 30, 40)
 
 
 class GraphEqualsEagerTests(ConformanceFixtures):
@@ -20,13 +23,13 @@ class GraphEqualsEagerTests(ConformanceFixtures):
 
     def test_kv_lengths_grow_across_blocks(self, harness):
         seqs = harness.start(5, [1, 2, 14, 15, 16])
-        steps = 3 * harness.sizes.block_size + 2
+        steps = 3 * harness.sizes.block + 2
         assert harness.room(seqs, steps)
         for _ in range(steps):
             harness.step(seqs)
 
     def test_kv_lengths_shrink_when_new_sequences_replace_long_ones(self, harness):
-        longest = harness.sizes.table_width * harness.sizes.block_size
+        longest = harness.sizes.table_width * harness.sizes.block
         old = harness.start(6, [longest - 8] * 6)
         for _ in range(3):
             harness.step(old)
@@ -45,9 +48,43 @@ class GraphEqualsEagerTests(ConformanceFixtures):
         harness.step(seqs)
 
     def test_large_then_small_batch_across_buckets(self, harness):
-        seqs = harness.start(16)
-        for batch in (16, 3, 16, 9, 1, 12):
+        top = min(16, harness.sizes.max_batches)
+        seqs = harness.start(top)
+        for batch in (top, 3, top, 9, 1, 12):
             harness.step(seqs[:batch])
+
+    def test_block_tables_of_varying_width(self, harness):
+        """Each step's block table is as wide as its longest sequence needs
+        (as engines pass them): wide, narrow and wide again in one bucket.
+        The columns right of a narrower table must be padding again."""
+        block, width = harness.sizes.block, harness.sizes.table_width
+        lengths = [1, 2, block + 1, (width - 2) * block, 3, (width // 2) * block + 2]
+        seqs = harness.start(len(lengths), lengths)
+        narrow = [s for s, n in zip(seqs, lengths) if n <= block]
+        seen = set()
+        for batch in (seqs, narrow, seqs[:3], seqs[3:], narrow, seqs):
+            harness.step(batch)
+            seen.add(max(len(harness.engine.sequences[s].blocks) for s in batch))
+        assert len(seen) >= 3, f"block-table widths {sorted(seen)}: the steps should vary them"
+
+    def test_a_user_capture_list_that_is_not_powers_of_two(self, build_harness, sizes):
+        """A user's capture list the vendor keeps or trims (vendors may drop
+        sizes): every kept bucket shrinks inside itself and is reused after a
+        larger one; batches of dropped sizes run in the next kept bucket."""
+        top = sizes.max_batches
+        given = tuple(s for s in USER_CAPTURE_SIZES if s < top) + (top,)
+        harness = build_harness(capture_batch_sizes=given)
+        kept = harness.runner.capture_sizes
+        assert set(kept) <= set(given), f"the vendor's list {kept} adds sizes to the user's {given}"
+        seqs = harness.start(kept[-1], [harness.engine.rng.randrange(1, 20) for _ in range(kept[-1])])
+        for bucket in reversed(kept):
+            small = min(b for b in range(1, bucket + 1) if harness.runner.bucket_of(b) == bucket)
+            harness.step(seqs[:bucket])
+            harness.step(seqs[:small])
+            harness.step(seqs[: kept[-1]])
+            harness.step(seqs[:small])
+        for dropped in sorted(set(given) - set(kept)):
+            harness.step(seqs[:dropped])
 
     def test_freed_blocks_are_reused_by_other_sequences(self, harness):
         first = harness.start(4, [40, 33, 20, 17])

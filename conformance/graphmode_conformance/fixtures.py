@@ -7,19 +7,29 @@ Fixtures a vendor may or must override in its own test class:
   pytest plugin ``graphmode_conformance.plugin``.
 - ``device``: where graphs run. By default ``--graphmode-device``, else the
   vendor's own device when present, else the CPU emulator.
-- ``sizes``: the model and cache sizes (:class:`Sizes`).
+- ``sizes``: the model and cache sizes (:class:`Sizes`); by default the
+  ``--graphmode-*`` size options, else the suite's defaults, sizes left
+  open (block size, capture list) taken from the vendor's declarations.
+- ``vendor_options``: the vendor's options for every runner the suite
+  builds. Through the pytest plugin it is parametrized with the vendor's
+  ``GraphSpec.option_variants`` (every test that builds a runner runs under
+  each); a class overriding ``vendor`` parametrizes it itself.
 
 Fixtures derived from those, never overridden: ``capabilities``,
-``updates_graph_params``, ``harness``.
+``updates_graph_params``, ``build_harness``, ``harness``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 import torch
 
 import graphmode
-from graphmode_conformance.harness import Harness, Sizes
+from graphmode_conformance.harness import Harness
+from graphmode_conformance.sizes import Sizes, sizes_from_options
 
 __all__ = ["ConformanceFixtures"]
 
@@ -39,8 +49,13 @@ class ConformanceFixtures:
         return _target(request).device
 
     @pytest.fixture
-    def sizes(self) -> Sizes:
-        return Sizes()
+    def sizes(self, request) -> Sizes:
+        return sizes_from_options(request.config)
+
+    @pytest.fixture
+    def vendor_options(self) -> Mapping[str, Any] | None:
+        """None: the vendor's defaults (see the module's doc)."""
+        return None
 
     # -- derived -----------------------------------------------------------
 
@@ -54,8 +69,19 @@ class ConformanceFixtures:
         return vendor.implements("graphmode_update_graph_params")
 
     @pytest.fixture
-    def harness(self, vendor, device, sizes) -> Harness:
-        return Harness.build(vendor, device, sizes)
+    def build_harness(self, vendor, device, sizes, vendor_options) -> Callable[..., Harness]:
+        """``build_harness(cls=Harness, sizes=None, **runner_options)``: a
+        harness of the vendor under test at the suite's sizes (or ``sizes``)
+        and vendor options."""
+
+        def build(cls: type[Harness] = Harness, sizes: Sizes = sizes, **runner_options: Any) -> Harness:
+            return cls.build(vendor, device, sizes, vendor_options=vendor_options, **runner_options)
+
+        return build
+
+    @pytest.fixture
+    def harness(self, build_harness) -> Harness:
+        return build_harness()
 
 
 def _target(request):

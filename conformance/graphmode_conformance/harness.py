@@ -4,6 +4,12 @@ checks each step with messages that say what broke and why.
 Graph steps go through the vendor's runner into one KV cache; eager steps go
 through the model into another. After every step:
 
+- the runner raised nothing (an error names the hook it came from: a host
+  read on the replay path, an update racing the previous replay);
+- the engine's step tensors are unmodified;
+- after a graph step, every declared buffer holds what its declaration says
+  (padding rows, live rows) and the context the bucket's graph captured is
+  made of views of the buffers (:mod:`graphmode_conformance.structure`);
 - outputs must match eager (same shape: the live tokens only);
 - the graph's cache may only have changed at the slots this step wrote, and
   those must match eager; every other byte, the reserved block's included,
@@ -12,6 +18,7 @@ through the model into another. After every step:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,26 +28,16 @@ import graphmode
 from graphmode.context import StepInputs
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
+from graphmode_conformance.sizes import Sizes
+from graphmode_conformance.structure import (
+    ConformanceFailure,
+    DeclaredBuffers,
+    check_context,
+    check_unmodified,
+    step_tensors,
+)
 
 __all__ = ["ConformanceFailure", "Harness", "Sizes"]
-
-
-class ConformanceFailure(AssertionError):
-    """A check failed; the message names the check, the step and a likely cause."""
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """The suite's model and cache sizes (fixtures may override them)."""
-
-    max_batches: int = 48
-    block_size: int = 16
-    table_width: int = 8  # blocks per sequence: 128 tokens of context
-    steps: int = 3  # decode steps per batch size
-
-    @property
-    def cache_blocks(self) -> int:
-        return self.max_batches * self.table_width + 1
 
 
 def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -51,7 +48,7 @@ def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
 class Harness:
     vendor: graphmode.Vendor
     device: torch.device
-    sizes: Sizes
+    sizes: Sizes  # resolved: every size a number
     runner: graphmode.GraphRunner
     model: Any
     engine: ReferenceEngine
@@ -60,6 +57,13 @@ class Harness:
     check: str = "graph equals eager"
     steps_run: int = 0
     last_capture: dict[int, int] = field(default_factory=dict)
+    # The context the forward saw at each bucket's capture, and the checker
+    # of the declared buffers (made with the runner's buffers).
+    contexts: dict[int, StepInputs] = field(default_factory=dict)
+    declared: DeclaredBuffers | None = None
+    variant: str = ""  # ", vendor_options {...}" when the run gave some
+    _recording: bool = False
+    _captured_context: StepInputs | None = None
 
     @classmethod
     def build(
@@ -69,34 +73,56 @@ class Harness:
         sizes: Sizes,
         model_config: ModelConfig | None = None,
         seed: int = 0,
+        vendor_options: Mapping[str, Any] | None = None,
         **runner_options: Any,
     ) -> Harness:
-        config = model_config or ModelConfig.tiny()
+        """A runner of ``vendor`` at ``sizes`` (block size and capture list
+        left to the vendor's declarations where ``sizes`` leaves them), under
+        ``vendor_options``, and an engine whose block tables are as wide as
+        each step's longest sequence needs."""
+        sizes = sizes.resolved(vendor)
+        config = model_config or ModelConfig.tiny(sizes.dtype)
         model = build_reference_model(config, vendor, device, seed=seed)
+        runner_options.setdefault("capture_batch_sizes", sizes.capture_sizes)
+        if vendor_options is not None:
+            runner_options.setdefault("vendor_options", dict(vendor_options))
         runner = graphmode.GraphRunner(
             model,
             graphmode.RunnerConfig(
-                sizes.max_batches, sizes.table_width, sizes.block_size, device,
+                sizes.max_batches, sizes.table_width, sizes.block, device,
                 num_layers=config.num_hidden_layers, **runner_options,
             ),
             vendor,
         )
         engine = ReferenceEngine(
-            sizes.cache_blocks, sizes.block_size, device,
-            vocab_size=config.vocab_size, table_width=sizes.table_width, seed=seed + 1,
+            sizes.cache_blocks, sizes.block, device, vocab_size=config.vocab_size, table_width=None, seed=seed + 1,
         )
-        return cls(
+        harness = cls(
             vendor, device, sizes, runner, model, engine,
-            model.make_kv_cache(sizes.cache_blocks, sizes.block_size),
-            model.make_kv_cache(sizes.cache_blocks, sizes.block_size),
+            model.make_kv_cache(sizes.cache_blocks, sizes.block),
+            model.make_kv_cache(sizes.cache_blocks, sizes.block),
         )
+        if vendor_options:
+            harness.variant = f", vendor_options {dict(vendor_options)}"
+        model.register_forward_pre_hook(harness._record_context, with_kwargs=True)
+        return harness
+
+    def _record_context(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Keep the step context the runner's capture gives the forward."""
+        if self._recording:
+            names = ("input_ids", "position_ids", "past_key_values", "attn_metadata")
+            given = dict(zip(names, args)) | kwargs
+            extras = {k: v for k, v in given.items() if k not in names}
+            self._captured_context = StepInputs(
+                given["input_ids"], given["position_ids"], given["past_key_values"], given["attn_metadata"], extras,
+            )
 
     # -- sequences ----------------------------------------------------------
 
     def start(self, count: int, lengths: list[int] | None = None) -> list[int]:
         """New sequences, prefilled (eagerly) into both caches."""
         seqs = [self.engine.add() for _ in range(count)]
-        longest = self.sizes.table_width * self.sizes.block_size // 2
+        longest = self.sizes.table_width * self.sizes.block // 2
         lengths = lengths or [self.engine.rng.randrange(1, longest) for _ in seqs]
         step = self.engine.prefill(seqs, lengths)
         with torch.inference_mode():
@@ -110,37 +136,99 @@ class Harness:
 
     def room(self, seqs: list[int], steps: int) -> bool:
         """Whether every sequence can take ``steps`` more tokens."""
-        limit = self.sizes.table_width * self.sizes.block_size
+        limit = self.sizes.table_width * self.sizes.block
         return all(self.engine.sequences[s].kv_len + steps <= limit for s in seqs)
 
     # -- one checked step ---------------------------------------------------
 
     def step(self, seqs: list[int]) -> torch.Tensor:
         """One decode step through graphs and eagerly; raise
-        :class:`ConformanceFailure` if they disagree or the cache was hurt."""
+        :class:`ConformanceFailure` if they disagree, a declared buffer or
+        the cache was hurt, or the engine's inputs changed."""
         owners = self._block_owners()
         inputs = self.engine.decode(seqs)
         batch = len(seqs)
         bucket = self.runner.bucket_of(batch)
+        # A decode step a full graph serves (piecewise mode serves it in segments, not from the buffers).
+        graph_step = bucket is not None and self.runner.config.execute_mode in ("graph", "full_and_piecewise")
         phase = "replay" if bucket in self.runner.captured_buckets else "capture"
-        before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
-        with torch.inference_mode():
-            graph = self._call_runner(inputs)
-            graph = graph.clone() if isinstance(graph, torch.Tensor) else graph
-            eager = self.model(inputs.input_ids, inputs.position_ids, self.eager_cache, inputs.attn_metadata)
         self.steps_run += 1
         where = (
-            f"[{self.check}] vendor {self.vendor.name} on {self.device}, batch {batch}, bucket {bucket}, "
+            f"vendor {self.vendor.name} on {self.device}{self.variant}, batch {batch}, bucket {bucket}, "
             f"step {self.steps_run} ({phase})"
         )
-        self._check_outputs(where, graph, eager, seqs, phase)
+        before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
+        meta = self.runner.graph_meta() if graph_step else None
+        buffers_before = DeclaredBuffers.snapshot(meta) if meta is not None else {}
+        snapshot = step_tensors(inputs)
+        with torch.inference_mode():
+            self._recording, self._captured_context = graph_step and phase == "capture", None
+            try:
+                raw = self._call_runner(inputs)
+            except ConformanceFailure:
+                raise
+            except Exception as error:
+                raise ConformanceFailure(f"[{self.check}] {where}: {self.describe_error(error)}") from error
+            finally:
+                self._recording = False
+            if self._captured_context is not None and bucket is not None:
+                self.contexts[bucket] = self._captured_context
+            graph = raw.clone() if isinstance(raw, torch.Tensor) else raw
+            check_unmodified(where, inputs, snapshot, self._probes(batch, bucket) if graph_step else [])
+            eager = self.model(inputs.input_ids, inputs.position_ids, self.eager_cache, inputs.attn_metadata)
+        if meta is not None and bucket is not None:
+            self.check_buffers(where, meta, inputs, batch, bucket, buffers_before)
+            context = self.contexts.get(bucket)
+            if context is not None:
+                check_context(where, meta.spec, meta, context, batch, bucket)
+        where = f"[{self.check}] {where}"
+        self._check_outputs(where, graph, eager, seqs, phase, raw=raw)
         self._check_cache(where, before, owners)
         return graph
+
+    def check_buffers(
+        self, where: str, meta: Any, inputs: StepInputs, batch: int, bucket: int, before: dict[str, torch.Tensor],
+    ) -> None:
+        """The declared-buffer checks after a fill of (batch, bucket)."""
+        if self.declared is None:
+            self.declared = DeclaredBuffers(self.vendor, meta)
+        self.declared.check(where, meta, inputs, batch, bucket, before)
+
+    def _probes(self, batch: int, bucket: int | None) -> list:
+        """Each hook that is given the engine's step, called alone on a copy."""
+        meta, hook = self.runner.graph_meta(), self.vendor.hook
+
+        def fill(step: StepInputs) -> None:
+            hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+
+        def context(step: StepInputs) -> None:
+            hook.graphmode_update_context(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+
+        return [("graphmode_fill_buffers", fill), ("graphmode_update_context", context)]
+
+    def describe_error(self, error: BaseException) -> str:
+        """An error the runner raised, with the vendor hook it came from."""
+        hooks = {}
+        for name in dir(self.vendor.hook):
+            if name.startswith("graphmode_"):
+                for impl in getattr(self.vendor.hook, name).get_hookimpls():
+                    hooks[getattr(impl.function, "__code__", None)] = (name, impl.plugin_name)
+        raised_in = None
+        traceback = error.__traceback__
+        while traceback is not None:
+            found = hooks.get(traceback.tb_frame.f_code)
+            if found is not None:
+                raised_in = found
+            traceback = traceback.tb_next
+        where = f" in {raised_in[0]} (plugin {raised_in[1]})" if raised_in else ""
+        return f"the runner raised {type(error).__name__}{where}: {error}"
 
     def _call_runner(self, inputs: StepInputs) -> Any:
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata)
 
-    def _check_outputs(self, where: str, graph: Any, eager: torch.Tensor, seqs: list[int], phase: str) -> None:
+    def _check_outputs(
+        self, where: str, graph: Any, eager: torch.Tensor, seqs: list[int], phase: str, raw: Any = None,
+    ) -> None:
         if not isinstance(graph, torch.Tensor) or graph.shape != eager.shape:
             shape = tuple(graph.shape) if isinstance(graph, torch.Tensor) else type(graph).__name__
             fewer = isinstance(graph, torch.Tensor) and graph.dim() == eager.dim() and graph.shape[1] < eager.shape[1]
@@ -160,7 +248,10 @@ class Harness:
         index = int(diff.argmax())
         token, logit = divmod(index, diff.shape[-1])
         wrong_rows = (diff.amax(dim=-1)[0] > atol + rtol * eager.abs().amax()).nonzero().flatten().tolist()
-        if phase == "capture":
+        cut = _cut_from_other_rows(raw, eager, atol, rtol)
+        if cut is not None:
+            cause = cut
+        elif phase == "capture":
             cause = (
                 "the forward on the graph's buffers already differs from eager at the capture "
                 "step: graphmode_make_buffers, graphmode_fill_buffers or graphmode_update_context "
@@ -205,7 +296,7 @@ class Harness:
                     slots = changed.nonzero().flatten().tolist()
                     hurt = []
                     for slot in slots[:4]:
-                        block = slot // self.sizes.block_size
+                        block = slot // self.sizes.block
                         hurt.append(f"slot {slot}: {owners.get(block, f'free block {block}')}")
                     raise ConformanceFailure(
                         f"{where}: the graph step changed {len(slots)} {name}-cache slots of layer "
@@ -221,6 +312,23 @@ class Harness:
                         f"{(graph_rows - eager_rows).abs().max().item():.3g}. Likely cause: stale inputs "
                         "(input ids or positions not refilled) or a wrong slot mapping"
                     )
+
+
+@torch.inference_mode()
+def _cut_from_other_rows(raw: Any, eager: torch.Tensor, atol: float, rtol: float) -> str | None:
+    """Why outputs differ when the graph's output holds eager's values in its
+    first rows but the result was cut from others; None otherwise."""
+    if not isinstance(raw, torch.Tensor) or raw.dim() < 2 or raw.shape != eager.shape or raw.storage_offset() == 0:
+        return None
+    first = raw.as_strided(raw.shape, raw.stride(), 0)
+    if not torch.allclose(first, eager, atol=atol, rtol=rtol):
+        return None
+    start = raw.storage_offset() // max(raw.stride(1), 1)
+    return (
+        f"outputs cut from the wrong rows: the graph's output holds eager's values in its first {raw.shape[1]} "
+        f"token rows, but graphmode_get_outputs returned the rows from token {start} on (it must return the "
+        "first num_tokens rows: padding rows follow the live ones)"
+    )
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Hook contract: buffers, filling, padding, the step context and buckets,
-checked hook by hook against GraphMeta."""
+checked hook by hook against GraphMeta and the vendor's declarations."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from graphmode.context import StepInputs
+from graphmode.meta import GraphMeta
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure, Harness
+from graphmode_conformance.sizes import vendor_capture_sizes
+from graphmode_conformance.structure import DeclaredBuffers, check_context, check_unmodified, step_tensors
 
 __all__ = ["HookContractTests"]
 
@@ -17,17 +20,38 @@ REQUIRED_BUFFERS = ("input_ids", "position_ids", "block_offsets", "kv_seqlens", 
 _INTEGER = (torch.int64, torch.int32)
 
 
-def _rows(name: str, tensor: torch.Tensor) -> int:
-    """Rows of a buffer: per-token buffers are (1, max_tokens)."""
-    return tensor.shape[1] if name in ("input_ids", "position_ids") else tensor.shape[0]
+def _decode_step(harness: Harness, batch: int) -> StepInputs:
+    """A decode step of ``batch`` new sequences, which then leave (their
+    blocks go back to the engine): for hook calls that run no model."""
+    seqs = [harness.engine.add() for _ in range(batch)]
+    harness.engine.prefill(seqs, [harness.engine.rng.randrange(1, 40) for _ in seqs])
+    step = harness.engine.decode(seqs)
+    harness.finish(seqs)
+    return step
 
 
-@torch.inference_mode()
-def _fill(harness: Harness, step: StepInputs, batch: int):
+def _fill(harness: Harness, step: StepInputs, batch: int, bucket: int | None = None) -> tuple[GraphMeta, int]:
+    """The vendor's fill of ``step``, then every declared-buffer check and
+    the engine's tensors unmodified."""
     meta = harness.runner.graph_meta()
-    bucket = harness.runner.bucket_of(batch)
-    harness.vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+    bucket = bucket or harness.runner.bucket_of(batch)
+    assert bucket is not None
+    hook = harness.vendor.hook
+    before, snapshot = DeclaredBuffers.snapshot(meta), step_tensors(step)
+
+    def fill(inputs: StepInputs) -> None:
+        with torch.inference_mode():
+            hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+
+    fill(step)
+    where = f"vendor {harness.vendor.name}{harness.variant}, graphmode_fill_buffers of a batch of {batch} in bucket {bucket}"
+    check_unmodified(where, step, snapshot, [("graphmode_fill_buffers", fill)])
+    harness.check_buffers(where, meta, step, batch, bucket, before)
     return meta, bucket
+
+
+def _smallest_batch(harness: Harness, bucket: int) -> int:
+    return min(b for b in range(1, bucket + 1) if harness.runner.bucket_of(b) == bucket)
 
 
 def _padded_batch(harness: Harness, start: int = 1) -> int | None:
@@ -37,12 +61,6 @@ def _padded_batch(harness: Harness, start: int = 1) -> int | None:
     return next((b for b in range(start, harness.sizes.max_batches + 1) if runner.bucket_of(b) not in (None, b)), None)
 
 
-def _decode_step(harness: Harness, batch: int) -> StepInputs:
-    seqs = [harness.engine.add() for _ in range(batch)]
-    harness.engine.prefill(seqs, [harness.engine.rng.randrange(1, 40) for _ in seqs])
-    return harness.engine.decode(seqs)
-
-
 class HookContractTests(ConformanceFixtures):
     def test_vendor_describes_itself(self, vendor):
         info = vendor.info
@@ -50,44 +68,81 @@ class HookContractTests(ConformanceFixtures):
         assert info.device_types and info.reason and info.runtime
 
     def test_capture_list_is_sorted_unique_and_ends_at_the_maximum(self, harness):
-        sizes, maximum = harness.runner.capture_sizes, harness.sizes.max_batches
+        sizes, maximum, given = harness.runner.capture_sizes, harness.sizes.max_batches, harness.sizes.capture_sizes
         assert list(sizes) == sorted(set(sizes)), f"capture list {sizes} is not ascending and unique"
-        assert sizes[0] >= 1 and sizes[-1] == maximum, f"capture list {sizes} must end at max_batches={maximum}"
+        if given is None:
+            assert sizes[0] >= 1 and sizes[-1] == maximum, f"capture list {sizes} must end at max_batches={maximum}"
+        else:
+            assert set(sizes) <= set(given), f"capture list {sizes} adds sizes to the user's {given}"
 
     def test_compatible_size_holds_the_batch_and_is_a_capture_size(self, vendor, harness):
-        sizes = harness.runner.capture_sizes
-        previous = 0
-        for batch in range(1, harness.sizes.max_batches + 1):
-            bucket = vendor.hook.graphmode_compatible_size(batch_size=batch, capture_sizes=sizes)
-            if bucket is None or bucket < batch or bucket not in sizes:
-                raise ConformanceFailure(
-                    f"[hook contract] vendor {vendor.name}: graphmode_compatible_size({batch}) = {bucket}; "
-                    f"it must be a capture size >= {batch} from {list(sizes)}"
-                )
-            assert bucket >= previous, f"compatible size is not monotone: {batch} -> {bucket} after {previous}"
-            again = vendor.hook.graphmode_compatible_size(batch_size=bucket, capture_sizes=sizes)
-            assert again == bucket, f"compatible size is not idempotent: {bucket} -> {again}"
-            previous = bucket
+        # The harness's list, and the vendor's policy up to at least 512
+        # sequences (engines run that many; the suite's model steps do not).
+        top = max(512, harness.sizes.max_batches)
+        for sizes in (harness.runner.capture_sizes, vendor_capture_sizes(vendor, harness.sizes, top)):
+            previous = 0
+            for batch in range(1, sizes[-1] + 1):
+                bucket = vendor.hook.graphmode_compatible_size(batch_size=batch, capture_sizes=sizes)
+                if bucket is None or bucket < batch or bucket not in sizes:
+                    raise ConformanceFailure(
+                        f"[hook contract] vendor {vendor.name}: graphmode_compatible_size({batch}) returned {bucket}; "
+                        f"it must be a capture size >= {batch} from {list(sizes)}"
+                    )
+                assert bucket >= previous, f"compatible size is not monotone: {batch} -> {bucket} after {previous}"
+                again = vendor.hook.graphmode_compatible_size(batch_size=bucket, capture_sizes=sizes)
+                assert again == bucket, f"compatible size is not idempotent: {bucket} -> {again}"
+                previous = bucket
 
-    def test_buffers_are_sized_by_graph_meta(self, harness):
+    def test_buffers_are_made_as_declared(self, harness):
         meta = harness.runner.graph_meta()
         buffers = meta.input_buffers
         missing = [name for name in REQUIRED_BUFFERS if name not in buffers]
         assert not missing, f"graphmode_make_buffers left out {missing}"
-        for name, tensor in buffers.items():
-            assert tensor.device in (meta.device, torch.device("cpu")), (
-                f"buffer {name} is on {tensor.device}, not GraphMeta.device={meta.device} or the host"
+        for spec in meta.spec.buffers:
+            assert spec.name in buffers, f"graphmode_make_buffers left out the declared buffer {spec.name}"
+            tensor = buffers[spec.name]
+            expected = spec.size(meta.max_batchs, meta.max_tokens, meta.num_blocks)
+            assert tuple(tensor.shape) == expected and tensor.dtype == spec.dtype, (
+                f"buffer {spec.name} is {tuple(tensor.shape)} {tensor.dtype}; declared {expected} {spec.dtype}"
             )
+            where = torch.device("cpu") if spec.host else meta.device
+            assert tensor.device == where, f"buffer {spec.name} is on {tensor.device}; declared on {where}"
+            made = meta.padding_buffers[spec.name].cpu()  # the snapshot taken right after it was made
+            declared = spec.allocate(meta.max_batchs, meta.max_tokens, meta.num_blocks, torch.device("cpu"))
+            if not torch.equal(made, declared):
+                wrong = sorted(set(made[made != declared].flatten().tolist()))[:6]
+                raise ConformanceFailure(
+                    f"[buffers] buffer {spec.name} held {wrong} when made, not its declared padding "
+                    f"{spec.padding!r}: graphmode_make_buffers must return every buffer holding its padding "
+                    "(the runner resets padding rows from that snapshot at every step)"
+                )
         for name in REQUIRED_BUFFERS:
-            tensor = buffers[name]
-            assert tensor.dtype in _INTEGER, f"buffer {name} has dtype {tensor.dtype}, not int32/int64"
-            rows = _rows(name, tensor)
-            assert rows in (meta.max_batchs, meta.max_tokens), (
-                f"buffer {name} has shape {tuple(tensor.shape)}: {rows} rows, not max_batchs="
-                f"{meta.max_batchs} or max_tokens={meta.max_tokens}"
-            )
+            assert buffers[name].dtype in _INTEGER, f"buffer {name} has dtype {buffers[name].dtype}, not int32/int64"
         width = buffers["block_offsets"].shape[1]
         assert width == meta.num_blocks, f"block_offsets has {width} columns, GraphMeta.num_blocks={meta.num_blocks}"
+
+    def test_declared_padding_is_neutral(self, harness, vendor):
+        """The declarations themselves: padding writes nothing, reads the
+        reserved block, and lengths read at most that block."""
+        spec, block_size = harness.runner.spec, harness.sizes.block
+        problems = []
+        slots = spec.buffer("kv_start_indices").padding
+        if slots != -1:
+            problems.append(f"kv_start_indices padding {slots!r} (must be -1: no KV write)")
+        blocks = spec.buffer("block_offsets").padding
+        if blocks != 0:
+            problems.append(f"block_offsets padding {blocks!r} (must be the reserved block 0)")
+        lengths = spec.padding_kv_length
+        if not isinstance(lengths, int) or not 0 <= lengths <= block_size:
+            problems.append(f"kv_seqlens padding {lengths!r} (must read at most the reserved block: 0..{block_size})")
+        ids = spec.buffer("input_ids").padding
+        if not isinstance(ids, int) or not 0 <= ids < harness.model.config.vocab_size:
+            problems.append(f"input_ids padding {ids!r} outside the vocabulary")
+        if problems:
+            raise ConformanceFailure(
+                f"[padding] vendor {vendor.name}: the declared padding is not neutral: " + "; ".join(problems)
+                + ". Fix the plugin's GraphSpec (graphmode_graph_spec)"
+            )
 
     def test_filling_twice_with_the_same_inputs_is_idempotent(self, harness):
         step = _decode_step(harness, 5)
@@ -97,64 +152,34 @@ class HookContractTests(ConformanceFixtures):
         changed = [name for name, t in meta.input_buffers.items() if not torch.equal(t, first[name])]
         assert not changed, f"filling the same step twice changed {changed}"
 
-    def test_padding_is_neutral_after_a_larger_batch(self, harness, vendor):
-        # A full bucket, then the smallest batch of that bucket: the first
-        # bucket from 7 up that pads at all (a list may give 7, 8, ... their own).
-        runner, padded = harness.runner, _padded_batch(harness, 7)
-        if padded is None:
-            pytest.skip("no batch size from 7 up is padded: no padding rows to check")
-        bucket = runner.bucket_of(padded)
-        small = min(b for b in range(1, bucket + 1) if runner.bucket_of(b) == bucket)
-        _fill(harness, _decode_step(harness, bucket), bucket)
-        meta, _ = _fill(harness, _decode_step(harness, small), small)
-        buffers, block_size = meta.input_buffers, harness.sizes.block_size
-        problems = []
-        slots = buffers["kv_start_indices"].reshape(buffers["kv_start_indices"].shape[0], -1)[small:bucket]
-        if (slots != -1).any():
-            problems.append(f"kv_start_indices padding {slots.flatten().tolist()} (must be -1: no KV write)")
-        blocks = buffers["block_offsets"][small:bucket]
-        if (blocks != 0).any():
-            problems.append(f"block_offsets padding rows hold blocks {sorted(set(blocks.flatten().tolist()) - {0})} (must be the reserved block 0)")
-        lengths = buffers["kv_seqlens"][small:bucket]
-        if ((lengths < 0) | (lengths > block_size)).any():
-            problems.append(f"kv_seqlens padding {lengths.tolist()} (must read at most the reserved block: 0..{block_size})")
-        ids = buffers["input_ids"][0, small:bucket]
-        if ((ids < 0) | (ids >= harness.model.config.vocab_size)).any():
-            problems.append(f"input_ids padding {ids.tolist()} outside the vocabulary")
-        if problems:
-            raise ConformanceFailure(
-                f"[padding] vendor {vendor.name}: after a batch of {bucket} then {small} in bucket {bucket}, "
-                f"padding rows {small}..{bucket - 1} are not neutral: " + "; ".join(problems)
-                + ". Likely cause: graphmode_fill_buffers does not reset padding rows every step"
-            )
+    def test_declared_padding_after_shrinks_and_larger_buckets(self, harness):
+        """For every bucket that pads, largest first: its full batch, then its
+        smallest batch (a shrink inside the bucket), then the largest bucket's
+        full batch and its smallest batch again (the bucket reused after a
+        larger one ran). After each fill every declared buffer must hold its
+        declared padding in every padding row of the bucket."""
+        runner = harness.runner
+        sizes = runner.capture_sizes
+        largest = sizes[-1]
+        padded = [b for b in reversed(sizes) if _smallest_batch(harness, b) < b]
+        if not padded:
+            pytest.skip(f"no bucket of {list(sizes)} pads: no padding rows to check")
+        for bucket in padded:
+            small = _smallest_batch(harness, bucket)
+            _fill(harness, _decode_step(harness, bucket), bucket)
+            _fill(harness, _decode_step(harness, small), small)
+            if bucket != largest:
+                _fill(harness, _decode_step(harness, largest), largest)
+                _fill(harness, _decode_step(harness, small), small)
 
     def test_step_context_points_at_the_buffers(self, harness, vendor):
         batch = _padded_batch(harness) or 3  # a padded batch tells bucket rows from batch rows
         step = _decode_step(harness, batch)
         meta, bucket = _fill(harness, step, batch)
-        static = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
-        storages = {t.untyped_storage().data_ptr() for t in meta.input_buffers.values()}
+        with torch.inference_mode():
+            static = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+        check_context(f"vendor {vendor.name}{harness.variant}", meta.spec, meta, static, batch, bucket)
         attn = static.attn_metadata
-        fields = {"input_ids": static.input_ids, "position_ids": static.position_ids}
-        fields.update({
-            f"attn_metadata.{name}": getattr(attn, name)
-            for name in ("block_offsets", "q_start_loc", "q_seqlens", "kv_seqlens", "kv_start_indices",
-                         "kv_seqlens_cpu", "x_active_mask")
-            if getattr(attn, name) is not None
-        })
-        for name, tensor in fields.items():
-            if tensor.untyped_storage().data_ptr() not in storages:
-                raise ConformanceFailure(
-                    f"[step context] vendor {vendor.name}: {name} of the graph context is not a view of an "
-                    "input buffer, so a graph would read the capture step's tensor forever. Likely cause: "
-                    "graphmode_update_context does not point it at its buffer"
-                )
-            rows = tensor.shape[1] if name in ("input_ids", "position_ids") else tensor.shape[0]
-            if rows != bucket:
-                raise ConformanceFailure(
-                    f"[step context] vendor {vendor.name}: {name} has {rows} rows for a batch of {batch} in bucket "
-                    f"{bucket}; graphs must be captured at their bucket's size"
-                )
         assert attn.is_decoding
         capacity = attn.block_offsets.shape[1] * meta.block_size
         if 0 < attn.max_kv_seq_len < capacity:
@@ -162,5 +187,6 @@ class HookContractTests(ConformanceFixtures):
                 f"[step context] vendor {vendor.name}: the graph context has max_kv_seq_len="
                 f"{attn.max_kv_seq_len}. A graph freezes host values, so every replay would use the "
                 "capture step's max length; graph contexts must pass -1 where the kernel derives it on "
-                f"the device, or a bound valid at every replay: the block table's capacity, {capacity}"
+                f"the device, or a bound valid at every replay: the block table's capacity, {capacity}. Hook: "
+                "graphmode_update_context (or the GraphSpec's max_kv_seq_len policy)"
             )

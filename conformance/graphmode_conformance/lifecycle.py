@@ -7,18 +7,18 @@ import pytest
 import torch
 
 from graphmode_conformance.fixtures import ConformanceFixtures
-from graphmode_conformance.harness import ConformanceFailure, Harness
+from graphmode_conformance.harness import ConformanceFailure
 
 __all__ = ["CapabilityTests", "KVCacheIntegrityTests", "LifecycleTests", "ParameterUpdateTests"]
 
 
 class KVCacheIntegrityTests(ConformanceFixtures):
     def test_padding_never_touches_the_reserved_block(self, harness):
-        reserved = [harness.slot_rows(t)[: harness.sizes.block_size].clone() for pair in harness.graph_cache for t in pair]
+        reserved = [harness.slot_rows(t)[: harness.sizes.block].clone() for pair in harness.graph_cache for t in pair]
         seqs = harness.start(11)
         for batch in (11, 5, 9, 2, 11, 7):
             harness.step(seqs[:batch])
-        after = [harness.slot_rows(t)[: harness.sizes.block_size] for pair in harness.graph_cache for t in pair]
+        after = [harness.slot_rows(t)[: harness.sizes.block] for pair in harness.graph_cache for t in pair]
         assert all(torch.equal(a, b) for a, b in zip(reserved, after)), "the reserved block 0 changed"
 
     def test_sequences_left_out_of_a_step_keep_their_cache(self, harness):
@@ -73,16 +73,16 @@ class LifecycleTests(ConformanceFixtures):
         harness.step(seqs)
         assert harness.runner.stats.eager_steps["prefill"] == 1
 
-    def test_batch_above_the_capture_sizes_runs_eagerly(self, vendor, device, sizes):
-        harness = Harness.build(vendor, device, sizes, capture_batch_sizes=[1, 2, 4])
+    def test_batch_above_the_capture_sizes_runs_eagerly(self, build_harness):
+        harness = build_harness(capture_batch_sizes=[1, 2, 4])
         seqs = harness.start(6)
         harness.step(seqs)
         harness.step(seqs[:3])
         assert harness.runner.stats.eager_steps["no_bucket"] == 1
         assert harness.runner.stats.replays + harness.runner.stats.captures == 1
 
-    def test_eager_mode_runs_everything_eagerly(self, vendor, device, sizes):
-        harness = Harness.build(vendor, device, sizes, execute_mode="eager")
+    def test_eager_mode_runs_everything_eagerly(self, build_harness):
+        harness = build_harness(execute_mode="eager")
         seqs = harness.start(3)
         harness.step(seqs)
         assert harness.runner.stats.eager_steps == {"eager_mode": 2}

@@ -9,17 +9,20 @@ that reason."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from graphmode.errors import ConfigError
 from graphmode_conformance.fixtures import ConformanceFixtures
-from graphmode_conformance.harness import Harness, Sizes
+from graphmode_conformance.harness import Harness
+from graphmode_conformance.sizes import MIN_MAX_BATCHES
 
 __all__ = ["MultiTokenDecodeTests"]
 
 Q_LENS = (1, 2, 4)
-BATCH_SIZES = [1, 4, 8]  # within every Sizes.max_batches of at least 8
+BATCH_SIZES = [1, 4, 8, 12]  # the harness runs at max_batches 12
 
 
 class MultiTokenHarness(Harness):
@@ -53,7 +56,7 @@ class MultiTokenHarness(Harness):
 class MultiTokenDecodeTests(ConformanceFixtures):
     @pytest.fixture
     def multi_token_harness(self, vendor, device, sizes) -> MultiTokenHarness:
-        small = Sizes(min(sizes.max_batches, 8), sizes.block_size, sizes.table_width, sizes.steps)
+        small = dataclasses.replace(sizes, max_batches=MIN_MAX_BATCHES, capture_sizes=None)
         try:
             harness = MultiTokenHarness.build(
                 vendor, device, small, max_q_len=max(Q_LENS), capture_batch_sizes=BATCH_SIZES,

@@ -4,6 +4,8 @@ decode step (outputs, and the cache changed only at the live tokens' slots)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -54,9 +56,9 @@ class PiecewiseHarness(Harness):
 
 class PiecewiseTests(ConformanceFixtures):
     @pytest.fixture(params=["piecewise", "full_and_piecewise"])
-    def piecewise_harness(self, request, vendor, device, sizes) -> PiecewiseHarness:
-        harness = PiecewiseHarness.build(
-            vendor, device, _smaller(sizes), execute_mode=request.param, capture_token_sizes=TOKEN_SIZES,
+    def piecewise_harness(self, request, build_harness, sizes) -> PiecewiseHarness:
+        harness = build_harness(
+            PiecewiseHarness, _smaller(sizes), execute_mode=request.param, capture_token_sizes=TOKEN_SIZES,
             capture_batch_sizes=BATCH_SIZES,
         )
         assert isinstance(harness, PiecewiseHarness)  # Harness.build makes the class it is called on
@@ -108,19 +110,20 @@ class PiecewiseTests(ConformanceFixtures):
         piecewise_harness.checked(seqs, engine.prefill(seqs, [1, 4, 1]))
         assert piecewise_harness.runner.stats.piecewise_captures == captured  # nothing captured after warm-up
 
-    def test_offloaded_layers_with_host_loads_between_graphs(self, vendor, device, sizes):
+    def test_offloaded_layers_with_host_loads_between_graphs(self, vendor, device, sizes, build_harness, vendor_options):
         """Seed 004's pattern: the layers run from a ring of weight buffers
         loaded by ``host_break`` between the layer graphs at every replay."""
-        sizes = _smaller(sizes)
-        harness = PiecewiseHarness.build(vendor, device, sizes, execute_mode="piecewise",
-                                         capture_token_sizes=TOKEN_SIZES)
+        harness = build_harness(PiecewiseHarness, _smaller(sizes), execute_mode="piecewise",
+                                capture_token_sizes=TOKEN_SIZES)
+        sizes = harness.sizes
         assert isinstance(harness, PiecewiseHarness)
         offloaded = OffloadedLlama(harness.model, num_buffers=1)
         harness.runner = graphmode.GraphRunner(
             offloaded,
             graphmode.RunnerConfig(
-                sizes.max_batches, sizes.table_width, sizes.block_size, device, execute_mode="piecewise",
+                sizes.max_batches, sizes.table_width, sizes.block, device, execute_mode="piecewise",
                 num_layers=ModelConfig.tiny().num_hidden_layers, capture_token_sizes=tuple(TOKEN_SIZES),
+                vendor_options=dict(vendor_options) if vendor_options else None,
             ),
             vendor,
         )
@@ -135,5 +138,6 @@ class PiecewiseTests(ConformanceFixtures):
 
 def _smaller(sizes: Sizes) -> Sizes:
     """At most 12 sequences: the piecewise steps check the whole cache after
-    every step, and batch sizes are not what these tests vary."""
-    return Sizes(min(sizes.max_batches, 12), sizes.block_size, sizes.table_width, sizes.steps)
+    every step, and batch sizes are not what these tests vary (nor capture
+    lists: the tests give their own)."""
+    return dataclasses.replace(sizes, max_batches=min(sizes.max_batches, 12), capture_sizes=None)

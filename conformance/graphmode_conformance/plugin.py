@@ -9,6 +9,13 @@ Options:
                                entry point (a plugin in development, a variant)
     --graphmode-xfails FILE    test ids expected to fail, one per line, # comments
     --graphmode-report FILE    a JSON report, one record per test
+    --graphmode-block-size N, --graphmode-max-batches N, --graphmode-table-width N,
+    --graphmode-capture-sizes 1,3,6, --graphmode-dtype float32|bfloat16|float16
+                               sizes over the vendor's declarations and the
+                               suite's defaults (graphmode_conformance.sizes)
+
+Every test that builds a runner runs under each of the vendor's declared
+``GraphSpec.option_variants`` (e.g. both Ascend update paths).
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ import torch
 
 import graphmode
 from graphmode.plugins import load_vendor, select_vendor
-from graphmode.runner.setup import default_capture_sizes
-from graphmode_conformance.harness import Sizes
+from graphmode_conformance.fixtures import ConformanceFixtures
+from graphmode_conformance.sizes import DTYPES, Sizes, sizes_from_options, vendor_capture_sizes
 
 ENV_PREFIXES = ("GRAPHMODE_", "ASCEND_", "CUDA_VISIBLE", "MLU_VISIBLE", "TORCH_NPU", "NCCL_")
 
@@ -47,6 +54,12 @@ def pytest_addoption(parser):
     group.addoption("--graphmode-plugin", default=None, help="module:object: a plugin to test that is not installed")
     group.addoption("--graphmode-xfails", default=None, help="file of test ids expected to fail")
     group.addoption("--graphmode-report", default=None, help="write a JSON report here")
+    group.addoption("--graphmode-block-size", default=None, help="KV-cache block size (default: the vendor's first declared)")
+    group.addoption("--graphmode-max-batches", default=None, help="the runner's max_batches (default 48)")
+    group.addoption("--graphmode-table-width", default=None, help="block-table buffer width, in blocks (default 8)")
+    group.addoption("--graphmode-capture-sizes", default=None,
+                    help="a user capture list, e.g. 1,3,6 (default: the vendor's policy)")
+    group.addoption("--graphmode-dtype", default=None, choices=sorted(DTYPES), help="model dtype (default float32)")
 
 
 def resolve_target(vendor: str | None, device: str | None, plugin: str | None = None) -> Target:
@@ -70,6 +83,27 @@ def resolve_target(vendor: str | None, device: str | None, plugin: str | None = 
 def graphmode_target(request) -> Target:
     """The vendor and device under test, from the command-line options."""
     return request.config._graphmode.get_target()
+
+
+def variant_id(variant: Any) -> str:
+    return ",".join(f"{k}={v}" for k, v in variant.items()) or "defaults"
+
+
+def pytest_generate_tests(metafunc):
+    """Every test that builds a runner, under each of the vendor's declared
+    option variants, when the vendor comes from the options (a class that
+    overrides ``vendor`` parametrizes ``vendor_options`` itself)."""
+    cls = metafunc.cls
+    if "vendor_options" not in metafunc.fixturenames or cls is None or not issubclass(cls, ConformanceFixtures):
+        return
+    if next(c for c in cls.__mro__ if "vendor" in vars(c)) is not ConformanceFixtures:
+        return  # the class names its own vendor
+    try:
+        variants = metafunc.config._graphmode.get_target().vendor.spec.option_variants
+    except Exception:  # the fixtures report a bad target, once per test, with its error
+        return
+    if variants:
+        metafunc.parametrize("vendor_options", [dict(v) for v in variants], ids=[variant_id(v) for v in variants])
 
 
 def pytest_configure(config):
@@ -101,7 +135,7 @@ class _State:
             target = self.get_target()
         except graphmode.GraphModeError as error:
             return [f"graphmode: no vendor under test: {error}"]
-        return [f"graphmode: {line}" for line in describe(target)]
+        return [f"graphmode: {line}" for line in describe(target, sizes_from_options(config))]
 
     def pytest_collection_modifyitems(self, config, items):
         for item in items:
@@ -143,7 +177,7 @@ class _State:
         target = self.target
         data = {
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "header": describe(target) if target else [],
+            "header": describe(target, sizes_from_options(self.config)) if target else [],
             "vendor": target.vendor.name if target else None,
             "device": str(target.device) if target else None,
             "exit_status": int(exitstatus),
@@ -152,8 +186,9 @@ class _State:
         Path(path).write_text(json.dumps(data, indent=1))
 
 
-def describe(target: Target) -> list[str]:
-    """What is under test: vendor, device, versions, environment."""
+def describe(target: Target, sizes: Sizes | None = None) -> list[str]:
+    """What is under test: vendor, device, versions, the sizes and capture
+    list used, the option variants, the environment."""
     info = target.vendor.info
     device = target.device
     if device.type == "cpu":
@@ -167,18 +202,38 @@ def describe(target: Target) -> list[str]:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
-    sizes = Sizes()
+    sizes = sizes or Sizes()
+    vendor = target.vendor
     try:
-        capture = f"{list(default_capture_sizes(target.vendor, sizes.max_batches))}"
+        capture = capture_list(vendor, sizes)
     except Exception as error:  # the header reports; the tests diagnose
         capture = f"not available ({type(error).__name__}: {error})".splitlines()[0]
+        size_line = f"sizes: not available ({type(error).__name__})"
+    else:
+        size_line = f"sizes: {sizes.describe(vendor)}"
+    try:
+        variants = vendor.spec.option_variants
+    except Exception:
+        variants = ()
     return [
-        f"vendor {target.vendor.name} (plugin {target.vendor.version}), runtime {info.runtime} "
+        f"vendor {vendor.name} (plugin {vendor.version}), runtime {info.runtime} "
         f"{info.runtime_version or 'not installed'}, capabilities {sorted(info.capabilities) or 'none'}",
         f"device {device} ({device_name}); torch {torch.__version__}; graphmode {version}",
-        f"capture list at the suite's max_batches={sizes.max_batches}: {capture}",
+        size_line,
+        f"capture list at max_batches={sizes.max_batches}: {capture}",
+        "option variants (GraphSpec.option_variants), each test under every one: "
+        + (", ".join(variant_id(v) for v in variants) if variants else "none (the vendor's defaults)"),
         f"environment: {env or 'no graphmode-related variables set'}",
     ]
+
+
+def capture_list(vendor: graphmode.Vendor, sizes: Sizes) -> str:
+    """The capture list a harness at ``sizes`` gets, and where it came from."""
+    produced = list(vendor_capture_sizes(vendor, sizes))
+    if sizes.capture_sizes is None:
+        return f"{produced} (the vendor's policy)"
+    trimmed = "" if produced == list(sizes.capture_sizes) else f", trimmed by the vendor from {list(sizes.capture_sizes)}"
+    return f"{produced} (given{trimmed})"
 
 
 def _read_xfails(path: Path) -> dict[str, str]:

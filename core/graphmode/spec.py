@@ -25,7 +25,7 @@ model, read from the step's ``extras``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,6 +259,10 @@ class GraphSpec:
         decode kernel takes several causal queries per sequence. A runner
         asking for more (``max_q_len``) is refused at configuration time,
         with ``max_q_len_reason`` (why the kernels stop there).
+    option_variants: the ``vendor_options`` configurations the vendor must
+        work under, each a dict of option fields (Ascend: both update
+        paths). The conformance suite runs its harness under every one in
+        every run; () runs it once, with the defaults.
     """
 
     buffers: tuple[BufferSpec, ...]
@@ -269,6 +273,7 @@ class GraphSpec:
     options: type = NoOptions
     max_q_len: int | None = 1
     max_q_len_reason: str = "its decode kernel is not declared to take several queries per sequence"
+    option_variants: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
     names: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -297,6 +302,17 @@ class GraphSpec:
             raise ConfigError(f"GraphSpec max_q_len={self.max_q_len!r}: use an int >= 1, or None for no limit")
         if not dataclasses.is_dataclass(self.options):
             raise ConfigError(f"GraphSpec options={self.options!r} must be a dataclass type")
+        object.__setattr__(self, "option_variants", tuple(self.option_variants))
+        known = {f.name for f in dataclasses.fields(self.options) if f.init and not f.metadata.get("removed")}
+        for index, variant in enumerate(self.option_variants):
+            if not isinstance(variant, Mapping):
+                raise ConfigError(f"GraphSpec option_variants[{index}]={variant!r}: give a dict of option fields")
+            unknown = sorted(set(variant) - known)
+            if unknown:
+                raise ConfigError(
+                    f"GraphSpec option_variants[{index}] has {unknown}, not fields of {self.options.__name__} "
+                    f"({sorted(known) or 'none'})"
+                )
 
     def buffer(self, name: str) -> BufferSpec:
         for spec in self.buffers:

@@ -1,0 +1,335 @@
+"""Structural checks over every buffer the vendor declares
+(:class:`graphmode.spec.GraphSpec`), not only the core's names.
+
+- :class:`DeclaredBuffers` after every fill: the padding rows of the bucket
+  hold the declared padding value, the block-table columns right of a
+  narrower table too, rows no step writes hold their padding, and the live
+  rows hold the step's values (its declared source, or the live constant).
+  A failure names the buffer, the rows, their values, the hook responsible
+  and the mechanism (left stale after a larger bucket ran, after a shrink
+  inside the bucket, reset to a bound other than the bucket, a value other
+  than the declared one).
+- :func:`check_context`: every declared context field of a graph context is
+  a view of its buffer's first rows, ``bucket`` of them.
+- :func:`step_tensors` / :func:`check_unmodified`: the engine's own step
+  tensors are left as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphmode.buckets import next_power_of_2
+from graphmode.buffers import step_value
+from graphmode.context import StepInputs
+from graphmode.meta import GraphMeta
+from graphmode.spec import BLOCKS, BufferSpec, GraphSpec
+
+__all__ = ["ConformanceFailure", "DeclaredBuffers", "check_context", "check_unmodified", "step_tensors"]
+
+_ATTN_TENSORS = ("block_offsets", "q_start_loc", "q_seqlens", "kv_seqlens", "kv_start_indices", "kv_seqlens_cpu", "x_active_mask")
+
+
+class ConformanceFailure(AssertionError):
+    """A check failed; the message names the check, the step and a likely cause."""
+
+
+def _values(tensor: torch.Tensor, limit: int = 8) -> str:
+    """Rows of a tensor for a message: scalars per row, or short lists."""
+    rows = tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
+    shown = [r[0].item() if r.numel() == 1 else r.tolist()[:6] for r in rows[:limit]]
+    return f"{shown}{' ...' if rows.shape[0] > limit else ''}"
+
+
+def _span(rows: list[int]) -> str:
+    return f"{rows[0]}..{rows[-1]}" if rows == list(range(rows[0], rows[-1] + 1)) else str(rows[:12])
+
+
+def _bad_rows(got: torch.Tensor, want: torch.Tensor) -> list[int]:
+    """Indices (along dimension 0) of rows where got and want differ."""
+    if got.numel() == 0:
+        return []
+    differ = (got != want).reshape(got.shape[0], -1).any(dim=1)
+    return differ.nonzero().flatten().tolist()
+
+
+def _rows_first(tensor: torch.Tensor, spec: BufferSpec) -> torch.Tensor:
+    """The tensor with its row dimension first (input_ids is (1, tokens))."""
+    return tensor.movedim(spec.row_dim, 0)
+
+
+def source_value(spec: BufferSpec, step: StepInputs) -> Any:
+    """The step's value for a sourced buffer's live rows, as the core reads it."""
+    if callable(spec.source):
+        return spec.source(step)
+    for path in spec.sources:
+        value = step_value(step, path)
+        if value is not None:
+            return value
+    return None
+
+
+class DeclaredBuffers:
+    """Checks every declared buffer after a fill of ``(batch, bucket)`` and
+    remembers the steps, to name how padding went stale."""
+
+    def __init__(self, vendor: Any, meta: GraphMeta) -> None:
+        self.vendor = vendor
+        self.spec: GraphSpec = meta.spec
+        cpu = torch.device("cpu")
+        self.declared = {
+            b.name: b.allocate(meta.max_batchs, meta.max_tokens, meta.num_blocks, cpu) for b in self.spec.buffers
+        }
+        self.last: tuple[int, int] | None = None  # (batch, bucket) of the last checked fill
+
+    @staticmethod
+    def snapshot(meta: GraphMeta) -> dict[str, torch.Tensor]:
+        """The buffers' values now (before a fill), on the host."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in meta.input_buffers.items()}
+
+    def check(
+        self, where: str, meta: GraphMeta, step: StepInputs, batch: int, bucket: int, before: dict[str, torch.Tensor],
+    ) -> None:
+        """Raise :class:`ConformanceFailure` if a declared buffer does not
+        hold what the declarations say after the fill of this step."""
+        try:
+            problems = []
+            for spec in self.spec.buffers:
+                problem = self._check_buffer(spec, meta, step, batch, bucket, before)
+                if problem:
+                    problems.append((spec.name, problem))
+            if problems:
+                others = [name for name, _ in problems[1:]]
+                more = f" (buffers {', '.join(others)} are wrong too)" if others else ""
+                raise ConformanceFailure(f"[declared buffers] {where}: {problems[0][1]}{more}")
+        finally:
+            self.last = (batch, bucket)
+
+    def _check_buffer(
+        self, spec: BufferSpec, meta: GraphMeta, step: StepInputs, batch: int, bucket: int,
+        before: dict[str, torch.Tensor],
+    ) -> str | None:
+        name = spec.name
+        buffer = meta.input_buffers.get(name)
+        if buffer is None:
+            return f"buffer {name} is declared but graphmode_make_buffers did not make it"
+        got = _rows_first(buffer.detach().cpu(), spec)
+        want = _rows_first(self.declared[name], spec)
+        if tuple(got.shape) != tuple(want.shape) or buffer.dtype != spec.dtype:
+            return (
+                f"buffer {name} is {tuple(buffer.shape)} {buffer.dtype}, declared {tuple(self.declared[name].shape)} "
+                f"{spec.dtype}: graphmode_make_buffers made it otherwise than declared"
+            )
+        per_seq = step.num_tokens // batch
+        live, full = (step.num_tokens, bucket * per_seq) if spec.per_token else (batch, bucket)
+        if not spec.written and self.vendor.implements("graphmode_fill_buffers"):
+            # A buffer the vendor's own fill hook writes: its live rows are the
+            # vendor's to check; its padding rows must hold the declared value.
+            bad = [live + r for r in _bad_rows(got[live:full], want[live:full])]
+            if bad:
+                return self._padding_problem(spec, meta, got, want, before, bad, live, full, batch, bucket)
+            return None
+        if not spec.written:  # no step writes it: every row of the bucket holds its padding
+            bad = _bad_rows(got[:full], want[:full])
+            if bad:
+                return (
+                    f"buffer {name} (declared padding {spec.padding!r}, written by no step) rows {_span(bad)} hold "
+                    f"{_values(got[bad])}: graphmode_fill_buffers wrote into a buffer the declarations say no step writes"
+                )
+            return None
+        bad = [live + r for r in _bad_rows(got[live:full], want[live:full])]
+        if bad:
+            return self._padding_problem(spec, meta, got, want, before, bad, live, full, batch, bucket)
+        live_rows = got[:live]
+        if spec.live is not None:
+            wrong = _bad_rows(live_rows, torch.full_like(live_rows, spec.live))
+            if wrong:
+                return (
+                    f"buffer {name} live rows {_span(wrong)} hold {_values(live_rows[wrong])}, not the declared live "
+                    f"value {spec.live!r}: graphmode_fill_buffers did not set them"
+                )
+            return None
+        value = source_value(spec, step)
+        if not isinstance(value, torch.Tensor):
+            return None  # the runner refuses a step without it
+        value = _rows_first(value.detach().cpu().to(spec.dtype), spec)
+        if BLOCKS in spec.shape:
+            blocks = spec.shape.index(BLOCKS)
+            dim = blocks + 1 if blocks < spec.row_dim else blocks  # with the row dimension moved first
+            width = value.shape[dim]
+            tail = live_rows.narrow(dim, width, live_rows.shape[dim] - width)
+            tail_want = want[:live].narrow(dim, width, live_rows.shape[dim] - width)
+            wrong = _bad_rows(tail, tail_want)
+            if wrong:
+                return (
+                    f"buffer {name}: live rows {_span(wrong)} hold {_values(tail[wrong])} right of this step's "
+                    f"{width}-column table, not the declared padding {spec.padding!r}: graphmode_fill_buffers left "
+                    "columns of an earlier, wider table (block tables vary in width from step to step)"
+                )
+            live_rows = live_rows.narrow(dim, 0, width)
+        if value.numel() != live_rows.numel():
+            return None  # the runner refuses a misshapen step input
+        value = value.reshape(live_rows.shape)
+        wrong = _bad_rows(live_rows, value)
+        if wrong:
+            origin = "its source function" if callable(spec.source) else " or ".join(spec.sources)
+            return (
+                f"buffer {name} live rows {_span(wrong)} hold {_values(live_rows[wrong])}, but this step's "
+                f"{origin} is {_values(value[wrong])}: graphmode_fill_buffers did not copy the step's values "
+                "into the live rows"
+            )
+        return None
+
+    def _padding_problem(
+        self, spec: BufferSpec, meta: GraphMeta, got: torch.Tensor, want: torch.Tensor,
+        before: dict[str, torch.Tensor], bad: list[int], live: int, full: int, batch: int, bucket: int,
+    ) -> str:
+        name = spec.name
+        head = (
+            f"buffer {name} padding rows {_span(bad)} hold {_values(got[bad])}, not the declared padding "
+            f"{spec.padding!r} (GraphSpec), after a batch of {batch} in bucket {bucket} (live rows 0..{live - 1}, "
+            f"padding rows {live}..{full - 1})"
+        )
+        made = meta.padding_buffers.get(name)
+        if made is not None and not torch.equal(_rows_first(made.detach().cpu(), spec)[bad], want[bad]):
+            return (
+                f"{head}. Hook: graphmode_make_buffers made {name} holding {_values(_rows_first(made.cpu(), spec)[bad])} "
+                "there, and every step resets padding rows to what it made: allocate each buffer holding its "
+                "declared padding"
+            )
+        previous = _rows_first(before[name], spec) if name in before else None
+        stale = previous is not None and not _bad_rows(got[bad], previous[bad])
+        if not stale:
+            note = ""
+            if name == "kv_seqlens":
+                note = (
+                    f" That is a padding kv length other than the vendor's declared {spec.padding!r}, the length "
+                    "its kernels need for padding rows"
+                )
+            return (
+                f"{head}. Hook: graphmode_fill_buffers wrote {_values(got[bad])} into padding rows.{note}. Fix: reset "
+                "padding rows to the declared value (graphmode.buffers.fill does)"
+            )
+        first = bad[0]
+        reset_before = previous is not None and first > live and bool(_bad_rows(previous[live:first], want[live:first]))
+        if reset_before:
+            bound = f"row {first}"
+            if first == next_power_of_2(live):
+                bound += f", the next power of two above the batch ({live})"
+            mechanism = (
+                f"it reset rows {live}..{first - 1} but not rows {first}..{full - 1}: padding reset to a bound "
+                f"({bound}) other than the bucket ({full}); reset every row up to the bucket"
+            )
+        elif self.last is not None and self.last[1] > bucket:
+            mechanism = (
+                f"these rows still hold what the step of bucket {self.last[1]} (batch {self.last[0]}) wrote: "
+                f"padding left stale when bucket {bucket} was reused after a larger bucket ran; reset every "
+                "padding row at every step, whatever ran before"
+            )
+        elif self.last is not None and self.last[1] == bucket and self.last[0] > batch:
+            mechanism = (
+                f"these rows still hold the live values of the previous step (batch {self.last[0]}): padding "
+                f"left stale after the batch shrank from {self.last[0]} to {batch} inside bucket {bucket}; reset "
+                "every padding row at every step"
+            )
+        else:
+            mechanism = "these rows still hold an earlier step's values: padding left stale; reset every padding row at every step"
+        return f"{head}. Hook: graphmode_fill_buffers did not reset them: {mechanism}"
+
+
+def _context_value(context: StepInputs, path: str) -> Any:
+    try:
+        return step_value(context, path)
+    except AttributeError:
+        return None
+
+
+def check_context(
+    where: str, spec: GraphSpec, meta: GraphMeta, context: StepInputs, batch: int, bucket: int, per_seq: int = 1,
+) -> None:
+    """Every declared context field of ``context`` (a graph context) is a
+    view of its buffer's first rows, as many as the bucket has."""
+    for buffer_spec in spec.buffers:
+        buffer = meta.input_buffers[buffer_spec.name]
+        rows = bucket * per_seq if buffer_spec.per_token else bucket
+        for path in buffer_spec.contexts:
+            value = _context_value(context, path)
+            if not isinstance(value, torch.Tensor):
+                raise ConformanceFailure(
+                    f"[step context] {where}: {path} of the graph context is {type(value).__name__}, not a view of "
+                    f"its declared buffer {buffer_spec.name}. Hook: graphmode_update_context must put every declared "
+                    "context field in the context (graphmode.buffers.graph_context does)"
+                )
+            same = value.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            if not same or value.data_ptr() != buffer.data_ptr():
+                what = "another part of" if same else "not a view of"
+                raise ConformanceFailure(
+                    f"[step context] {where}: {path} of the graph context is {what} its buffer "
+                    f"{buffer_spec.name}, so a graph would read the capture step's tensor forever. Hook: "
+                    "graphmode_update_context does not point it at the first rows of its buffer"
+                )
+            got = value.shape[buffer_spec.row_dim] if value.dim() > buffer_spec.row_dim else None
+            if got != rows:
+                raise ConformanceFailure(
+                    f"[step context] {where}: {path} has {got} rows for a batch of {batch} in bucket {bucket}; "
+                    f"graphs must be captured at their bucket's size ({rows} rows). Hook: graphmode_update_context"
+                )
+
+
+def step_tensors(step: StepInputs) -> dict[str, torch.Tensor]:
+    """Copies of every tensor the engine passed with a step, by path."""
+    attn = step.attn_metadata
+    found: dict[str, Any] = {"input_ids": step.input_ids, "position_ids": step.position_ids}
+    found.update({f"attn_metadata.{n}": getattr(attn, n) for n in _ATTN_TENSORS})
+    found.update({f"attn_metadata.vendor_fields.{n}": v for n, v in attn.vendor_fields.items()})
+    found.update({f"extras.{n}": v for n, v in step.extras.items()})
+    return {path: v.detach().clone() for path, v in found.items() if isinstance(v, torch.Tensor)}
+
+
+def changed_tensors(step: StepInputs, snapshot: dict[str, torch.Tensor]) -> list[str]:
+    now = step_tensors(step)
+    return [p for p, v in snapshot.items() if p in now and not torch.equal(now[p], v)]
+
+
+def check_unmodified(
+    where: str, step: StepInputs, snapshot: dict[str, torch.Tensor], probes: list[tuple[str, Callable[[StepInputs], Any]]],
+) -> None:
+    """The engine's step tensors hold what they held before the runner ran;
+    when one changed, ``probes`` (hook name, a call of that hook on a copy of
+    the step) find the hook that changes them."""
+    changed = changed_tensors(step, snapshot)
+    if not changed:
+        return
+    path = changed[0]
+    now = step_tensors(step)[path]
+    culprit = "the graph step (no buffer hook changed it when called alone: the model's forward on the graph context?)"
+    for hook, call in probes:
+        probe = _copy_step(step, snapshot)
+        call(probe)
+        if changed_tensors(probe, snapshot):
+            culprit = hook
+            break
+    raise ConformanceFailure(
+        f"[engine inputs] {where}: the runner modified the engine's {path} in place: {_values(snapshot[path])} became "
+        f"{_values(now)}{' (also ' + ', '.join(changed[1:]) + ')' if len(changed) > 1 else ''}. Hook: {culprit}. "
+        "An engine reuses its step tensors (and runs eager steps on them): copy into the graph's buffers, never "
+        "write into the step's tensors"
+    )
+
+
+def _copy_step(step: StepInputs, snapshot: dict[str, torch.Tensor]) -> StepInputs:
+    """The step as it was before the runner ran, in fresh tensors."""
+    def fresh(path: str, value: Any) -> Any:
+        return snapshot[path].clone() if path in snapshot else value
+
+    attn = step.attn_metadata.replace(
+        **{n: fresh(f"attn_metadata.{n}", getattr(step.attn_metadata, n)) for n in _ATTN_TENSORS},
+        vendor_fields={n: fresh(f"attn_metadata.vendor_fields.{n}", v) for n, v in step.attn_metadata.vendor_fields.items()},
+    )
+    extras = {n: fresh(f"extras.{n}", v) for n, v in step.extras.items()}
+    return StepInputs(
+        fresh("input_ids", step.input_ids), fresh("position_ids", step.position_ids), step.past_key_values, attn, extras
+    )

@@ -1,0 +1,256 @@
+"""Deliberately broken vendor plugins, one per bug class.
+
+Each is a copy of a real plugin with one hook changed, the way real vendor
+bugs look. The suite must fail on every one, its first failure naming the
+hook and the mechanism, and pass on the unchanged originals
+(``tests/test_conformance_suite.py``). Point the suite at one, from tests/,
+with ``graphmode conformance --device cpu --plugin broken_plugins:NAME``
+(plus the options in ``OPTIONS`` where it has some).
+
+They live here, not in the conformance package, which imports no vendor
+package.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+import graphmode.default as cuda
+import graphmode_ascend.plugin as ascend
+import graphmode_camb.plugin as camb
+import graphmode_maca.plugin as maca
+import graphmode_ppu.plugin as ppu
+from graphmode import buffers, hookimpl
+from graphmode.buckets import next_power_of_2, smallest_bucket
+from graphmode_ascend.graph import AscendGraph
+
+__all__ = ["BROKEN", "OPTIONS", "ORIGINALS", "variant"]
+
+
+def variant(base: Any, name: str, **changes: Any) -> types.SimpleNamespace:
+    """A plugin object with every hook implementation of ``base``, the given
+    ones replaced."""
+    plugin = types.SimpleNamespace(__name__=name, __version__="broken")
+    for attr in dir(base):
+        if attr.startswith("graphmode_"):
+            setattr(plugin, attr, getattr(base, attr))
+    for attr, function in changes.items():
+        setattr(plugin, attr, function)
+    return plugin
+
+
+# 1. Padding slots index 0 instead of -1: padding rows write into slot 0,
+#    the reserved block.
+@hookimpl(wrapper=True)
+def _slot_zero(meta):
+    buffers = yield
+    buffers["kv_start_indices"].zero_()
+    return buffers
+
+
+# 2. Padding not reset after a larger batch (upstream Camb and MACA): stale
+#    slots of the earlier batch's sequences stay in the padding rows.
+@hookimpl
+def _live_rows_only(meta, inputs, batch_size, bucket):
+    buffers.fill(meta, inputs, batch_size, batch_size)  # the batch as the bucket: no padding rows reset
+    return True
+
+
+# 3. The step context not pointed at a buffer: the graph reads a copy made at
+#    capture, never refilled.
+@hookimpl(wrapper=True)
+def _context_copy(meta, inputs, batch_size, bucket):
+    static = yield
+    static.attn_metadata.kv_seqlens = static.attn_metadata.kv_seqlens.clone()
+    return static
+
+
+# 4. A max length frozen at capture (upstream PPU's .item()): the kernel keeps
+#    reading only the capture step's longest sequence.
+@hookimpl(wrapper=True)
+def _frozen_max_len(meta, inputs, batch_size, bucket):
+    static = yield
+    static.attn_metadata.max_kv_seq_len = inputs.attn_metadata.max_kv_seq_len
+    return static
+
+
+# 5. Host kv lengths never pushed into the graph.
+@hookimpl
+def _no_update(graph, meta, batch_size, bucket):
+    return None
+
+
+# 6. A compatible size smaller than the batch.
+@hookimpl
+def _bucket_below_batch(batch_size, capture_sizes):
+    fitting = [size for size in capture_sizes if size <= batch_size]
+    return fitting[-1] if fitting else smallest_bucket(batch_size, capture_sizes)
+
+
+# 7. Capture at a size other than the bucket: the context holds the batch's
+#    rows, so the graph computes only as many rows as its capture step had.
+@hookimpl
+def _capture_at_batch_size(meta, inputs, batch_size, bucket):
+    return cuda.graphmode_update_context(meta, inputs, batch_size, batch_size)
+
+
+# 8. Outputs not cut to the live batch.
+@hookimpl
+def _unsliced_outputs(meta, batch_size, num_tokens):
+    return meta.output_buffers["output"]
+
+
+# 9. A -1 ("derive it") max length given to a kernel without that rule: PPU's
+#    FlashAttention varlen kernel returns zeros for max_seqlen_k <= 0.
+@hookimpl(wrapper=True)
+def _minus_one_max_len(meta, inputs, batch_size, bucket):
+    static = yield
+    static.attn_metadata.max_kv_seq_len = -1
+    return static
+
+
+# 10. Padding reset only over the rows this bucket's own previous step used
+#     (each bucket remembers its last batch): right while one bucket runs,
+#     stale once a larger bucket has written those rows in between.
+@hookimpl
+def _reset_own_rows_only(meta, inputs, batch_size, bucket):
+    last = meta.vendor_state.setdefault("last_batch", {})
+    previous = last.get(bucket, batch_size)
+    buffers.fill(meta, inputs, batch_size, batch_size)  # live rows only
+    _reset_rows(meta, batch_size, max(previous, batch_size))
+    last[bucket] = batch_size
+    return True
+
+
+# 11. Padding reset only when the bucket changes (a step in the same bucket
+#     as the last one "has clean padding already"): stale after a shrink.
+@hookimpl
+def _reset_on_bucket_change(meta, inputs, batch_size, bucket):
+    changed = meta.vendor_state.get("last_bucket") != bucket
+    buffers.fill(meta, inputs, batch_size, bucket if changed else batch_size)
+    meta.vendor_state["last_bucket"] = bucket
+    return True
+
+
+def _reset_rows(meta, start: int, stop: int) -> None:
+    """Padding for rows start..stop-1 of every written buffer (decode: one token per row)."""
+    for spec in meta.spec.buffers:
+        if spec.written and stop > start:
+            buffer, padding = meta.input_buffers[spec.name], meta.padding_buffers[spec.name]
+            buffer.narrow(spec.row_dim, start, stop - start).copy_(padding.narrow(spec.row_dim, start, stop - start))
+
+
+# 12. Padding reset up to the next power of two above the batch, not the
+#     bucket: right for power-of-two capture lists only.
+@hookimpl
+def _reset_to_power_of_two(meta, inputs, batch_size, bucket):
+    buffers.fill(meta, inputs, batch_size, min(next_power_of_2(batch_size), meta.max_batchs))
+    return True
+
+
+# 13. MACA's kernels need padding kv length 0 (declared); the fill writes
+#     CUDA's 1 into the padding rows.
+@hookimpl(wrapper=True)
+def _cuda_padding_kv_length(meta, inputs, batch_size, bucket):
+    result = yield
+    meta.input_buffers["kv_seqlens"][batch_size:bucket] = 1
+    return result
+
+
+# 14. A device-to-host read in the fill (upstream PPU's .item() of the max length).
+@hookimpl
+def _fill_reading_max_len(meta, inputs, batch_size, bucket):
+    meta.vendor_state["max_kv_seq_len"] = int(inputs.attn_metadata.kv_seqlens.max().item())
+    buffers.fill(meta, inputs, batch_size, bucket)
+    return True
+
+
+# 15. A device-to-host read in the parameter update: skip the push when no
+#     row is live, asked of the device mask.
+@hookimpl
+def _update_asking_the_device(graph, meta, batch_size, bucket):
+    if bool(meta.input_buffers["x_active_mask"][:bucket].any()):
+        graph.push_kv_lengths(meta.input_buffers["kv_seqlens"][:bucket].tolist())
+
+
+# 16. A device-to-host read in the outputs: the token count summed from the
+#     device's q_seqlens.
+@hookimpl
+def _outputs_counting_on_the_device(meta, batch_size, num_tokens):
+    tokens = int(meta.input_buffers["q_seqlens"][:batch_size].sum())
+    return meta.output_buffers["output"][:, :tokens]
+
+
+# 17. A parameter update that does not wait for the replay still reading the
+#     previous values (Ascend's push without its stream wait).
+class _SkipsTheWait(AscendGraph):
+    def push_kv_lengths(self, lengths: list[int]) -> None:
+        assert self._capture is not None
+        if self.update_path == "graph_update":
+            self.npu_graph.update(cpu_update_input=[{"actual_seq_lengths_kv": lengths}])
+        else:
+            self._capture.update(lengths)
+
+
+@hookimpl
+def _graph_skipping_the_wait(meta):
+    return _SkipsTheWait(meta.device, meta.vendor_options.update_path)
+
+
+# 18. Outputs cut from the wrong rows: the last num_tokens rows, as if
+#     padding came first.
+@hookimpl
+def _last_rows_as_outputs(meta, batch_size, num_tokens):
+    return meta.output_buffers["output"][:, -num_tokens:]
+
+
+# 19. The engine's input tensors modified: FIA's cumulative query lengths
+#     computed in place, in the step's own q_seqlens.
+@hookimpl(wrapper=True)
+def _cumulative_lengths_in_place(meta, inputs, batch_size, bucket):
+    q_seqlens = inputs.attn_metadata.q_seqlens
+    torch.cumsum(q_seqlens, 0, out=q_seqlens)
+    return (yield)
+
+
+BROKEN = {
+    "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
+    "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
+    "context_not_on_buffer": variant(cuda, "context_not_on_buffer", graphmode_update_context=_context_copy),
+    "frozen_max_len": variant(camb, "frozen_max_len", graphmode_update_context=_frozen_max_len),
+    "kv_lengths_never_pushed": variant(ascend, "kv_lengths_never_pushed", graphmode_update_graph_params=_no_update),
+    "bucket_below_batch": variant(cuda, "bucket_below_batch", graphmode_compatible_size=_bucket_below_batch),
+    "captured_at_batch_size": variant(cuda, "captured_at_batch_size", graphmode_update_context=_capture_at_batch_size),
+    "unsliced_outputs": variant(cuda, "unsliced_outputs", graphmode_get_outputs=_unsliced_outputs),
+    "minus_one_max_len": variant(ppu, "minus_one_max_len", graphmode_update_context=_minus_one_max_len),
+    "stale_after_larger_bucket": variant(camb, "stale_after_larger_bucket", graphmode_fill_buffers=_reset_own_rows_only),
+    "stale_after_shrink": variant(maca, "stale_after_shrink", graphmode_fill_buffers=_reset_on_bucket_change),
+    "padding_to_power_of_two": variant(camb, "padding_to_power_of_two", graphmode_fill_buffers=_reset_to_power_of_two),
+    "wrong_padding_kv_length": variant(maca, "wrong_padding_kv_length", graphmode_fill_buffers=_cuda_padding_kv_length),
+    "host_read_in_fill": variant(ppu, "host_read_in_fill", graphmode_fill_buffers=_fill_reading_max_len),
+    "host_read_in_update": variant(ascend, "host_read_in_update", graphmode_update_graph_params=_update_asking_the_device),
+    "host_read_in_outputs": variant(cuda, "host_read_in_outputs", graphmode_get_outputs=_outputs_counting_on_the_device),
+    "update_without_wait": variant(ascend, "update_without_wait", graphmode_make_graph=_graph_skipping_the_wait),
+    "outputs_from_wrong_rows": variant(cuda, "outputs_from_wrong_rows", graphmode_get_outputs=_last_rows_as_outputs),
+    "mutates_engine_inputs": variant(ascend, "mutates_engine_inputs", graphmode_fill_buffers=_cumulative_lengths_in_place),
+}
+
+# Options a broken plugin runs with: a capture list that is not powers of two.
+OPTIONS = {
+    "padding_to_power_of_two": ["--capture-sizes", "1,3,6,12,24,48"],
+}
+
+# The correct plugins the broken ones vary, loaded the same way.
+ORIGINALS = {
+    "cuda_original": variant(cuda, "cuda_original"),
+    "camb_original": variant(camb, "camb_original"),
+    "ascend_original": variant(ascend, "ascend_original"),
+    "maca_original": variant(maca, "maca_original"),
+    "ppu_original": variant(ppu, "ppu_original"),
+}
+
+globals().update(BROKEN)
+globals().update(ORIGINALS)
