@@ -31,6 +31,8 @@ import torch
 import graphmode
 from graphmode.bench.workload import Workload
 from graphmode.model import ModelConfig
+from graphmode.runner.runner import _check_same_objects
+from graphmode.runner.validate import check_inputs
 
 
 def replay_time(before: Callable[[], None], replay: Callable[[], None], repeats: int) -> float:
@@ -101,6 +103,30 @@ def main() -> None:
             print(f"batch {batch}:")
             for name, before in rows.items():
                 print(f"  {name:28} {replay_time(before, graph.replay, args.repeats):9.1f}")
+            call = lambda: runner(step.input_ids, step.position_ids, step.past_key_values, step.attn_metadata)  # noqa: E731
+            print(f"  {'(the whole runner call)':28} {replay_time(lambda: None, call, args.repeats):9.1f}")
+            # The runner's replay path, step by step, each part timed in place.
+            parts: dict[str, list[float]] = {}
+            for _ in range(args.repeats):
+                torch.cuda.synchronize()
+                marks = [("start", time.perf_counter())]
+                runner._busy.acquire(blocking=False)
+                runner._busy.release()
+                marks.append(("lock", time.perf_counter()))
+                check_inputs(step, runner.config)
+                marks.append(("check_inputs", time.perf_counter()))
+                _check_same_objects(captured, step)
+                marks.append(("same objects", time.perf_counter()))
+                fill()
+                marks.append(("fill", time.perf_counter()))
+                graph.replay()
+                marks.append(("replay", time.perf_counter()))
+                hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
+                marks.append(("outputs", time.perf_counter()))
+                for (_, then), (name, now) in zip(marks, marks[1:]):
+                    parts.setdefault(name, []).append(now - then)
+            print("  the replay path in place: " + ", ".join(
+                f"{name} {statistics.median(values) * 1e6:.1f}" for name, values in parts.items()))
 
 
 if __name__ == "__main__":

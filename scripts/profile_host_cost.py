@@ -8,6 +8,8 @@ the kernel launches of one step (torch.profiler). Needs a GPU.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -68,6 +70,17 @@ def main() -> None:
             call()
     print("\none runner call at the last batch size, 20 calls profiled (CPU side):")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    # The Python side, function by function (cProfile's overhead inflates
+    # every call alike; the ranking is what it shows).
+    python = cProfile.Profile()
+    with torch.inference_mode():
+        for _ in range(200):
+            torch.cuda.synchronize()
+            python.enable()
+            call()
+            python.disable()
+    print("\n200 runner calls under cProfile, by own time:")
+    pstats.Stats(python).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":
