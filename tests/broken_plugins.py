@@ -25,6 +25,7 @@ import graphmode_maca.plugin as maca
 import graphmode_ppu.plugin as ppu
 from graphmode import buffers, hookimpl
 from graphmode.buckets import next_power_of_2, smallest_bucket
+from graphmode.model import ReferenceAttentionOps
 from graphmode_ascend.graph import AscendGraph
 
 __all__ = ["BROKEN", "OPTIONS", "ORIGINALS", "variant"]
@@ -216,6 +217,20 @@ def _cumulative_lengths_in_place(meta, inputs, batch_size, bucket):
     return (yield)
 
 
+class _HotSoftmaxOps(ReferenceAttentionOps):
+    """Decode attention at 1.5 times the softmax scale (a kernel that folds
+    the scale in twice, say): wrong in graphs and eagerly alike."""
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        return super().paged_decode_attention(query, k_cache, v_cache, attn, scale * 1.5)
+
+
+# 20. A kernel computing something else than its contract, in graphs and eagerly.
+@hookimpl
+def _hot_softmax_ops():
+    return _HotSoftmaxOps()
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -236,6 +251,7 @@ BROKEN = {
     "update_without_wait": variant(ascend, "update_without_wait", graphmode_make_graph=_graph_skipping_the_wait),
     "outputs_from_wrong_rows": variant(cuda, "outputs_from_wrong_rows", graphmode_get_outputs=_last_rows_as_outputs),
     "mutates_engine_inputs": variant(ascend, "mutates_engine_inputs", graphmode_fill_buffers=_cumulative_lengths_in_place),
+    "kernel_off_contract": variant(cuda, "kernel_off_contract", graphmode_attention_ops=_hot_softmax_ops),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

@@ -15,6 +15,11 @@ pytestmark = pytest.mark.slow
 
 # What the first failure of each broken plugin must say: the hook and the mechanism.
 DIAGNOSES = {
+    "kernel_off_contract": (
+        "[kernels] vendor cuda: on the decode 1 step",
+        "differing from graphmode's reference kernels",
+        "graphmode_attention_ops",
+    ),
     "slot_zero_padding": (
         "buffer kv_start_indices held [0] when made, not its declared padding -1",
         "graphmode_make_buffers must return every buffer holding its padding",

@@ -62,8 +62,10 @@ class SlotBlockVendor:
         return SLOT_BLOCK_SPEC
 
     @graphmode.hookimpl
-    def graphmode_attention_ops(self):
-        return SlotBlockOps()
+    def graphmode_attention_ops(self, options):
+        ops = SlotBlockOps()
+        ops.fast_path = options.fast_path  # an option the kernels read
+        return ops
 
 
 def test_a_declared_kernel_input_is_allocated_filled_padded_and_viewed():
@@ -289,3 +291,15 @@ def test_a_function_source_computes_on_the_host_under_host_staging():
         graph, eager = setup.decode(seqs[:batch])
         torch.testing.assert_close(graph, eager)
     assert setup.runner.staging is not None and setup.caches_close()
+
+
+def test_the_vendors_options_reach_its_kernels():
+    from graphmode.model import ModelConfig, build_reference_model
+
+    vendor = graphmode.load_vendor("slotblock", plugin=SlotBlockVendor())
+    assert vendor.attention_ops().fast_path is True  # the options' default
+    assert vendor.attention_ops({"fast_path": False}).fast_path is False
+    model = build_reference_model(ModelConfig.tiny(), vendor, vendor_options={"fast_path": False})
+    assert model.ops.fast_path is False
+    with pytest.raises(ConfigError, match=r"unknown vendor_options \['fast'\]"):
+        vendor.attention_ops({"fast": True})

@@ -25,6 +25,7 @@ from graphmode_conformance.equivalence import GraphEqualsEagerTests
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure, Harness, Sizes
 from graphmode_conformance.hooks import HookContractTests
+from graphmode_conformance.kernels import KernelTests
 from graphmode_conformance.lifecycle import (
     CapabilityTests,
     KVCacheIntegrityTests,
@@ -43,6 +44,7 @@ __all__ = [
     "Harness",
     "HookContractTests",
     "KVCacheIntegrityTests",
+    "KernelTests",
     "LifecycleTests",
     "MultiTokenDecodeTests",
     "ParameterUpdateTests",
@@ -61,6 +63,7 @@ class ConformanceTests(
     KVCacheIntegrityTests,
     LifecycleTests,
     CapabilityTests,
+    KernelTests,
     HookContractTests,
 ):
     """Every check of the suite: inherit it and provide ``vendor`` and

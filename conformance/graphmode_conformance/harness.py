@@ -82,10 +82,12 @@ class Harness:
         each step's longest sequence needs."""
         sizes = sizes.resolved(vendor)
         config = model_config or ModelConfig.tiny(sizes.dtype)
-        model = build_reference_model(config, vendor, device, seed=seed)
         runner_options.setdefault("capture_batch_sizes", sizes.capture_sizes)
         if vendor_options is not None:
             runner_options.setdefault("vendor_options", dict(vendor_options))
+        # The model's kernels and the runner under the same options.
+        model = build_reference_model(config, vendor, device, seed=seed,
+                                      vendor_options=runner_options.get("vendor_options"))
         runner = graphmode.GraphRunner(
             model,
             graphmode.RunnerConfig(
@@ -302,7 +304,9 @@ class Harness:
                         f"{where}: the graph step changed {len(slots)} {name}-cache slots of layer "
                         f"{layer} that no live token of this step writes ({'; '.join(hurt)}). "
                         "Likely cause: a padding slot wrote into the cache (padding slots must be -1), "
-                        "or a stale slot index from an earlier, larger batch"
+                        "a stale slot index from an earlier, larger batch, or the vendor's fill_kv_cache "
+                        "writing for slot -1 (which must write nothing: indexing with -1 writes the "
+                        "cache's last slot)"
                     )
                 graph_rows = self.slot_rows(new)[written].float()
                 eager_rows = self.slot_rows(eager)[written].float()

@@ -107,7 +107,8 @@ class ParameterUpdateTests(ConformanceFixtures):
 class CapabilityTests(ConformanceFixtures):
     def test_graph_context_passes_a_dynamic_max_length(self, capabilities, harness, vendor):
         if "positive_max_len_limits" not in capabilities:
-            pytest.skip("the vendor's kernel ignores max lengths")
+            pytest.skip("the vendor does not declare positive_max_len_limits (a kernel that derives -1 maxima "
+                        "and would honour a positive one)")
         seqs = harness.start(3)
         step = harness.engine.decode(seqs)
         meta = harness.runner.graph_meta()

@@ -225,13 +225,19 @@ def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int) 
 
 
 @hookspec(firstresult=True)
-def graphmode_attention_ops() -> AttentionOps:
+def graphmode_attention_ops(options: Any) -> AttentionOps:
     """The vendor's attention kernels behind graphmode's :class:`AttentionOps`
     protocol (``graphmode.model.ops``): ``layout``, ``contract``,
     ``cache_shape``, ``make_kv_cache``, ``block_view``, ``fill_kv_cache``,
     ``paged_decode_attention``, ``prefill_attention``. Called when a model is
-    built for the vendor and once per runner (a model's ops must follow the
-    runner's vendor's ``contract``).
+    built for the vendor (``build_reference_model``, the Hugging Face
+    adapter) and once per runner (a model's ops must follow the runner's
+    vendor's ``contract``).
+
+    ``options``: the vendor's options object (its ``GraphSpec.options``
+    dataclass, built and checked from the engine's ``vendor_options``), for
+    kernels whose behaviour an option chooses; an implementation that needs
+    none leaves the parameter out.
 
     Stops at the first non-None result.
     """

@@ -267,6 +267,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     vendor: Any = None,
     seed: int = 0,
+    vendor_options: Any = None,
 ) -> HuggingFaceModel:
     """A :class:`HuggingFaceModel` on ``device`` in ``dtype`` with the
     attention ops of ``vendor`` (a :class:`graphmode.Vendor`, a name, or None
@@ -275,6 +276,8 @@ def load_model(
     path_or_config: a local model directory (``config.json`` and weights; read
     with ``local_files_only=True``, nothing is downloaded), or a transformers
     config, which gets random weights drawn with ``seed``.
+    vendor_options: the vendor's options for its attention ops (what the
+    engine passes the runner too).
     """
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -283,7 +286,7 @@ def load_model(
     _check_transformers()
     register_attention()
     chosen = vendor if isinstance(vendor, Vendor) else select_vendor(vendor, device)
-    ops = chosen.hook.graphmode_attention_ops()
+    ops = chosen.attention_ops(vendor_options)
     options = {"attn_implementation": ATTENTION, _dtype_argument(): dtype}
     if isinstance(path_or_config, PretrainedConfig):
         # Drawn on the CPU, so that a seed gives the same weights on every device.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from graphmode.errors import ConfigError
@@ -22,7 +24,7 @@ __all__ = [
 
 def build_reference_model(
     config: ModelConfig, vendor=None, device: torch.device | str = "cpu", seed: int = 0,
-    ops: AttentionOps | None = None,
+    ops: AttentionOps | None = None, vendor_options: Any = None,
 ) -> LlamaModel:
     """The reference model on ``device``, in eval mode, weights from ``seed``.
 
@@ -35,7 +37,8 @@ def build_reference_model(
       any plugin exists; no plugin manager is involved;
     - ``vendor=`` (a :class:`graphmode.Vendor`, a vendor name, or None for the
       built-in one), a convenience: the vendor's ``graphmode_attention_ops``
-      hook gives the ops.
+      hook gives the ops, built for ``vendor_options`` (what the engine passes
+      the runner too; None for the vendor's defaults).
 
     Giving both is an error: the model would silently ignore one of them.
     """
@@ -46,18 +49,18 @@ def build_reference_model(
                 "pass ops= alone to use those ops, or vendor= alone to use the vendor's"
             )
     else:
-        ops = _vendor_ops(vendor)
+        ops = _vendor_ops(vendor, vendor_options)
     model = LlamaModel(config, ops).init_weights(seed).to(device=device, dtype=config.dtype)
     # Rotary angles stay in float32 whatever the weights' dtype.
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     return model.eval()
 
 
-def _vendor_ops(vendor) -> AttentionOps:
+def _vendor_ops(vendor: Any, vendor_options: Any) -> AttentionOps:
     """The attention ops of ``vendor`` (a Vendor, a name, or None: the built-in)."""
     # Only this convenience needs the plugin manager (and through it the vendors).
     from graphmode.plugins import Vendor, load_vendor
 
     if not isinstance(vendor, Vendor):
         vendor = load_vendor(vendor or "cuda")
-    return vendor.hook.graphmode_attention_ops()
+    return vendor.attention_ops(vendor_options)

@@ -116,6 +116,12 @@ class Vendor:
             )
         return spec
 
+    def attention_ops(self, vendor_options: Any = None) -> Any:
+        """The vendor's attention ops, built for ``vendor_options`` (a dict of
+        its options' fields, its options object, or None for the defaults)."""
+        options = self.spec.make_options(vendor_options, self.name)
+        return self.hook.graphmode_attention_ops(options=options)
+
     def implements(self, hook_name: str) -> bool:
         """Whether the vendor plugin itself (not the defaults) implements it."""
         return any(impl.plugin is self.plugin for impl in getattr(self.hook, hook_name).get_hookimpls())

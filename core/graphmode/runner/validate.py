@@ -233,7 +233,7 @@ def check_model_ops(model: Any, vendor: Any) -> None:
     contract = getattr(ops, "contract", None)
     if contract is None:
         return
-    expected = vendor.hook.graphmode_attention_ops()
+    expected = vendor.attention_ops()
     wanted = getattr(expected, "contract", None)
     if wanted is not None and wanted != contract:
         raise ConfigError(
