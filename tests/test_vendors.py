@@ -116,6 +116,9 @@ def test_ascend_refuses_launch_blocking_with_graphs(monkeypatch):
     monkeypatch.setenv("ASCEND_LAUNCH_BLOCKING", "1")
     with pytest.raises(ConfigError, match="ASCEND_LAUNCH_BLOCKING=1 makes every NPU launch synchronous"):
         tiny_setup("ascend")
+    for mode in ("piecewise", "full_and_piecewise"):  # segment graphs are captured too
+        with pytest.raises(ConfigError, match="ASCEND_LAUNCH_BLOCKING=1"):
+            tiny_setup("ascend", execute_mode=mode)
     assert tiny_setup("ascend", execute_mode="eager").runner.config.execute_mode == "eager"
 
 

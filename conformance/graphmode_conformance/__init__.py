@@ -34,6 +34,7 @@ from graphmode_conformance.lifecycle import (
 )
 from graphmode_conformance.multi_token import MultiTokenDecodeTests
 from graphmode_conformance.piecewise import PiecewiseTests
+from graphmode_conformance.step_inputs import StepInputsTests
 
 __all__ = [
     "CapabilityTests",
@@ -50,6 +51,7 @@ __all__ = [
     "ParameterUpdateTests",
     "PiecewiseTests",
     "Sizes",
+    "StepInputsTests",
 ]
 
 
@@ -59,6 +61,7 @@ class ConformanceTests(
     MultiTokenDecodeTests,
     PiecewiseTests,
     GraphEqualsEagerTests,
+    StepInputsTests,
     ParameterUpdateTests,
     KVCacheIntegrityTests,
     LifecycleTests,

@@ -18,7 +18,7 @@ through the model into another. After every step:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +74,16 @@ class Harness:
         model_config: ModelConfig | None = None,
         seed: int = 0,
         vendor_options: Mapping[str, Any] | None = None,
+        wrap: Callable[[Any], Any] | None = None,
         **runner_options: Any,
     ) -> Harness:
         """A runner of ``vendor`` at ``sizes`` (block size and capture list
         left to the vendor's declarations where ``sizes`` leaves them), under
         ``vendor_options``, and an engine whose block tables are as wide as
-        each step's longest sequence needs."""
+        each step's longest sequence needs. ``wrap``: a function of the
+        reference model giving the model under test (one reading engine step
+        inputs, say); it keeps the model's ``ops``, ``config`` and
+        ``make_kv_cache``."""
         sizes = sizes.resolved(vendor)
         config = model_config or ModelConfig.tiny(sizes.dtype)
         runner_options.setdefault("capture_batch_sizes", sizes.capture_sizes)
@@ -88,6 +92,8 @@ class Harness:
         # The model's kernels and the runner under the same options.
         model = build_reference_model(config, vendor, device, seed=seed,
                                       vendor_options=runner_options.get("vendor_options"))
+        if wrap is not None:
+            model = wrap(model)
         runner = graphmode.GraphRunner(
             model,
             graphmode.RunnerConfig(
@@ -128,8 +134,8 @@ class Harness:
         lengths = lengths or [self.engine.rng.randrange(1, longest) for _ in seqs]
         step = self.engine.prefill(seqs, lengths)
         with torch.inference_mode():
-            self.runner(step.input_ids, step.position_ids, self.graph_cache, step.attn_metadata)
-            self.model(step.input_ids, step.position_ids, self.eager_cache, step.attn_metadata)
+            self._call_runner(step)
+            self._call_model(step)
         return seqs
 
     def finish(self, seqs: list[int]) -> None:
@@ -177,7 +183,7 @@ class Harness:
                 self.contexts[bucket] = self._captured_context
             graph = raw.clone() if isinstance(raw, torch.Tensor) else raw
             check_unmodified(where, inputs, snapshot, self._probes(batch, bucket) if graph_step else [])
-            eager = self.model(inputs.input_ids, inputs.position_ids, self.eager_cache, inputs.attn_metadata)
+            eager = self._call_model(inputs)
         if meta is not None and bucket is not None:
             self.check_buffers(where, meta, inputs, batch, bucket, buffers_before)
             context = self.contexts.get(bucket)
@@ -227,6 +233,10 @@ class Harness:
 
     def _call_runner(self, inputs: StepInputs) -> Any:
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata)
+
+    def _call_model(self, inputs: StepInputs) -> Any:
+        """The step eagerly, on the model itself (the reference)."""
+        return self.model(inputs.input_ids, inputs.position_ids, self.eager_cache, inputs.attn_metadata)
 
     def _check_outputs(
         self, where: str, graph: Any, eager: torch.Tensor, seqs: list[int], phase: str, raw: Any = None,

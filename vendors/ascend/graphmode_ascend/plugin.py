@@ -130,7 +130,7 @@ def graphmode_graph_spec() -> GraphSpec:
 
 @hookimpl
 def graphmode_check_config(config: RunnerConfig) -> None:
-    if config.execute_mode == "graph" and os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
+    if config.execute_mode != "eager" and os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":  # every graph mode
         raise ConfigError(
             "ASCEND_LAUNCH_BLOCKING=1 makes every NPU launch synchronous, which graph capture "
             "cannot record; unset it, or run with execute_mode='eager' to debug launches"
