@@ -9,15 +9,14 @@ import types
 
 import pytest
 import torch
+from broken_plugins import _graph_skipping_the_wait  # the Ascend graph with its wait taken out
 from setups import tiny_setup
 
-import graphmode
 import graphmode_ascend.plugin as ascend
 from graphmode import CaptureError, ReplayError
 from graphmode.emulator import EmulatedGraph
 from graphmode_ascend import emulated_npu as npu
 from graphmode_ascend.emulated_npu import register_updatable
-from graphmode_ascend.graph import AscendGraph
 
 
 # The schemas are written out (as torch 2.13 infers them): torch 2.5 infers
@@ -223,22 +222,6 @@ def test_a_task_update_while_the_previous_replay_is_in_flight_is_refused():
     assert out[:, 0].tolist() == [4.0, 4.0]
 
 
-# The Ascend graph with its wait taken out: it pushes this step's kv lengths
-# while the previous replay may still be reading them.
-class SkipsTheWait(AscendGraph):
-    def push_kv_lengths(self, lengths: list[int]) -> None:
-        assert self._capture is not None
-        if self.update_path == "graph_update":
-            self.npu_graph.update(cpu_update_input=[{"actual_seq_lengths_kv": lengths}])
-        else:
-            self._capture.update(lengths)
-
-
-@graphmode.hookimpl
-def _make_graph_skipping_the_wait(meta):
-    return SkipsTheWait(meta.device, meta.vendor_options.update_path)
-
-
 def _ascend_variant(name: str, **changes) -> types.SimpleNamespace:
     plugin = types.SimpleNamespace(__name__=name)
     for attr in dir(ascend):
@@ -266,7 +249,7 @@ def test_the_ascend_graph_waits_for_the_previous_replay_before_pushing_kv_length
 @pytest.mark.parametrize("path, where", [("graph_update", "NPUGraph.update"), ("task_group", "graph_task_update_begin")])
 def test_an_ascend_graph_that_skips_the_wait_is_refused_on_its_second_replay(path, where, monkeypatch):
     monkeypatch.setenv("GRAPHMODE_ASCEND_UPDATE_PATH", path)
-    plugin = _ascend_variant("skips_the_wait", graphmode_make_graph=_make_graph_skipping_the_wait)
+    plugin = _ascend_variant("skips_the_wait", graphmode_make_graph=_graph_skipping_the_wait)
     setup = tiny_setup("ascend", plugin=plugin)
     seqs = setup.prefill(3, [2, 9, 17])
     setup.decode(seqs)  # the capture

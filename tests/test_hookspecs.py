@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from broken_plugins import _frozen_max_len, _live_rows_only  # the suite's own plants
 from plugins import walkthrough
 
 import graphmode
@@ -211,21 +212,6 @@ def _next_size_up(batch_size, capture_sizes):
 def _without_padding(meta):
     # Zeroed buffers: padding slots 0, lengths 0, instead of the declared padding.
     return {name: torch.zeros_like(tensor) for name, tensor in buffers.allocate(meta).items()}
-
-
-@hookimpl
-def _live_rows_only(meta, inputs, batch_size, bucket):
-    # Padding rows left as an earlier, larger batch wrote them.
-    buffers.fill(meta, inputs, batch_size, batch_size)
-    return True
-
-
-@hookimpl(wrapper=True)
-def _frozen_max_len(meta, inputs, batch_size, bucket):
-    # The capture step's maximum, frozen into every replay.
-    static = yield
-    static.attn_metadata.max_kv_seq_len = inputs.attn_metadata.max_kv_seq_len
-    return static
 
 
 @hookimpl

@@ -234,6 +234,14 @@ class Harness:
     def _call_runner(self, inputs: StepInputs) -> Any:
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata)
 
+    def _graph_and_eager(self, inputs: StepInputs) -> tuple[Any, Any]:
+        """The step through the runner (its result copied: the next step
+        overwrites it) and eagerly on the model."""
+        with torch.inference_mode():
+            graph = self._call_runner(inputs)
+            graph = graph.clone() if isinstance(graph, torch.Tensor) else graph
+            return graph, self._call_model(inputs)
+
     def _call_model(self, inputs: StepInputs) -> Any:
         """The step eagerly, on the model itself (the reference)."""
         return self.model(inputs.input_ids, inputs.position_ids, self.eager_cache, inputs.attn_metadata)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from graphmode.errors import ConfigError
 from graphmode_conformance.fixtures import ConformanceFixtures
@@ -35,10 +34,7 @@ class MultiTokenHarness(Harness):
         phase = "replay" if bucket is not None and self.runner.graph(bucket, q_len) is not None else "capture"
         replays = self.runner.stats.replays
         before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
-        with torch.inference_mode():
-            graph = self._call_runner(inputs)
-            graph = graph.clone() if isinstance(graph, torch.Tensor) else graph
-            eager = self.model(inputs.input_ids, inputs.position_ids, self.eager_cache, inputs.attn_metadata)
+        graph, eager = self._graph_and_eager(inputs)
         self.steps_run += 1
         where = (
             f"[{self.check}] vendor {self.vendor.name} on {self.device}, batch {len(seqs)} x q_len {q_len}, "

@@ -33,10 +33,7 @@ class PiecewiseHarness(Harness):
         bucket = piecewise.bucket_of(inputs.num_tokens)
         phase = "replay" if bucket in piecewise.captured_buckets else "capture"
         before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
-        with torch.inference_mode():
-            graph = self._call_runner(inputs)
-            graph = graph.clone() if isinstance(graph, torch.Tensor) else graph
-            eager = self.model(inputs.input_ids, inputs.position_ids, self.eager_cache, inputs.attn_metadata)
+        graph, eager = self._graph_and_eager(inputs)
         self.steps_run += 1
         where = (
             f"[{self.check}] vendor {self.vendor.name} on {self.device}, {self.runner.config.execute_mode}, "

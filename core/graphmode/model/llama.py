@@ -90,6 +90,14 @@ class DecoderLayer(nn.Module):
         return hidden + self.reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
+def embed(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The step's first hidden states and rotary angles (cos, sin), from a
+    model's ``embed_tokens`` and ``rope_cos`` / ``rope_sin`` tables."""
+    positions = position_ids[0]
+    cos, sin = model.rope_cos[positions][:, None, :], model.rope_sin[positions][:, None, :]
+    return model.embed_tokens(input_ids[0]), cos, sin
+
+
 class LlamaModel(nn.Module):
     """The reference decoder. ``model.config`` is its :class:`ModelConfig`."""
 
@@ -143,9 +151,7 @@ class LlamaModel(nn.Module):
         attn_metadata: AttnMetadata,
         **extras: Any,
     ) -> torch.Tensor:
-        positions = position_ids[0]
-        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
-        hidden = self.embed_tokens(input_ids[0])
+        hidden, cos, sin = embed(self, input_ids, position_ids)
         for layer, kv_cache in zip(self.layers, past_key_values):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.lm_head(self.norm(hidden))[None]

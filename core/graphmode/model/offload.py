@@ -19,7 +19,7 @@ from torch import nn
 from graphmode.context import AttnMetadata
 from graphmode.emulator.host import mark_host
 from graphmode.errors import ConfigError
-from graphmode.model.llama import LlamaModel
+from graphmode.model.llama import LlamaModel, embed
 from graphmode.model.ops import KVCache
 from graphmode.piecewise import host_break
 
@@ -71,9 +71,7 @@ class OffloadedLlama(nn.Module):
         attn_metadata: AttnMetadata,
         **extras: Any,
     ) -> torch.Tensor:
-        positions = position_ids[0]
-        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
-        hidden = self.embed_tokens(input_ids[0])
+        hidden, cos, sin = embed(self, input_ids, position_ids)
         for index, kv_cache in enumerate(past_key_values):
             slot = index % len(self.ring)
             host_break(self.load, index, slot)  # host work at every step, between the layer graphs
