@@ -128,6 +128,31 @@ def test_replays_run_no_python_forward_and_segments_break_at_attention():
     assert setup.runner.stats.piecewise_replays == 3
 
 
+def test_an_attention_kernel_taking_out_writes_the_buffer_the_next_segment_reads():
+    # A kernel that takes `out` (the CUDA plugin's prefill on a GPU): the
+    # break point hands it the static buffer's rows instead of copying its
+    # result there.
+    setup = piecewise_setup()
+    ops = setup.model.ops
+    base = type(ops)
+    written: list[int | None] = []
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def prefill_attention(self, query, k_cache, v_cache, attn, scale, out=None):
+            written.append(None if out is None else out.data_ptr())
+            result = base.prefill_attention(self, query, k_cache, v_cache, attn, scale)
+            return result if out is None else out.copy_(result)
+
+    ops.__class__ = Recording
+    seqs = [setup.engine.add() for _ in range(3)]
+    assert_same(setup, *run_step(setup, setup.engine.prefill(seqs, [5, 1, 9])), "captured")
+    written.clear()
+    assert_same(setup, *run_step(setup, setup.engine.prefill(seqs, [4, 4, 4])), "replayed")
+    layers = setup.model.config.num_hidden_layers
+    buffers = [gap[-1].out.data_ptr() for gap in setup.runner.piecewise.graph(16).pieces.gaps[:layers]]
+    assert written == [*buffers] + [None] * layers  # the graph's calls, then the eager reference's
+
+
 def test_graph_equals_eager_for_every_token_count_up_to_the_largest_bucket():
     setup = piecewise_setup(max_batches=4, capture_batch_sizes=None, capture_token_sizes=[1, 2, 4, 8, 16, 24, 32], cache_blocks=33)
     for tokens in range(1, 33):

@@ -82,3 +82,40 @@ def test_every_graph_writes_its_result_into_one_shared_buffer():
         torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5, msg=f"batch {batch}")
     pointers = {setup.runner.graph(b).meta.output_buffers["output"].data_ptr() for b in (1, 2, 4)}
     assert len(pointers) == 1
+
+
+def test_the_largest_graph_captured_first_keeps_its_own_result_as_the_shared_buffer():
+    # Warm-up captures largest first: that graph copies nothing (at 32768
+    # tokens of logits the copy is 2 GiB), and the smaller graphs copy into it.
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4], max_batches=4)
+    with torch.inference_mode():
+        setup.runner.warmup(setup.graph_cache, progress=False)
+    seqs = setup.prefill(4)
+    for batch in (4, 1, 3, 4, 2):
+        graph, eager = setup.decode(seqs[:batch])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5, msg=f"batch {batch}")
+    largest = setup.runner.graph(4).meta.output_buffers["output"]
+    assert largest._base is None  # the graph's own result, not a view of a buffer beside it
+    for bucket in (1, 2):
+        assert setup.runner.graph(bucket).meta.output_buffers["output"].data_ptr() == largest.data_ptr()
+
+
+def test_a_largest_result_that_is_a_view_is_not_adopted_as_the_shared_buffer():
+    # A view may alias what the graph reads (an input buffer, say): smaller
+    # graphs' copies into it would overwrite that. Such a result stays the
+    # graph's own; a fresh result is adopted and later results copied into it.
+    from graphmode.runner.outputs import SharedOutputs
+
+    base = torch.arange(24.0).reshape(1, 8, 3)
+    viewed = SharedOutputs(max_tokens=4)
+    viewed.prepare(base[:, :4], tokens=4)
+    assert viewed.publish(base[:, :4], tokens=4) is not None and viewed.buffers == [None]
+    assert viewed.publish(base[:, :2], tokens=2).data_ptr() == base.data_ptr()  # left as it was: no copy
+
+    fresh = SharedOutputs(max_tokens=4)
+    largest = torch.zeros(1, 4, 3)
+    fresh.prepare(largest, tokens=4)
+    assert fresh.publish(largest, tokens=4) is largest
+    small = torch.ones(1, 2, 3)
+    published = fresh.publish(small, tokens=2)
+    assert published.data_ptr() == largest.data_ptr() and torch.equal(largest[:, :2], small)

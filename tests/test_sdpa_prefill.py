@@ -74,3 +74,20 @@ def test_sdpa_prefill_refuses_lengths_that_miss_this_steps_tokens():
     bad = attn.replace(kv_seqlens=torch.tensor([4], dtype=torch.int32))
     with pytest.raises(ValueError, match="adds 6 tokens but kv_seqlens is 4"):
         sdpa_prefill(ReferenceAttentionOps(), query, k_cache, v_cache, bad, DIM**-0.5)
+
+
+def test_sdpa_prefill_writes_into_out_and_zeroes_rows_no_sequence_owns():
+    query, (k_cache, v_cache), attn = prefill_case([(9, 1), (0, 6), (5, 4)])
+    ops = ReferenceAttentionOps()
+    expected = ops.prefill_attention(query, k_cache, v_cache, attn, DIM**-0.5)
+    out = torch.full_like(query, float("nan"))
+    assert sdpa_prefill(ops, query, k_cache, v_cache, attn, DIM**-0.5, out) is out
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # Two more query rows than the sequences own: those rows come back zero.
+    padded = torch.cat([query, torch.randn(2, HEADS, DIM)])
+    out = torch.full_like(padded, float("nan"))
+    sdpa_prefill(ops, padded, k_cache, v_cache, attn, DIM**-0.5, out)
+    torch.testing.assert_close(out[: len(query)], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[len(query):], torch.zeros(2, HEADS, DIM))
+    with pytest.raises(ValueError, match="out must match"):
+        sdpa_prefill(ops, query, k_cache, v_cache, attn, DIM**-0.5, out[:3])

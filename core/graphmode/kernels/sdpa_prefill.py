@@ -26,6 +26,7 @@ splits at attention.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import defaultdict
 from typing import Any
 
@@ -46,10 +47,11 @@ def opaque_sdpa_prefill() -> Any:
 
 
 def sdpa_prefill(ops: Any, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 attn: AttnMetadata, scale: float) -> torch.Tensor:
+                 attn: AttnMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``ops.prefill_attention``'s contract with fused kernels: (T, H, D)
     queries, each sequence's rows causal over its cached tokens (earlier
-    context and this step's, already written) -> (T, H, D).
+    context and this step's, already written) -> (T, H, D), written into
+    ``out`` when given (and returned).
 
     ``ops`` supplies ``block_view`` (the cache as (num_blocks, block_size, K,
     D)) and ``paged_decode_attention`` (for one-token sequences)."""
@@ -57,7 +59,16 @@ def sdpa_prefill(ops: Any, query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     k_blocks, v_blocks = ops.block_view(k_cache, head_dim), ops.block_view(v_cache, head_dim)
     lengths = torch.stack([attn.q_start_loc.long(), attn.q_seqlens.long(), attn.kv_seqlens.long()]).tolist()
     starts, q_lens, kv_lens = lengths
-    out = torch.zeros_like(query)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"prefill attention: out is {tuple(out.shape)} {out.dtype}, the queries "
+                         f"{tuple(query.shape)} {query.dtype}: out must match them")
+    # Rows no sequence owns are zero; when the sequences tile every row
+    # (always, from a well-formed step) there are none to clear.
+    tiles = list(itertools.accumulate(q_lens, initial=0))
+    if tiles[:-1] != starts or tiles[-1] != query.shape[0]:
+        out.zero_()
     decodes = [seq for seq, q_len in enumerate(q_lens) if q_len == 1]
     if decodes:
         _decode_rows(ops, query, k_cache, v_cache, attn, scale, out, decodes, starts, kv_lens)

@@ -217,7 +217,8 @@ class TritonAttentionOps(ReferenceAttentionOps):
         return _paged_decode_op(query, self.block_view(k_cache, head_dim), self.block_view(v_cache, head_dim),
                                 attn.block_offsets, self._decode_limit(attn).reshape(-1), float(scale))
 
-    def prefill_attention(self, query, k_cache, v_cache, attn, scale):
+    def prefill_attention(self, query, k_cache, v_cache, attn, scale, out=None):
         if query.device.type != "cuda":
-            return super().prefill_attention(query, k_cache, v_cache, attn, scale)
-        return opaque_sdpa_prefill()(self, query, k_cache, v_cache, attn, scale)
+            result = super().prefill_attention(query, k_cache, v_cache, attn, scale)
+            return result if out is None else out.copy_(result)
+        return opaque_sdpa_prefill()(self, query, k_cache, v_cache, attn, scale, out)

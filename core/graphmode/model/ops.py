@@ -118,7 +118,12 @@ class AttentionOps(Protocol):
         starting at ``attn.q_start_loc[b]``, causal over its
         ``attn.kv_seqlens[b]`` cached tokens (earlier context and this step's)
         -> (T, H, D). Eager only (piecewise graphs call it between their
-        segments): it may read host values."""
+        segments): it may read host values.
+
+        Optionally a kernel takes a keyword ``out=None`` (here or in
+        ``paged_decode_attention``): a (T, H, D) tensor to write the result
+        into and return. Piecewise graphs then pass the rows of the buffer
+        the next segment reads, instead of copying the result there."""
 
 
 def write_slots(blocks: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
