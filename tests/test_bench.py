@@ -38,12 +38,14 @@ def test_prefill_workload_runs_every_case_in_every_mode_with_eager_results(capsy
         assert results["max_abs_diff"][mode] == {name: 0.0 for name in names}, mode
         assert set(results["speedup"][mode]) == set(names)
         assert not results["stats"][mode]["eager_steps"] and results["stats"][mode]["padded_tokens"] == 0
-    # piecewise: every step in piecewise graphs (4 steps per case, one capture per bucket);
-    # full_and_piecewise: the decode case in a full graph instead.
+    # Warm-up captures every graph first (one per token bucket, and full_and_piecewise
+    # a full decode graph too); then piecewise replays every step (4 per case) and
+    # full_and_piecewise runs the decode case in its full graph instead.
+    assert set(results["warmup_s"]) == {"piecewise", "full_and_piecewise"}
     assert results["stats"]["piecewise"]["piecewise_captures"] == 4
-    assert results["stats"]["piecewise"]["piecewise_replays"] == 4 * len(names) - 4
+    assert results["stats"]["piecewise"]["piecewise_replays"] == 4 * len(names)
     assert results["stats"]["full_and_piecewise"]["captures"] == 1
-    assert results["stats"]["full_and_piecewise"]["replays"] == 3
+    assert results["stats"]["full_and_piecewise"]["replays"] == 4
     # The printed table: a header with every mode, then one row per case with its sequences and tokens.
     lines = out.splitlines()
     header = lines.index(next(line for line in lines if line.startswith("case ") and "eager" in line))
