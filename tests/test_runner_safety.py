@@ -119,3 +119,37 @@ def test_a_largest_result_that_is_a_view_is_not_adopted_as_the_shared_buffer():
     small = torch.ones(1, 2, 3)
     published = fresh.publish(small, tokens=2)
     assert published.data_ptr() == largest.data_ptr() and torch.equal(largest[:, :2], small)
+
+
+class _Cycle:
+    """Garbage only the cyclic collector frees; its finalizer notes whether
+    a capture was under way (a device graph's finalizer calling the driver
+    there invalidates the capture: seen on the H100)."""
+
+    def __init__(self, seen: list[bool]) -> None:
+        self.seen, self.me = seen, self
+
+    def __del__(self) -> None:
+        from graphmode.emulator import current_session
+
+        self.seen.append(current_session() is not None)
+
+
+@pytest.mark.parametrize("mode", ["graph", "piecewise"])
+def test_no_garbage_collection_runs_inside_a_capture(mode):
+    import gc
+
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4], execute_mode=mode, capture_token_sizes=[4, 8])
+    seqs = setup.prefill(3)
+    seen: list[bool] = []
+    for layer in setup.model.layers:  # garbage made in every forward, the captured ones included
+        layer.register_forward_pre_hook(lambda module, args: _Cycle(seen) and None)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at nearly every allocation
+    try:
+        setup.decode(seqs)  # captures bucket 4 (piecewise: token bucket 4)
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert len(seen) > 2 * len(setup.model.layers) and not any(seen), f"{sum(seen)} finalizers ran in a capture"
+    assert gc.isenabled()
