@@ -128,7 +128,8 @@ def test_replays_run_no_python_forward_and_segments_break_at_attention():
     assert setup.runner.stats.piecewise_replays == 3
 
 
-def test_an_attention_kernel_taking_out_writes_the_buffer_the_next_segment_reads():
+@pytest.mark.parametrize("returns", ["out", "None"])
+def test_an_attention_kernel_taking_out_writes_the_buffer_the_next_segment_reads(returns):
     # A kernel that takes `out` (the CUDA plugin's prefill on a GPU): the
     # break point hands it the static buffer's rows instead of copying its
     # result there.
@@ -141,7 +142,10 @@ def test_an_attention_kernel_taking_out_writes_the_buffer_the_next_segment_reads
         def prefill_attention(self, query, k_cache, v_cache, attn, scale, out=None):
             written.append(None if out is None else out.data_ptr())
             result = base.prefill_attention(self, query, k_cache, v_cache, attn, scale)
-            return result if out is None else out.copy_(result)
+            if out is None:
+                return result
+            out.copy_(result)
+            return out if returns == "out" else None  # None: as a C kernel with an output argument might
 
     ops.__class__ = Recording
     seqs = [setup.engine.add() for _ in range(3)]

@@ -122,7 +122,7 @@ class AttentionOps(Protocol):
 
         Optionally a kernel takes a keyword ``out=None`` (here or in
         ``paged_decode_attention``): a (T, H, D) tensor to write the result
-        into and return. Piecewise graphs then pass the rows of the buffer
+        into and return (or return None). Piecewise graphs then pass the rows of the buffer
         the next segment reads, instead of copying the result there."""
 
 

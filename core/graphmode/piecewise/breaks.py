@@ -115,6 +115,8 @@ class Attention(BreakCall):
         k_cache, v_cache, scale, *extra = self.rest
         into = {"out": self.out[:tokens]} if self.writes_out[kernel] else {}
         result = kernel(self.query[:tokens], k_cache, v_cache, attn, scale, *extra, **into)
+        if result is None and into:  # an out= kernel that returns nothing wrote the rows
+            result = into["out"]
         store_rows(self.out, result, tokens)
 
 
