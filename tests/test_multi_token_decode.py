@@ -72,7 +72,10 @@ def test_padding_rows_are_neutral_in_every_token():
         for graph_cache, eager_cache in ((gk, ek), (gv, ev)):
             flat_g, flat_e = graph_cache[1:].flatten(0, 1), eager_cache[1:].flatten(0, 1)
             live = owned - setup.engine.block_size  # slots of blocks >= 1, as rows of [1:]
-            assert torch.equal(flat_g[live], flat_e[live])
+            # Close, not equal: the graph computes keys for the padded batch (8 rows at q_len 2),
+            # eager for the live rows (6), and CPU GEMMs may round the two shapes differently.
+            # NaN from block 0, or a padding token's write into a live slot, would still fail.
+            torch.testing.assert_close(flat_g[live], flat_e[live], atol=1e-5, rtol=1e-5)
 
 
 def test_decode_kernel_is_causal_among_the_new_tokens():
