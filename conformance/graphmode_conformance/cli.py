@@ -110,12 +110,15 @@ def process_env(target: Target, plugin: str | None) -> dict[str, str]:
 
 def targets(vendor: str | None, device: str | None, plugin: str | None = None) -> list[tuple[str | None, str | None]]:
     """(vendor, device) pairs to run: the asked vendor (or plugin object), the
-    detected one on its device, or every installed vendor on the emulator."""
+    detected one on its device, or every installed vendor on the emulator
+    (asked with ``--device cpu``, or on a machine without accelerator)."""
     if vendor or plugin:
         return [(vendor, device)]
+    if device == "cpu":
+        return [(name, "cpu") for name in installed_vendor_names()]
     detected = select_vendor(None, device)
     accelerator = detected.name != BUILTIN_VENDOR or torch.cuda.is_available()
-    if accelerator or (device and device != "cpu"):
+    if accelerator or device:
         return [(detected.name, device)]
     return [(name, "cpu") for name in installed_vendor_names()]
 
