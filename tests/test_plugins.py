@@ -170,3 +170,30 @@ def test_vendors_command_lists_a_plugin_that_raises_with_its_error(installed, ca
     assert out.rstrip().splitlines()[-1] == (
         "chosen here: cuda (no other vendor's hardware is detected, so the built-in default answers)"
     )
+
+
+def test_direct_skips_pluggy_only_where_the_answer_is_the_same(monkeypatch):
+    import types
+
+    from graphmode import hookimpl
+
+    monkeypatch.delenv("GRAPHMODE_TRACE", raising=False)
+    builtin = load_vendor("cuda")
+    # One implementation (graphmode.default), taking every argument: its function.
+    assert builtin.direct("graphmode_get_outputs") is graphmode.default.graphmode_get_outputs
+    output = torch.arange(12.0).reshape(1, 4, 3)
+    meta = types.SimpleNamespace(output_buffers={"output": output})
+    direct = builtin.direct("graphmode_get_outputs")(meta=meta, batch_size=2, num_tokens=2)
+    assert torch.equal(direct, builtin.hook.graphmode_get_outputs(meta=meta, batch_size=2, num_tokens=2))
+
+    @hookimpl
+    def graphmode_get_outputs(meta, num_tokens):
+        return meta.output_buffers["output"][:, :num_tokens]
+
+    plugin = types.SimpleNamespace(__name__="own", graphmode_get_outputs=graphmode_get_outputs,
+                                   **{name: getattr(graphmode.default, name) for name in ("graphmode_vendor_info",)})
+    own = load_vendor("cuda", plugin=plugin)
+    # The vendor's own and the default: pluggy decides which answers.
+    assert own.direct("graphmode_get_outputs") is own.hook.graphmode_get_outputs
+    monkeypatch.setenv("GRAPHMODE_TRACE", "1")
+    assert builtin.direct("graphmode_get_outputs") is builtin.hook.graphmode_get_outputs  # tracing sees every call

@@ -114,6 +114,9 @@ class GraphRunner:
         # What warm-ups and captures run: the model, or its compiled forward.
         self._compiled = config.compile and config.execute_mode == "graph"
         self._forward = self._compile_model() if self._compiled else model
+        # The replay path's hooks, without pluggy's dispatch where that changes nothing.
+        self._fill_buffers = vendor.direct("graphmode_fill_buffers")
+        self._get_outputs = vendor.direct("graphmode_get_outputs")
         update = self._hook.graphmode_update_graph_params
         self._update_params = update if update.get_hookimpls() else None
         self._staging_refusal = staging_refusal(vendor, config.device)
@@ -289,7 +292,7 @@ class GraphRunner:
         # No hook may read a device value on the host from here on.
         with self._replay_guard as guard:
             guard.running("graphmode_fill_buffers")
-            self._hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+            self._fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
             if self._update_params is not None:
                 guard.running("graphmode_update_graph_params")
                 self._update_params(graph=captured.graph, meta=meta, batch_size=batch, bucket=bucket)
@@ -302,7 +305,7 @@ class GraphRunner:
             self.stats.real_tokens += batch * q_len
             self.stats.padded_tokens += (bucket - batch) * q_len
             guard.running("graphmode_get_outputs")
-            return self._hook.graphmode_get_outputs(meta=meta, batch_size=batch, num_tokens=batch * q_len)
+            return self._get_outputs(meta=meta, batch_size=batch, num_tokens=batch * q_len)
 
     def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
         if self._ranks is not None and not self._ranks.check_replays:
