@@ -26,7 +26,8 @@ __all__ = ["SharedOutputs"]
 
 
 class SharedOutputs:
-    """The shared buffers, made from the first warm-up result.
+    """The shared buffers: allocated from the first warm-up result, or, when
+    the first graph captured is the largest, that graph's own result.
 
     An output tensor is shared when its second dimension is the step's token
     count (the model contract); any other output (a scalar, a tensor of
