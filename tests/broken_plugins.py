@@ -231,6 +231,40 @@ def _hot_softmax_ops():
     return _HotSoftmaxOps()
 
 
+class _OutOps(ReferenceAttentionOps):
+    """The reference kernels with prefill attention taking ``out=`` (written
+    and returned), as the CUDA plugin's SDPA prefill does."""
+
+    rows_written = 1.0  # the share of out's rows the out= path writes
+
+    def prefill_attention(self, query, k_cache, v_cache, attn, scale, out=None):
+        result = super().prefill_attention(query, k_cache, v_cache, attn, scale)
+        if out is None:
+            return result
+        rows = int(out.shape[0] * self.rows_written)
+        out[:rows].copy_(result[:rows])
+        return out
+
+
+class _HalfOutOps(_OutOps):
+    """An ``out=`` path that writes only the first half of the rows (a kernel
+    launched over too few blocks, say); without ``out`` it is right, so only
+    piecewise graphs, which pass ``out``, would see it."""
+
+    rows_written = 0.5
+
+
+@hookimpl
+def _out_ops():
+    return _OutOps()
+
+
+# 21. An out= kernel path that writes part of the rows.
+@hookimpl
+def _half_out_ops():
+    return _HalfOutOps()
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -252,6 +286,7 @@ BROKEN = {
     "outputs_from_wrong_rows": variant(cuda, "outputs_from_wrong_rows", graphmode_get_outputs=_last_rows_as_outputs),
     "mutates_engine_inputs": variant(ascend, "mutates_engine_inputs", graphmode_fill_buffers=_cumulative_lengths_in_place),
     "kernel_off_contract": variant(cuda, "kernel_off_contract", graphmode_attention_ops=_hot_softmax_ops),
+    "out_rows_half_written": variant(cuda, "out_rows_half_written", graphmode_attention_ops=_half_out_ops),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.
@@ -266,6 +301,7 @@ ORIGINALS = {
     "ascend_original": variant(ascend, "ascend_original"),
     "maca_original": variant(maca, "maca_original"),
     "ppu_original": variant(ppu, "ppu_original"),
+    "cuda_out_original": variant(cuda, "cuda_out_original", graphmode_attention_ops=_out_ops),
 }
 
 globals().update(BROKEN)

@@ -15,6 +15,10 @@ pytestmark = pytest.mark.slow
 
 # What the first failure of each broken plugin must say: the hook and the mechanism.
 DIAGNOSES = {
+    "out_rows_half_written": (
+        "[kernels] vendor cuda: prefill_attention(out=) wrote rows",
+        "differently from the result it returns without out",
+    ),
     "kernel_off_contract": (
         "[kernels] vendor cuda: on the decode 1 step",
         "differing from graphmode's reference kernels",

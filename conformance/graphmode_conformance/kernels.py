@@ -9,9 +9,11 @@ in its own layout, and their logits must agree.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from graphmode.model import ReferenceAttentionOps, build_reference_model
+from graphmode.piecewise.breaks import takes_out
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
 
@@ -50,4 +52,47 @@ class KernelTests(ConformanceFixtures):
                         "cause: a kernel of graphmode_attention_ops (fill_kv_cache, prefill_attention, "
                         "paged_decode_attention) computes something else than its contract (masking, scale, "
                         "head mapping, softmax)"
+                    )
+
+    def test_a_kernel_taking_out_writes_what_it_returns_without_it(self, harness, vendor):
+        """``prefill_attention`` and ``paged_decode_attention`` may take
+        ``out=`` (piecewise graphs then pass the buffer the next segment
+        reads): written there, the result must be what the call returns
+        without ``out``, every row of it."""
+        model, engine = harness.model, harness.engine
+        kernels = [name for name in ("prefill_attention", "paged_decode_attention") if takes_out(getattr(model.ops, name))]
+        if not kernels:
+            pytest.skip("the vendor's attention kernels take no out=")
+        cache = model.make_kv_cache(harness.sizes.cache_blocks, harness.sizes.block)
+        seqs = [engine.add() for _ in range(4)]
+        prefill = engine.prefill(seqs, [3, 9, 1, 17])
+        config = model.config
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        with torch.inference_mode():
+            model(prefill.input_ids, prefill.position_ids, cache, prefill.attn_metadata)  # the cache to attend to
+            decode = engine.decode(seqs)
+            model(decode.input_ids, decode.position_ids, cache, decode.attn_metadata)
+            for name, step in (("prefill_attention", prefill), ("paged_decode_attention", decode)):
+                if name not in kernels:
+                    continue
+                kernel = getattr(model.ops, name)
+                shape = (step.num_tokens, config.num_attention_heads, config.head_dim)
+                query = torch.randn(shape, generator=generator).to(model.config.dtype).to(harness.device)
+                k_cache, v_cache = cache[0]
+                scale = config.head_dim**-0.5
+                expected = kernel(query, k_cache, v_cache, step.attn_metadata, scale)
+                out = torch.full_like(query, float("nan"))
+                returned = kernel(query, k_cache, v_cache, step.attn_metadata, scale, out=out)
+                if returned is not None and returned.data_ptr() != out.data_ptr():
+                    raise ConformanceFailure(
+                        f"[kernels] vendor {vendor.name}: {name}(out=) returned a tensor other than out; it must "
+                        "write its result into out and return out (or None)"
+                    )
+                wrong = ~torch.isclose(out.float(), expected.float(), atol=1e-3, rtol=1e-2).flatten(1).all(dim=1)
+                if wrong.any():
+                    raise ConformanceFailure(
+                        f"[kernels] vendor {vendor.name}: {name}(out=) wrote rows {wrong.nonzero().flatten().tolist()[:8]} "
+                        f"of {shape[0]} differently from the result it returns without out. Likely cause: the "
+                        "kernel's out= path writes part of the rows, or another layout, than its result; piecewise "
+                        "graphs read out, so their attention would be wrong"
                     )
