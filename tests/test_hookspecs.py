@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from broken_plugins import _frozen_max_len, _live_rows_only  # the suite's own plants
+from broken_plugins import _frozen_max_len, _live_rows_only, variant  # the suite's own plants
 from plugins import walkthrough
 
 import graphmode
@@ -40,18 +39,6 @@ from graphmode_conformance import Harness, HookContractTests, LifecycleTests, Pa
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS = sorted(name for name in dir(hookspecs) if name.startswith("graphmode_"))
-
-
-def variant(base: Any, name: str, **changes: Any) -> types.SimpleNamespace:
-    """A plugin object with every hook implementation of ``base``, the given
-    ones replaced (or added)."""
-    plugin = types.SimpleNamespace(__name__=name, __version__="sabotaged" if changes else "correct")
-    for attr in dir(base):
-        if attr.startswith("graphmode_"):
-            setattr(plugin, attr, getattr(base, attr))
-    for attr, function in changes.items():
-        setattr(plugin, attr, function)
-    return plugin
 
 
 def harness(vendor: graphmode.Vendor, max_batches: int = 16, **runner_options: Any) -> Harness:

@@ -234,6 +234,19 @@ class Harness:
     def _call_runner(self, inputs: StepInputs) -> Any:
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata)
 
+    def _compared(self, inputs: StepInputs, phase: str, per_token_seqs: list[int], describe: Callable[[int], str]) -> str:
+        """One step through the runner and eagerly, its outputs and the cache
+        checked; ``describe(step number)`` names it in failures. Returns that
+        name, ``[check]`` first."""
+        owners = self._block_owners()
+        before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
+        graph, eager = self._graph_and_eager(inputs)
+        self.steps_run += 1
+        where = f"[{self.check}] {describe(self.steps_run)}"
+        self._check_outputs(where, graph, eager, per_token_seqs, phase)
+        self._check_cache(where, before, owners)
+        return where
+
     def _graph_and_eager(self, inputs: StepInputs) -> tuple[Any, Any]:
         """The step through the runner (its result copied: the next step
         overwrites it) and eagerly on the model."""

@@ -28,21 +28,16 @@ class MultiTokenHarness(Harness):
     """The harness with checked decode steps of ``q_len`` tokens per sequence."""
 
     def decode(self, seqs: list[int], q_len: int) -> None:
-        owners = self._block_owners()
         inputs = self.engine.decode(seqs, q_len)
         bucket = self.runner.bucket_of(len(seqs))
         phase = "replay" if bucket is not None and self.runner.graph(bucket, q_len) is not None else "capture"
         replays = self.runner.stats.replays
-        before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
-        graph, eager = self._graph_and_eager(inputs)
-        self.steps_run += 1
-        where = (
-            f"[{self.check}] vendor {self.vendor.name} on {self.device}, batch {len(seqs)} x q_len {q_len}, "
-            f"bucket {bucket}, step {self.steps_run} ({phase})"
-        )
         # Each sequence id repeated for its tokens, so a wrong token names its sequence.
-        self._check_outputs(where, graph, eager, [s for s in seqs for _ in range(q_len)], phase)
-        self._check_cache(where, before, owners)
+        where = self._compared(
+            inputs, phase, [s for s in seqs for _ in range(q_len)],
+            lambda step: f"vendor {self.vendor.name} on {self.device}, batch {len(seqs)} x q_len {q_len}, "
+                         f"bucket {bucket}, step {step} ({phase})",
+        )
         if phase == "replay":
             assert self.runner.stats.replays == replays + 1, (
                 f"{where}: the step did not replay its (bucket, q_len) graph; runner: {self.runner.stats.summary()}"

@@ -27,22 +27,17 @@ class PiecewiseHarness(Harness):
     """The harness with checked steps of any kind, through a piecewise runner."""
 
     def checked(self, seqs: list[int], inputs: StepInputs) -> None:
-        owners = self._block_owners()
         piecewise = self.runner.piecewise
         assert piecewise is not None
         bucket = piecewise.bucket_of(inputs.num_tokens)
         phase = "replay" if bucket in piecewise.captured_buckets else "capture"
-        before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
-        graph, eager = self._graph_and_eager(inputs)
-        self.steps_run += 1
-        where = (
-            f"[{self.check}] vendor {self.vendor.name} on {self.device}, {self.runner.config.execute_mode}, "
-            f"{inputs.num_tokens} tokens of {len(seqs)} sequences, token bucket {bucket}, step {self.steps_run} ({phase})"
-        )
         # Repeat each sequence id for its tokens, so a wrong token names its sequence.
         per_token = [s for s, n in zip(seqs, inputs.attn_metadata.q_seqlens.tolist()) for _ in range(n)]
-        self._check_outputs(where, graph, eager, per_token, phase)
-        self._check_cache(where, before, owners)
+        self._compared(
+            inputs, phase, per_token,
+            lambda step: f"vendor {self.vendor.name} on {self.device}, {self.runner.config.execute_mode}, "
+                         f"{inputs.num_tokens} tokens of {len(seqs)} sequences, token bucket {bucket}, step {step} ({phase})",
+        )
 
     def prefill(self, seqs: list[int], lengths: list[int]) -> None:
         self.checked(seqs, self.engine.prefill(seqs, lengths))
