@@ -11,7 +11,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The partition count is a runtime argument, not a constant, and is not
+# specialised on: it differs between most batch buckets, and as a constant
+# every bucket would compile kernels of its own (about 20 compilations, 8 s
+# of a first capture of every bucket on an H100, against 4 now).
+@triton.jit(do_not_specialize=["splits"])
 def decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     scale_log2,
@@ -20,16 +24,16 @@ def decode_partition_kernel(
     stride_vn, stride_vt, stride_vh,
     stride_tb,
     stride_ob, stride_oh,
-    capacity, tokens_per_split,
+    capacity, tokens_per_split, splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PARTIAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One (sequence, KV head, partition of the KV length) per program: the
     GROUP query heads sharing that KV head attend over the partition's
     tokens with an online softmax in float32 (base 2).
 
-    With one partition the normalised result goes straight to ``out``;
-    otherwise the unnormalised accumulator and its (max, sum) go to the
+    With one partition (``PARTIAL`` false) the normalised result goes
+    straight to ``out``; otherwise the unnormalised accumulator and its (max, sum) go to the
     partial buffers for :func:`combine_kernel`. A partition past the
     sequence's length writes an empty partial (max -inf, sum 0)."""
     seq = tl.program_id(0)
@@ -76,31 +80,31 @@ def decode_partition_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    if SPLITS == 1:
+    if not PARTIAL:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # nothing visible: zeros, as the reference
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
     else:
-        # partials are (B, H, SPLITS, BLOCK_D) and (B, H, SPLITS, 2), contiguous
-        row = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * SPLITS + split
+        # partials are (B, H, splits, BLOCK_D) and (B, H, splits, 2), contiguous
+        row = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * splits + split
         tl.store(part_acc_ptr + row[:, None] * BLOCK_D + dims[None, :], acc, mask=head_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=head_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def combine_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, num_heads, splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     """One (sequence, query head) per program: merge the partitions'
     partial softmaxes into the normalised output."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
+    parts = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)
-    split_ok = splits < SPLITS
-    row = (seq * num_heads + head).to(tl.int64) * SPLITS + splits
+    split_ok = parts < splits
+    row = (seq * num_heads + head).to(tl.int64) * splits + parts
     m = tl.load(part_ml_ptr + row * 2, mask=split_ok, other=float("-inf"))
     l_part = tl.load(part_ml_ptr + row * 2 + 1, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)

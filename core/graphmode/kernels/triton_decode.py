@@ -132,15 +132,15 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         table.stride(0),
         out.stride(0), out.stride(1),
-        capacity, tokens_per_split,
+        capacity, tokens_per_split, splits,
         GROUP=group, GROUP_PAD=max(16, _next_power_of_two(group)), HEAD_DIM=dim, BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, PAGE=page, SPLITS=splits, PRECISION=precision,
+        BLOCK_N=BLOCK_N, PAGE=page, PARTIAL=splits > 1, PRECISION=precision,
         num_warps=4,
     )
     if splits > 1:
         kernels.combine_kernel[(batch, heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), heads,
-            HEAD_DIM=dim, BLOCK_D=block_d, SPLITS=splits, SPLITS_PAD=max(2, _next_power_of_two(splits)),
+            part_acc, part_ml, out, out.stride(0), out.stride(1), heads, splits,
+            HEAD_DIM=dim, BLOCK_D=block_d, SPLITS_PAD=max(2, _next_power_of_two(splits)),
             num_warps=4,
         )
     return out
