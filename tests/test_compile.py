@@ -72,7 +72,8 @@ def test_eager_mode_compiles_nothing():
 def test_compiled_graphs_equal_eager_and_replay_inductor_kernels():
     """Two buckets over the compiled tiny model: warm-up compiles and
     captures, steps replay, outputs equal the uncompiled model's, and the
-    replayed graph runs Inductor's Triton kernels."""
+    replayed graph runs Inductor's Triton kernels around the CUDA plugin's
+    opaque KV write and decode attention."""
     setup = tiny_setup(device="cuda", max_batches=4, capture_batch_sizes=[2, 4], compile=True)
     runner = setup.runner
     runner.warmup(setup.graph_cache, progress=False)
@@ -94,4 +95,5 @@ def test_compiled_graphs_equal_eager_and_replay_inductor_kernels():
         torch.cuda.synchronize()
     kernels = [event.name for event in profile.events()]
     assert any(name.startswith("triton_") for name in kernels), kernels
+    assert "write_kv_kernel" in kernels and "decode_partition_kernel" in kernels, kernels
     assert "compile" in runner.stats.summary()
