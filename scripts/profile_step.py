@@ -4,9 +4,11 @@ Needs a GPU.
     python scripts/profile_step.py --batches 1,256            # graphmode over torch.compile
     python scripts/profile_step.py --batches 1 --no-compile   # graphmode over the eager kernels
 
-For each batch size: captures the bench model's graph (``compile=True``
-unless told otherwise), times the step (median of the replays, device
-synchronised), then records the replays with torch.profiler (CUPTI reports
+Captures every bucket first, as an engine does at start (a graph replays
+about 15% slower on an H100 once a process holds more than one CUDA graph,
+so a process with one graph would flatter the figures). For each batch
+size: times the step (median of the replays, device synchronised), then
+records the replays with torch.profiler (CUPTI reports
 the kernels a graph launches) and prints, per step: the kernels grouped by
 name (count, total and mean time), the sum of kernel time, and the step's
 span minus that sum, the device idle between the graph's kernels.
@@ -32,16 +34,23 @@ def main() -> None:
     parser.add_argument("--batches", default="1,256")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--compile-mode", default="default", help="torch.compile mode (default, max-autotune-no-cudagraphs)")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     device = torch.device("cuda")
     workload = Workload.build(ModelConfig.bench(), device, steps=args.steps)
-    mode = GraphmodeRunner(workload.model, workload, "cuda", compile=args.compile)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, compile={args.compile}")
+    options = {"compile_options": {"mode": args.compile_mode}} if args.compile else {}
+    mode = GraphmodeRunner(workload.model, workload, "cuda", compile=args.compile, **options)
+    started = time.perf_counter()
+    mode.runner.warmup(workload.kv_cache, progress=False)
+    print(f"warm-up (compilation and capture of {len(mode.runner.captured_buckets)} buckets): "
+          f"{time.perf_counter() - started:.1f} s")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, compile={args.compile}"
+          + (f", mode {args.compile_mode}" if args.compile else ""))
     for batch in (int(b) for b in args.batches.split(",")):
         steps = workload.steps(batch, args.steps)
         for step in steps[:3]:
-            mode(step)  # capture, then replays
+            mode(step)
         torch.cuda.synchronize()
         times = []
         for step in steps:
