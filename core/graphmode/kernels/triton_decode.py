@@ -186,10 +186,9 @@ def _(query, k_cache, v_cache, block_offsets, kv_seqlens, scale):
 
 
 # The KV write as one opaque operator too: Inductor's own code for the
-# reference write is two scatter kernels and an index kernel per layer,
-# about 3 us of a batch-1 step's 40 us per layer on an H100, against one
-# launch of this kernel. It mutates the caches in place (Inductor reinplaces
-# it: no copy of a cache).
+# reference write took two kernels and 2.5 us per layer more than this one
+# kernel (a batch-1 step on an H100, docs/performance.md). It mutates the
+# caches in place (Inductor reinplaces it: no copy of a cache).
 @torch.library.custom_op("graphmode::triton_write_kv", mutates_args=("k_cache", "v_cache"))
 def _write_kv_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
