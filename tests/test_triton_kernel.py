@@ -144,6 +144,20 @@ def test_bench_shapes_match_reference():
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["one", "random", "full"])
+def test_more_partitions_than_one_merge_pass_reads(kind):
+    """Batch 1 on one KV head with a 4096-token table: more partitions than
+    the merge kernel reads at a time, so it merges them in several passes."""
+    from graphmode.kernels.triton_decode import MERGE_CHUNK, num_partitions
+
+    partitions = num_partitions(2, 1, 64 * 64, torch.device("cuda"))
+    assert partitions > MERGE_CHUNK
+    lengths = lengths_of(kind, 1, 64, 64 * 64, seed=3)
+    case = make_case(1, 8, 1, 128, 64, 64, lengths, torch.bfloat16, "cuda", padding=1, seed=3)
+    check_against_reference(case, torch.bfloat16, f"{kind} lengths over {partitions} partitions")
+
+
+@gpu
 def test_zero_length_gives_zeros_and_lengths_past_the_table_read_the_table():
     from graphmode.kernels.triton_decode import paged_decode
 

@@ -15,7 +15,8 @@ import triton.language as tl
 # specialised on: it differs between most batch buckets, and as a constant
 # the default buckets to 256 compiled a partition kernel and a merge per
 # distinct count (on an H100 at the bench model's shapes: 7 counts, 14
-# kernels), where they now compile one partition kernel and 5 merges.
+# kernels), where they now compile one partition kernel, and a merge per
+# power-of-two bound on the count (5).
 @triton.jit(do_not_specialize=["splits"])
 def decode_partition_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
@@ -96,24 +97,33 @@ def decode_partition_kernel(
 @triton.jit(do_not_specialize=["splits"])
 def combine_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, num_heads, splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """One (sequence, query head) per program: merge the partitions'
-    partial softmaxes into the normalised output."""
+    partial softmaxes into the normalised output, CHUNK partitions at a
+    time (registers bounded by CHUNK x BLOCK_D whatever the count)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    parts = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)
-    split_ok = parts < splits
-    row = (seq * num_heads + head).to(tl.int64) * splits + parts
-    m = tl.load(part_ml_ptr + row * 2, mask=split_ok, other=float("-inf"))
-    l_part = tl.load(part_ml_ptr + row * 2 + 1, mask=split_ok, other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every partition empty: weights 0, output 0
-    weight = tl.exp2(m - m_max)
-    total = tl.sum(l_part * weight, 0)
-    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + dims[None, :], mask=split_ok[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    first = (seq * num_heads + head).to(tl.int64) * splits
+    m_run = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
+    l_run = tl.sum(tl.zeros([CHUNK], dtype=tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, splits, CHUNK):
+        parts = start + tl.arange(0, CHUNK)
+        part_ok = parts < splits
+        row = first + parts
+        m = tl.load(part_ml_ptr + row * 2, mask=part_ok, other=float("-inf"))
+        l_part = tl.load(part_ml_ptr + row * 2 + 1, mask=part_ok, other=0.0)
+        part_acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + dims[None, :], mask=part_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every partition so far empty: weights 0
+        rescale = tl.exp2(m_run - m_safe)
+        weight = tl.exp2(m - m_safe)
+        l_run = l_run * rescale + tl.sum(l_part * weight, 0)
+        acc = acc * rescale + tl.sum(part_acc * weight[:, None], 0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)  # every partition empty: output 0
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
