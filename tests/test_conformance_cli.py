@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,17 @@ def test_each_vendor_run_starts_with_its_header(capfd):
     assert "sizes: block size 16 (suite default), max_batches 48, block-table width 8, model dtype float32" in header
     assert "capture list at max_batches=48: [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20" in header
     assert "(the vendor's policy)" in header
+
+
+@pytest.mark.parametrize("flag, verbose", [(None, False), ("-v", True), ("-vv", True)])
+def test_a_verbosity_flag_after_the_separator_takes_effect(capfd, flag, verbose):
+    """The suite runs quietly; ``-- -v`` lists every test by name (it used
+    to cancel against the command's own -q and print dots)."""
+    status = cli.run(_args("--vendor", "cuda", "--device", "cpu", "-k", "test_vendor_describes_itself",
+                           *(["--", flag] if flag else [])))
+    out = capfd.readouterr().out
+    assert status == 0, out
+    assert bool(re.search(r"test_vendor_describes_itself\b.* PASSED", out)) == verbose, out
 
 
 def test_size_flags_reach_the_suite_and_its_header(tmp_path, capfd):

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             report = Path(scratch) / "report.json"
             command = [
                 sys.executable, "-m", "pytest", str(SUITE), "-p", "graphmode_conformance.plugin",
-                "-p", "no:cacheprovider", "-q", "--rootdir", str(SUITE.parent),
+                "-p", "no:cacheprovider", *_verbosity(args.pytest_args), "--rootdir", str(SUITE.parent),
                 "--graphmode-report", str(report),
             ]
             if vendor:
@@ -189,3 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphmode conformance", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+def _verbosity(pytest_args: list[str]) -> list[str]:
+    """Quiet by default; a verbosity flag after ``--`` (``-v``, ``-vv``,
+    ``--verbose``, ``-q``) replaces it rather than cancelling against it."""
+    chosen = any(arg.startswith(("-v", "-q", "--verbose", "--quiet")) for arg in pytest_args)
+    return [] if chosen else ["-q"]
