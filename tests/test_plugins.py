@@ -151,6 +151,18 @@ def test_a_plugin_object_can_be_loaded_without_an_entry_point():
     assert vendor.info.name == "absent"
 
 
+def test_a_plugin_class_instead_of_an_instance_is_refused_at_load_naming_the_fix():
+    class ZetaPlugin:
+        @graphmode.hookimpl
+        def graphmode_attention_ops(self):
+            return None
+
+    with pytest.raises(graphmode.VendorError, match=r"is the class .*ZetaPlugin, not a plugin object: .* "
+                                          r"Register an instance \(.*ZetaPlugin\(\)\)"):
+        load_vendor("zeta", plugin=ZetaPlugin)
+    assert load_vendor("zeta", plugin=ZetaPlugin()).name == "zeta"
+
+
 def test_installed_package_registers_its_vendors_through_entry_points():
     names = installed_vendor_names()
     assert {"ascend", "camb", "maca", "ppu"} <= set(names)

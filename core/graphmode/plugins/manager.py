@@ -186,6 +186,14 @@ def load_vendor(name: str, plugin: Any = None) -> Vendor:
 
 
 def _register(manager: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    if isinstance(plugin, type):
+        # pluggy registers a class too, and each hook call would then fail
+        # with "missing 1 required positional argument: 'self'".
+        raise VendorError(
+            f"vendor plugin {name!r} is the class {plugin.__qualname__}, not a plugin object: hook "
+            f"implementations are called on a module or an instance. Register an instance "
+            f"({plugin.__qualname__}()), or make the hooks module-level functions"
+        )
     try:
         manager.register(plugin, name=name)
         manager.check_pending()
