@@ -128,6 +128,17 @@ def test_the_suite_passes_on_the_correct_originals(name, tmp_path):
     assert status == 0, failures(report)
 
 
+def test_piecewise_failures_of_a_broken_out_path_point_at_the_kernel(tmp_path):
+    """Past the [kernels] check, the piecewise steps of a vendor whose out=
+    path writes half the rows fail too; their diagnosis names that path
+    beside the buffer hooks."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "broken_plugins:out_rows_half_written",
+                               "-k", "piecewise", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "the out= path of the vendor's prefill_attention (piecewise graphs pass out=" in message, message
+
+
 def test_the_power_of_two_plant_passes_on_a_power_of_two_capture_list(tmp_path):
     # Why it runs with 1,3,6,12,24,48: on powers of two the bug is invisible.
     status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "broken_plugins:padding_to_power_of_two",
