@@ -209,3 +209,17 @@ def test_direct_skips_pluggy_only_where_the_answer_is_the_same(monkeypatch):
     assert own.direct("graphmode_get_outputs") is own.hook.graphmode_get_outputs
     monkeypatch.setenv("GRAPHMODE_TRACE", "1")
     assert builtin.direct("graphmode_get_outputs") is builtin.hook.graphmode_get_outputs  # tracing sees every call
+
+
+def test_the_vendors_listing_says_where_a_buffer_is_filled_from():
+    """A buffer with a computed or path source says so; the default (its own
+    context field) says nothing."""
+    from graphmode.cli.vendors import _buffer
+    from graphmode.spec import TOKENS, BufferSpec
+
+    computed = BufferSpec("slot_blocks", torch.int32, shape=(TOKENS,), padding=-1,
+                          source=lambda step: step.attn_metadata.kv_start_indices // 32)
+    assert _buffer(computed) == "slot_blocks int32 (tokens) computed from the step, pad -1"
+    paths = BufferSpec("kv_seqlens", torch.int32, padding=1, source=("attn_metadata.kv_seqlens_cpu", "attn_metadata.kv_seqlens"))
+    assert _buffer(paths) == "kv_seqlens int32 (sequences) from attn_metadata.kv_seqlens_cpu or attn_metadata.kv_seqlens, pad 1"
+    assert _buffer(BufferSpec("kv_seqlens", torch.int32, padding=1)) == "kv_seqlens int32 (sequences) pad 1"

@@ -67,10 +67,20 @@ def _describe(vendor: Vendor, max_batches: int) -> None:
 
 
 def _buffer(spec: BufferSpec) -> str:
-    """One declared buffer in a line's worth: name, dtype, shape, padding, memory."""
+    """One declared buffer in a line's worth: name, dtype, shape, where its
+    live rows come from (unless its own context field), padding, memory."""
     dtype = str(spec.dtype).removeprefix("torch.")
     shape = ", ".join(map(str, spec.shape))
-    fill = f"live {spec.live}, " if spec.live is not None else ("constant, " if not spec.written else "")
+    if spec.live is not None:
+        fill = f"live {spec.live}, "
+    elif not spec.written:
+        fill = "constant, "
+    elif callable(spec.source):
+        fill = "computed from the step, "
+    elif spec.source != "default":
+        fill = f"from {' or '.join(spec.sources)}, "
+    else:
+        fill = ""
     return f"{spec.name} {dtype} ({shape}) {fill}pad {spec.padding}{', host' if spec.host else ''}"
 
 
