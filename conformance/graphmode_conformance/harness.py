@@ -28,7 +28,7 @@ import graphmode
 from graphmode.context import StepInputs
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
-from graphmode.piecewise.breaks import takes_out
+from graphmode.piecewise.breaks import kernels_taking_out
 from graphmode_conformance.sizes import Sizes
 from graphmode_conformance.structure import (
     ConformanceFailure,
@@ -298,8 +298,7 @@ class Harness:
                 "frozen at capture (a positive max length, host kv lengths not pushed by "
                 "graphmode_update_graph_params), or a graph captured at a size other than its bucket"
             )
-        kernels = {name: getattr(self.model.ops, name, None) for name in ("prefill_attention", "paged_decode_attention")}
-        taking_out = [name for name, kernel in kernels.items() if callable(kernel) and takes_out(kernel)]
+        taking_out = kernels_taking_out(self.model.ops)
         if taking_out and cut is None:
             cause += (
                 f"; or, in a piecewise step, the out= path of the vendor's {' and '.join(taking_out)} "

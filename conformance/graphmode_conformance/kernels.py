@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphmode.model import ReferenceAttentionOps, build_reference_model
-from graphmode.piecewise.breaks import takes_out
+from graphmode.piecewise.breaks import kernels_taking_out
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
 
@@ -60,7 +60,7 @@ class KernelTests(ConformanceFixtures):
         reads): written there, the result must be what the call returns
         without ``out``, every row of it."""
         model, engine = harness.model, harness.engine
-        kernels = [name for name in ("prefill_attention", "paged_decode_attention") if takes_out(getattr(model.ops, name))]
+        kernels = kernels_taking_out(model.ops)
         if not kernels:
             pytest.skip("the vendor's attention kernels take no out=")
         cache = model.make_kv_cache(harness.sizes.cache_blocks, harness.sizes.block)

@@ -36,8 +36,9 @@ def decode_partition_kernel(
 
     With one partition (``PARTIAL`` false) the normalised result goes
     straight to ``out``; otherwise the unnormalised accumulator and its
-    (max, sum) go to the partial buffers for :func:`combine_kernel`. A partition past the
-    sequence's length writes an empty partial (max -inf, sum 0)."""
+    (max, sum) go to the partial buffers for :func:`combine_kernel`. A
+    partition past the sequence's length writes an empty partial (max -inf,
+    sum 0)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

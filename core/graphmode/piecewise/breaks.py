@@ -40,6 +40,7 @@ __all__ = [
     "LiveStep",
     "find_attention_ops",
     "host_break",
+    "kernels_taking_out",
     "intercepted",
 ]
 
@@ -140,6 +141,11 @@ def takes_out(kernel: Callable[..., Any]) -> bool:
         return "out" in inspect.signature(kernel).parameters
     except (TypeError, ValueError):  # no signature to read (a C extension, say)
         return False
+
+
+def kernels_taking_out(ops: Any) -> list[str]:
+    """The names of ``ops``' attention kernels that take ``out``."""
+    return [name for name, kind in ATTENTION_METHODS.items() if kind == "attention" and takes_out(getattr(ops, name))]
 
 
 def store_rows(out: torch.Tensor, result: torch.Tensor, tokens: int) -> None:
