@@ -233,7 +233,7 @@ def _hot_softmax_ops():
 
 class _OutOps(ReferenceAttentionOps):
     """The reference kernels with prefill attention taking ``out=`` (written
-    and returned), as the CUDA plugin's SDPA prefill does."""
+    and returned), as the CUDA plugin's Triton prefill does."""
 
     rows_written = 1.0  # the share of out's rows the out= path writes
 

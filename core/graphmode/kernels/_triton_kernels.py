@@ -154,3 +154,87 @@ def write_kv_kernel(
         v_dest = v_cache_ptr + block * stride_vn + offset * stride_vt + heads[:, None] * stride_vh + dims[None, :]
         tl.store(k_dest, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dest, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, starts_ptr, q_lens_ptr, kv_lens_ptr,
+    scale_log2, num_seqs, num_tokens, capacity,
+    stride_qt, stride_qh,
+    stride_kn, stride_kt, stride_kh,
+    stride_vn, stride_vt, stride_vh,
+    stride_tb,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One (sequence, block of BLOCK_Q of its new tokens, KV head) per
+    program: those tokens' GROUP query heads (BLOCK_Q x GROUP_PAD rows)
+    attend causally over the sequence's cached tokens, read through its
+    block table, with an online softmax in float32 (base 2). A token at
+    index i of the sequence's ``q_len`` new tokens sits at position
+    ``kv_len - q_len + i`` and sees the cached positions up to its own.
+
+    Lengths are read on the device: a program past its sequence's tokens
+    does nothing. The extra sequence index ``num_seqs`` zeroes the rows after
+    the last sequence's tokens (the padding of a token bucket)."""
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    group = rows % GROUP_PAD
+    heads = kv_head * GROUP + group
+    head_ok = group < GROUP
+    if seq == num_seqs:
+        if q_block == 0:
+            last = num_seqs - 1
+            end = tl.load(starts_ptr + last) + tl.load(q_lens_ptr + last)
+            zeros = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+            for first in range(end, num_tokens, BLOCK_Q):
+                token = first + rows // GROUP_PAD
+                ok = (token < num_tokens) & head_ok
+                out_rows = token.to(tl.int64) * stride_ot + heads * stride_oh
+                tl.store(out_ptr + out_rows[:, None] + dims[None, :], zeros, mask=ok[:, None] & dim_ok[None, :])
+    else:
+        q_len = tl.load(q_lens_ptr + seq)
+        first = q_block * BLOCK_Q
+        if first < q_len:
+            start = tl.load(starts_ptr + seq)
+            kv_len = tl.minimum(tl.load(kv_lens_ptr + seq), capacity)  # the table bounds what is read
+            token = first + rows // GROUP_PAD
+            row_ok = (token < q_len) & head_ok
+            position = kv_len - q_len + token
+            q_rows = (start + token).to(tl.int64) * stride_qt + heads * stride_qh
+            q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+            m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+            table = table_ptr + seq.to(tl.int64) * stride_tb
+            hi = tl.minimum(kv_len, kv_len - q_len + first + BLOCK_Q)  # past the block's last position
+            for key_start in range(0, hi, BLOCK_N):
+                keys = key_start + tl.arange(0, BLOCK_N)
+                in_range = keys < hi
+                block = tl.load(table + keys // PAGE, mask=in_range, other=0).to(tl.int64)
+                offset = (keys % PAGE).to(tl.int64)
+                mask = in_range[:, None] & dim_ok[None, :]
+                k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
+                k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+                visible = in_range[None, :] & (keys[None, :] <= position[:, None])
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: weights 0, not NaN
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(scores - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
+                v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
+            result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # nothing visible: zeros, as the reference
+            out_rows = (start + token).to(tl.int64) * stride_ot + heads * stride_oh
+            tl.store(out_ptr + out_rows[:, None] + dims[None, :], result.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & dim_ok[None, :])

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from graphmode.kernels.sdpa_prefill import opaque_sdpa_prefill
+from graphmode.kernels.triton_prefill import opaque_paged_prefill
 from graphmode.model.ops import ReferenceAttentionOps
 
 __all__ = ["TritonAttentionOps", "paged_decode", "triton_available", "write_kv"]
@@ -205,12 +205,12 @@ def _(key, value, k_cache, v_cache, slots):
 
 
 class TritonAttentionOps(ReferenceAttentionOps):
-    """The reference ops with Triton's paged decode attention and KV write,
-    on CUDA tensors (or any tensors under ``TRITON_INTERPRET=1``), and
-    prefill through PyTorch's fused SDPA kernels on CUDA tensors
-    (:func:`graphmode.kernels.sdpa_prefill.sdpa_prefill`, opaque to
-    torch.compile); elsewhere, and for decode steps of several tokens per
-    sequence, the reference kernels. Same cache layout and contract.
+    """The reference ops with Triton's paged decode attention, prefill
+    attention (:mod:`graphmode.kernels.triton_prefill`, opaque to
+    torch.compile) and KV write, on CUDA tensors (or any tensors under
+    ``TRITON_INTERPRET=1``); elsewhere, and for decode steps of several
+    tokens per sequence, the reference kernels. Same cache layout and
+    contract.
 
     Under ``torch.compile`` the KV write and decode attention are opaque
     operators (``graphmode::triton_write_kv``, ``graphmode::triton_paged_decode``)
@@ -237,7 +237,10 @@ class TritonAttentionOps(ReferenceAttentionOps):
                                 attn.block_offsets, self._decode_limit(attn).reshape(-1), float(scale))
 
     def prefill_attention(self, query, k_cache, v_cache, attn, scale, out=None):
-        if query.device.type != "cuda":
+        if not self._runs_triton(query):
             result = super().prefill_attention(query, k_cache, v_cache, attn, scale)
             return result if out is None else out.copy_(result)
-        return opaque_sdpa_prefill()(self, query, k_cache, v_cache, attn, scale, out)
+        head_dim = query.shape[-1]
+        return opaque_paged_prefill()(
+            query, self.block_view(k_cache, head_dim), self.block_view(v_cache, head_dim), attn.block_offsets,
+            attn.q_start_loc, attn.q_seqlens, attn.kv_seqlens, attn.max_q_seq_len, float(scale), out)

@@ -1,0 +1,101 @@
+"""A Triton prefill attention kernel over the paged cache: the CUDA
+plugin's prefill and mixed-step attention (:func:`paged_prefill`).
+
+One kernel call per layer for any mix of sequences: whole prompts, chunks
+after cached tokens (chunked prefill) and one-token decodes of a mixed step,
+as an engine's varlen flash attention does. Each program takes one
+sequence, a block of its new tokens and one KV head with the query heads
+that share it, and runs an online softmax in float32 over the cached tokens
+up to its last token's position, read through the block table.
+
+Nothing is read on the host: each sequence's start, new tokens and cached
+tokens are read on the device, and the grid comes from shapes and the host
+bound ``max_q_seq_len`` (the step's token count when the bound is not
+given). So the call makes no synchronisation, and the engine's host lengths
+are needed nowhere in a layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["opaque_paged_prefill", "paged_prefill"]
+
+BLOCK_N = 64  # cached tokens per inner iteration
+ROWS = 64  # query rows (tokens x query heads of one KV head) per program
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
+
+
+def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_offsets: torch.Tensor,
+                  q_start_loc: torch.Tensor, q_seqlens: torch.Tensor, kv_seqlens: torch.Tensor,
+                  max_q_seq_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, H, D) queries of sequences back to back -> (T, H, D): sequence
+    ``s`` owns rows ``q_start_loc[s]`` to ``+ q_seqlens[s]``; its token ``i``
+    sees its first ``kv_seqlens[s] - q_seqlens[s] + i + 1`` cached tokens
+    (earlier context and this step's, already written), read through
+    ``block_offsets`` (B, W) from caches of shape (num_blocks, block_size,
+    K, D). Rows after the last sequence's are zeros. Written into ``out``
+    when given (and returned).
+
+    ``max_q_seq_len`` bounds every ``q_seqlens`` (as the step context
+    promises); <= 0 means not known, and the token count bounds it."""
+    tokens, heads, dim = query.shape
+    batch = block_offsets.shape[0]
+    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != dim or heads % kv_heads:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+            f"(num_blocks, block_size, kv_heads, head_dim={dim}) with kv_heads dividing the {heads} query heads"
+        )
+    if q_start_loc.shape != (batch,) or q_seqlens.shape != (batch,) or kv_seqlens.shape != (batch,):
+        raise ValueError(
+            f"q_start_loc {tuple(q_start_loc.shape)}, q_seqlens {tuple(q_seqlens.shape)} and kv_seqlens "
+            f"{tuple(kv_seqlens.shape)} must have one entry per block-table row ({batch})"
+        )
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(f"prefill attention: out is {tuple(out.shape)} {out.dtype}, the queries "
+                         f"{tuple(query.shape)} {query.dtype}: out must match them, contiguous in head_dim")
+    if tokens == 0:
+        return out
+    if batch == 0:
+        return out.zero_()
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    table = block_offsets if block_offsets.stride(-1) == 1 else block_offsets.contiguous()
+    group = heads // kv_heads
+    group_pad = _next_power_of_two(group)
+    block_q = max(1, ROWS // group_pad)
+    bound = max_q_seq_len if 0 < max_q_seq_len <= tokens else tokens
+    from graphmode.kernels import _triton_kernels
+
+    _triton_kernels.prefill_kernel[(batch + 1, -(-bound // block_q), kv_heads)](
+        query, k_cache, v_cache, out, table, q_start_loc.contiguous(), q_seqlens.contiguous(),
+        kv_seqlens.contiguous(),
+        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        batch, tokens, table.shape[1] * page,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        table.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=dim,
+        BLOCK_D=max(16, _next_power_of_two(dim)), BLOCK_N=BLOCK_N, PAGE=page,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    return out
+
+
+@functools.cache
+def opaque_paged_prefill() -> Any:
+    """:func:`paged_prefill` behind ``torch.compiler.disable``, made on first
+    use (applying it imports Dynamo): under ``torch.compile`` Dynamo breaks
+    the graph at prefill attention, as vLLM's compile splits at attention."""
+    return torch.compiler.disable(paged_prefill)
