@@ -2,8 +2,8 @@
 
 Any ``transformers`` causal LM whose attention layers call transformers'
 attention interface (``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``)
-and carry ``layer_idx`` runs unchanged: Llama, Mistral, Qwen2 and Qwen3 were
-tested (see docs/engines.md). The adapter
+with the model's keyword arguments and carry ``layer_idx`` runs unchanged:
+docs/engines.md lists the families tested, and those refused. The adapter
 
 - registers :func:`paged_attention` with ``transformers.AttentionInterface``
   under :data:`ATTENTION` and selects it on the model, so each attention layer
@@ -24,9 +24,12 @@ no attention mask for an attention implementation it has no mask function for
 capturable as a device graph. Transformers >= 4.53 (``masking_utils``) is
 required; 5.x works the same.
 
-Features the paged kernels do not have are refused, never approximated: a
-block table that can address more tokens than a layer's sliding window,
-logit soft-capping, attention sinks, dropout.
+Families and features the paged kernels do not have are refused at load
+(``huggingface_support``: from the config, then a one-token probe), never
+approximated: attention outside the interface, logit soft-capping, attention
+sinks, chunked or linear attention layers, keys and values of different head
+sizes; a block table that can address more tokens than a layer's sliding
+window is refused when the runner is built (:meth:`HuggingFaceModel.check_runner`).
 """
 
 from __future__ import annotations

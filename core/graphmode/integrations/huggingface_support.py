@@ -55,7 +55,7 @@ def refuse_config(config: Any) -> None:
 
     family = getattr(config, "model_type", type(config).__name__)
     try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         raise ConfigError(
             f"{family!r} has no causal-LM class in transformers {_version()} (AutoModelForCausalLM does not "
@@ -117,7 +117,7 @@ def _why_no_backend(model_class: type) -> str:
         return "its attention calls transformers' attention interface, but not with the model's keyword " \
             "arguments (StableLM's decoder layers, for one, pass none on to attention), so graphmode's step " \
             "(the paged KV cache and the step's metadata) cannot reach it"
-    return "its attention does not call transformers' attention interface, so graphmode's cannot be plugged in"
+    return "its attention does not call transformers' attention interface, so graphmode's attention cannot be plugged in"
 
 
 @dataclass
