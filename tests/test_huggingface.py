@@ -100,7 +100,7 @@ def test_sliding_window_beyond_the_table_is_refused():
     kv_cache = model.make_kv_cache(MAX_BATCH * WIDTH + 1, BLOCK_SIZE)
     batch = serve_hf.PagedBatch(MAX_BATCH * WIDTH + 1, BLOCK_SIZE, WIDTH, torch.device("cpu"))
     step = batch.step([serve_hf.Request([1, 2, 3], 4)], [[1, 2, 3]], is_decoding=False)
-    with pytest.raises(ConfigError, match=r"sliding window of 16 tokens, but the block table can address 32"):
+    with pytest.raises(ConfigError, match=r"sliding window of 16 tokens \(config.sliding_window\), but the block table can address 32"):
         model(past_key_values=kv_cache, **step)
 
 

@@ -2,8 +2,8 @@
 
 Any ``transformers`` causal LM whose attention layers call transformers'
 attention interface (``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``)
-and carry ``layer_idx`` runs unchanged: Llama, Mistral, Qwen2 and Qwen3 were
-tested (see docs/engines.md). The adapter
+with the model's keyword arguments and carry ``layer_idx`` runs unchanged:
+docs/engines.md lists the families tested, and those refused. The adapter
 
 - registers :func:`paged_attention` with ``transformers.AttentionInterface``
   under :data:`ATTENTION` and selects it on the model, so each attention layer
@@ -24,9 +24,12 @@ no attention mask for an attention implementation it has no mask function for
 capturable as a device graph. Transformers >= 4.53 (``masking_utils``) is
 required; 5.x works the same.
 
-Features the paged kernels do not have are refused, never approximated: a
-block table that can address more tokens than a layer's sliding window,
-logit soft-capping, attention sinks, dropout.
+Families and features the paged kernels do not have are refused at load
+(``huggingface_support``: from the config, then a one-token probe), never
+approximated: attention outside the interface, logit soft-capping, attention
+sinks, chunked or linear attention layers, keys and values of different head
+sizes; a block table that can address more tokens than a layer's sliding
+window is refused when the runner is built (:meth:`HuggingFaceModel.check_runner`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch import nn
 
 from graphmode.context import AttnMetadata
 from graphmode.errors import ConfigError, InputError
+from graphmode.integrations.huggingface_support import Probe, active_probe, probe, refuse_config
 
 __all__ = [
     "ATTENTION",
@@ -118,6 +122,9 @@ def paged_attention(
     argument is ignored: the paged kernels mask by ``kv_seqlens`` (and
     transformers builds none for this implementation).
     """
+    probe = active_probe()
+    if probe is not None:  # the load-time probe: record, attend to nothing
+        return probe.record(module, query, key, value, kwargs)
     step = kwargs.get("graphmode_step")
     if not isinstance(step, PagedStep):
         raise ConfigError(
@@ -125,7 +132,7 @@ def paged_attention(
             "AttnMetadata); call it through graphmode.integrations.huggingface.HuggingFaceModel, or set "
             "model.config._attn_implementation back to 'sdpa' to call the HF model directly"
         )
-    _refuse_unsupported(module, step, dropout, kwargs)
+    _refuse_unsupported(module, dropout, kwargs)
     if query.shape[0] != 1:
         raise InputError(
             f"the query has batch dimension {query.shape[0]}; graphmode passes every sequence's tokens in one "
@@ -147,31 +154,22 @@ def paged_attention(
     return out[None], None
 
 
-def _refuse_unsupported(module: Any, step: PagedStep, dropout: float, kwargs: dict) -> None:
-    """Raise for what the paged kernels would silently compute differently."""
-    layer = getattr(module, "layer_idx", None)
-    if layer is None:
+def _refuse_unsupported(module: Any, dropout: float, kwargs: dict) -> None:
+    """Raise for what the paged kernels would silently compute differently
+    (the load-time probe refused these already; a guard for models wrapped
+    in other ways)."""
+    if getattr(module, "layer_idx", None) is None:
         raise ConfigError(
             f"{type(module).__name__} has no layer_idx; the adapter needs it to pick the layer's KV cache "
             "(every transformers decoder attention module that uses the attention interface sets it)"
         )
     if dropout:
         raise ConfigError(f"attention dropout {dropout}; graphmode serves inference only: call model.eval()")
-    for name in ("softcap", "s_aux"):
+    for name, feature in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):
         if kwargs.get(name) is not None:
             raise ConfigError(
-                f"{type(module).__name__} passes {name}={kwargs[name]!r} (logit soft-capping or attention "
-                "sinks), which graphmode's paged attention does not implement; this model is not supported"
-            )
-    window = kwargs.get("sliding_window")
-    if window is not None:
-        reach = step.attn.block_offsets.shape[-1] * step.block_size
-        if reach > window:
-            raise ConfigError(
-                f"layer {layer} has a sliding window of {window} tokens, but the block table can address "
-                f"{reach} (width {step.attn.block_offsets.shape[-1]} x block_size {step.block_size}); the paged "
-                f"kernels attend to the whole sequence. Keep num_blocks * block_size <= {window} so no "
-                "sequence outgrows the window"
+                f"{type(module).__name__} passes {name} ({feature}), which graphmode's paged attention does not "
+                "implement; this model is not supported"
             )
 
 
@@ -188,7 +186,10 @@ class HuggingFaceModel(nn.Module):
     ``model(input_ids, position_ids, past_key_values, attn_metadata)`` with
     (1, T) ids and positions and one (key, value) cache pair per layer in the
     vendor's layout (:meth:`make_kv_cache`) returns logits (1, T, vocab).
-    Wrapping switches the HF model's attention to :data:`ATTENTION`;
+    Wrapping switches the HF model's attention to :data:`ATTENTION` and
+    probes it with one token (:func:`~graphmode.integrations.huggingface_support.probe`):
+    a family or feature the adapter cannot run is refused here, and the
+    cache geometry (KV heads, head size) is the one the layers showed.
     ``model.config`` is the HF config.
     """
 
@@ -198,19 +199,27 @@ class HuggingFaceModel(nn.Module):
     def __init__(self, hf_model: Any, ops: Any) -> None:
         super().__init__()
         register_attention()
+        refuse_config(hf_model.config)
         hf_model.config._attn_implementation = ATTENTION
         self.hf_model = hf_model.eval()
         self.ops = ops
         self.config = hf_model.config
         self.block_size: int | None = None
+        self.support: Probe = probe(self.hf_model)
 
     @property
     def num_kv_heads(self) -> int:
-        return getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        return self.support.kv_heads
 
     @property
     def head_dim(self) -> int:
-        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        return self.support.head_dim
+
+    def check_runner(self, config: Any) -> None:
+        """Refuse, when a runner is built for this model, a block table that
+        can address more tokens than a layer's sliding window (the paged
+        kernels attend to the whole sequence)."""
+        self.support.check_table(config.num_blocks, config.block_size)
 
     def make_kv_cache(
         self, num_blocks: int, block_size: int, device: torch.device | str | None = None
@@ -242,6 +251,7 @@ class HuggingFaceModel(nn.Module):
         if self.block_size is None:
             raise InputError("make the KV cache with HuggingFaceModel.make_kv_cache, which records its block size")
         step = PagedStep(self.ops, past_key_values, attn_metadata, self.block_size)
+        self.support.check_table(attn_metadata.block_offsets.shape[-1], self.block_size)
         output = self.hf_model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, return_dict=True,
             graphmode_step=step,
@@ -279,7 +289,7 @@ def load_model(
     vendor_options: the vendor's options for its attention ops (what the
     engine passes the runner too).
     """
-    from transformers import AutoModelForCausalLM, PretrainedConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
     from graphmode.plugins import Vendor, select_vendor
 
@@ -289,6 +299,7 @@ def load_model(
     ops = chosen.attention_ops(vendor_options)
     options = {"attn_implementation": ATTENTION, _dtype_argument(): dtype}
     if isinstance(path_or_config, PretrainedConfig):
+        refuse_config(path_or_config)  # before any weight is drawn
         # Drawn on the CPU, so that a seed gives the same weights on every device.
         torch.manual_seed(seed)
         hf_model = AutoModelForCausalLM.from_config(path_or_config, **options)
@@ -296,6 +307,7 @@ def load_model(
         path = os.fspath(path_or_config)
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"{path!r} is not a model directory (no config.json); pass a local HF model directory")
+        refuse_config(AutoConfig.from_pretrained(path, local_files_only=True))  # before the weights are read
         hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **options)
     return HuggingFaceModel(hf_model.to(device), ops)
 

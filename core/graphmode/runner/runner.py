@@ -100,6 +100,9 @@ class GraphRunner:
         self._hook = vendor.hook
         self.spec = configure(vendor, config)
         check_model_ops(model, vendor)
+        check_runner = getattr(model, "check_runner", None)
+        if callable(check_runner):  # the model's own limits on the runner's shape (the HF adapter's sliding window)
+            check_runner(config)
         self.capture_sizes = capture_sizes(vendor, config, self.spec)
         self._bucket_of = self._bucket_table()
         self._ranks = _rank_sync(process_group, check_ranks)

@@ -1,0 +1,302 @@
+"""Which Hugging Face models the adapter can run, decided at load.
+
+Two checks, both before the model serves a step:
+
+- :func:`refuse_config`, before any weight is read: a family whose model
+  class does not route attention through transformers' attention interface
+  (``_supports_attention_backend`` false: Falcon, and in transformers 4.56
+  StableLM, GPT-J, Qwen2-MoE; they pick an attention class from their own
+  table, which has no entry for graphmode's), and attention logit
+  soft-capping (``config.attn_logit_softcapping``).
+- :func:`probe`, one forward of one token through the built model with a
+  recording attention function (no cache, no kernel): every decoder layer
+  must reach the attention function with graphmode's step (a decoder layer
+  that does not pass keyword arguments through cannot be served), carry
+  ``layer_idx``, pass no soft-capping or sinks, and give keys and values of
+  one head size. It also reads each layer's sliding window (the keyword the
+  layer passes, or the module's ``sliding_window``, which some families set
+  and apply through the mask only), which the runner's table capacity must
+  not exceed (:meth:`Probe.check_table`).
+
+Messages name the family, the layer or parameter by name and shape (never
+tensor values), the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphmode.errors import ConfigError
+
+#: What every refusal of a family ends with.
+SUPPORTED = "docs/engines.md lists the families that run"
+
+_PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("graphmode_hf_probe", default=None)
+
+
+def _version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def refuse_config(config: Any) -> None:
+    """Refuse, from the config alone, a family or feature the adapter cannot
+    run (see the module docstring)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    family = getattr(config, "model_type", type(config).__name__)
+    try:
+        model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ConfigError(
+            f"{family!r} has no causal-LM class in transformers {_version()} (AutoModelForCausalLM does not "
+            f"know {type(config).__name__}); the adapter runs decoder-only causal LMs: {SUPPORTED}"
+        ) from None
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if kinds:
+        raise ConfigError(
+            f"{family!r} with layers of type {kinds} (config.layer_types) is not supported: graphmode's paged "
+            f"attention computes full causal attention (a sliding window within the table's reach); {SUPPORTED}"
+        )
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise ConfigError(
+            f"{family!r} is not supported: in transformers {_version()}, {model_class.__name__} declares no "
+            f"support for registered attention functions (_supports_attention_backend is False): "
+            f"{_why_no_backend(model_class)}. Use another family or transformers version; {SUPPORTED}"
+        )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        raise ConfigError(
+            f"{family!r} with config.attention_chunk_size={chunk} (chunked attention) is not supported: graphmode's "
+            f"paged attention computes full causal attention; {SUPPORTED}"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ConfigError(
+            f"{family!r} with config.attn_logit_softcapping={softcap} is not supported: graphmode's paged "
+            "attention kernels have no logit soft-capping, and attention without it gives other tokens. Use a "
+            "model without attention soft-capping (config.final_logit_softcapping, which the model applies to "
+            f"its logits, is fine); {SUPPORTED}"
+        )
+
+
+def config_window(config: Any) -> int | None:
+    """The sliding window the config declares for some layer, or None:
+    ``sliding_window`` (Mistral and most), unless ``use_sliding_window`` is
+    False (Qwen2's) or ``layer_types`` has no sliding layer."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
+def _why_no_backend(model_class: type) -> str:
+    """What the family's modeling source shows about its attention: a table
+    of attention classes, or the attention interface called without the
+    model's keyword arguments."""
+    try:
+        source = inspect.getsource(sys.modules[model_class.__module__])
+    except (OSError, TypeError, KeyError):
+        return "graphmode's paged attention cannot be plugged in"
+    if "ATTENTION_CLASSES[" in source:
+        return "its decoder layers pick their attention class from the model's own table (ATTENTION_CLASSES), " \
+            "which has no entry for a registered attention function such as graphmode's"
+    if "ALL_ATTENTION_FUNCTIONS" in source:
+        return "its attention calls transformers' attention interface, but not with the model's keyword " \
+            "arguments (StableLM's decoder layers, for one, pass none on to attention), so graphmode's step " \
+            "(the paged KV cache and the step's metadata) cannot reach it"
+    return "its attention does not call transformers' attention interface, so graphmode's attention cannot be plugged in"
+
+
+@dataclass
+class Call:
+    """One attention call seen by the probe."""
+
+    name: str  # the module's name in the model, e.g. "model.layers.0.self_attn"
+    cls: str
+    layer: int | None
+    with_step: bool
+    key: tuple[int, ...]
+    value: tuple[int, ...]
+    window: int | None
+    softcap: Any
+    sinks: str | None  # "name shape", never values
+    causal: bool
+
+
+@dataclass
+class Probe:
+    """What one forward of the model showed about its attention layers."""
+
+    family: str
+    num_layers: int
+    names: dict[int, str]
+    calls: list[Call] = field(default_factory=list)
+
+    config_window: int | None = None
+
+    @property
+    def window(self) -> tuple[int, str] | None:
+        """The smallest sliding window of any layer and where it was seen:
+        what the layers passed or hold, else what the config declares."""
+        windowed = [c for c in self.calls if c.window]
+        if windowed:
+            call = min(windowed, key=lambda c: c.window or 0)
+            return call.window or 0, f"{call.name} (layer {call.layer})"
+        if self.config_window:
+            return self.config_window, "the config"
+        return None
+
+    def record(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kwargs: dict) -> tuple[torch.Tensor, None]:
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        sinks = kwargs.get("s_aux")
+        self.calls.append(Call(
+            name=self.names.get(id(module), type(module).__name__), cls=type(module).__name__,
+            layer=getattr(module, "layer_idx", None), with_step=kwargs.get("graphmode_step") is self,
+            key=tuple(key.shape), value=tuple(value.shape), window=int(window) if window else None,
+            softcap=kwargs.get("softcap"), sinks=None if sinks is None else _describe(module, sinks),
+            causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
+        ))
+        batch, heads, tokens = query.shape[:3]
+        return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
+
+    def refuse(self) -> None:
+        """Raise for the first thing the calls show the adapter cannot run."""
+        family, where = self.family, f"(transformers {_version()})"
+        if not self.calls:
+            raise ConfigError(
+                f"{family!r} is not supported: no layer called transformers' attention interface {where}, "
+                f"so graphmode's paged attention is never used; {SUPPORTED}"
+            )
+        for call in self.calls:
+            if not call.with_step:
+                raise ConfigError(
+                    f"{family!r} is not supported {where}: {call.name} ({call.cls}) is called without the "
+                    "keyword arguments of the model's forward (its decoder layer passes only its own "
+                    "arguments to attention), so graphmode's step (the paged KV cache and the step's "
+                    f"metadata) cannot reach it. Use another family or transformers version; {SUPPORTED}"
+                )
+            if call.layer is None:
+                raise ConfigError(
+                    f"{family!r} is not supported: {call.name} ({call.cls}) has no layer_idx, which the adapter "
+                    f"needs to pick the layer's KV cache; {SUPPORTED}"
+                )
+            if not call.causal:
+                raise ConfigError(
+                    f"{family!r} is not supported: {call.name} ({call.cls}) attends bidirectionally (is_causal is "
+                    "False); graphmode serves decoder-only models, whose attention is causal. For an encoder "
+                    f"configured as a decoder, set config.is_decoder=True; {SUPPORTED}"
+                )
+            if call.softcap is not None:
+                raise ConfigError(
+                    f"{family!r} is not supported: {call.name} passes softcap={call.softcap} (attention logit "
+                    "soft-capping), which graphmode's paged attention kernels do not implement. Use a model "
+                    f"without attention soft-capping; {SUPPORTED}"
+                )
+            if call.sinks is not None:
+                raise ConfigError(
+                    f"{family!r} is not supported: {call.name} has attention sinks ({call.sinks}: a learned logit "
+                    "per head in every softmax), which graphmode's paged attention kernels do not implement. Use "
+                    f"a model without attention sinks; {SUPPORTED}"
+                )
+            if call.key[1:2] + call.key[3:] != call.value[1:2] + call.value[3:]:
+                raise ConfigError(
+                    f"{family!r} is not supported: {call.name} gives keys of shape {call.key} and values of shape "
+                    f"{call.value} (batch, heads, tokens, head size): graphmode's paged cache holds keys and values "
+                    f"of one head count and head size (multi-head latent attention is not supported); {SUPPORTED}"
+                )
+        layers = sorted({c.layer for c in self.calls if c.layer is not None})
+        if layers != list(range(self.num_layers)):
+            raise ConfigError(
+                f"{family!r} is not supported: the attention layers that called transformers' attention interface "
+                f"have layer_idx {layers}, but the model has {self.num_layers} layers (config.num_hidden_layers); "
+                f"each needs one KV cache of its own; {SUPPORTED}"
+            )
+        shapes = {(c.key[1], c.key[3]) for c in self.calls}
+        if len(shapes) > 1:
+            raise ConfigError(
+                f"{family!r} is not supported: its layers have different (KV heads, head size): {sorted(shapes)}; "
+                f"graphmode's KV cache has one geometry for every layer; {SUPPORTED}"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.calls[0].key[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.calls[0].key[3]
+
+    def check_table(self, num_blocks: int, block_size: int) -> None:
+        """Refuse a block table that can address more tokens than a layer's
+        sliding window: the paged kernels attend to the whole sequence."""
+        found = self.window
+        reach = num_blocks * block_size
+        if found is not None and reach > found[0]:
+            window, where = found
+            raise ConfigError(
+                f"{self.family!r}: {where} has a sliding window of {window} tokens (config.sliding_window), but "
+                f"the block table can address {reach} tokens (num_blocks {num_blocks} x block_size {block_size}), "
+                "and graphmode's paged kernels attend to the whole sequence, not to a window. Raise the window, "
+                f"lower the table width (num_blocks * block_size <= {window}), or use a model without sliding window"
+            )
+
+
+def _describe(module: Any, tensor: Any) -> str:
+    """A tensor's name in ``module`` and its shape, never its values."""
+    shape = tuple(getattr(tensor, "shape", ()))
+    for name, parameter in module.named_parameters(recurse=False):
+        if parameter is tensor:
+            return f"{type(module).__name__}.{name}, shape {shape}"
+    return f"a tensor of shape {shape}"
+
+
+def active_probe() -> Probe | None:
+    """The probe of the forward running now, if any."""
+    return _PROBE.get()
+
+
+@contextlib.contextmanager
+def _probing(probe: Probe) -> Iterator[None]:
+    token = _PROBE.set(probe)
+    try:
+        yield
+    finally:
+        _PROBE.reset(token)
+
+
+def probe(hf_model: Any) -> Probe:
+    """Run one token through ``hf_model`` (already switched to graphmode's
+    attention) with a recording attention function; return what it saw,
+    having refused what the adapter cannot run."""
+    config = hf_model.config
+    family = getattr(config, "model_type", type(hf_model).__name__)
+    seen = Probe(family, config.num_hidden_layers, {id(m): n for n, m in hf_model.named_modules()},
+                 config_window=config_window(config))
+    device = next(hf_model.parameters()).device
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with _probing(seen), torch.no_grad():
+        try:
+            hf_model(input_ids=ids, position_ids=ids, use_cache=False, graphmode_step=seen)
+        except TypeError as error:
+            if "graphmode_step" not in str(error):
+                raise
+            raise ConfigError(
+                f"{family!r} is not supported: {type(hf_model).__name__}.forward takes no extra keyword arguments "
+                f"({error}), so graphmode's step cannot reach the attention layers; {SUPPORTED}"
+            ) from None
+    seen.refuse()
+    return seen

@@ -1,0 +1,154 @@
+"""Which transformers families the Hugging Face adapter runs, and the
+refusals at load of those it cannot: every family it claims decodes the
+greedy tokens of ``generate(do_sample=False)`` through graph replays on the
+CPU emulator (tiny random configs: 2 layers, hidden 64); every family it
+cannot run is refused by ``load_model`` with a ConfigError naming the
+family, the reason and the fix, and a sliding window shorter than the
+runner's block table is refused when the runner is built. docs/engines.md's
+table lists the same families."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import graphmode  # noqa: E402
+from graphmode.errors import ConfigError  # noqa: E402
+from graphmode.integrations.huggingface import load_model  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import serve_hf  # noqa: E402
+
+V5 = int(transformers.__version__.split(".")[0]) >= 5
+BLOCK_SIZE, WIDTH, MAX_BATCH = 4, 8, 2
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+            max_position_embeddings=256)
+GQA = dict(TINY, num_key_value_heads=2)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+#: Families that run, with the fields of their tiny config.
+RUNS = {
+    "gemma": dict(GQA, head_dim=16),
+    # Attention soft-capping off; the final soft-capping, on the logits, stays.
+    "gemma2": dict(GQA, head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=30.0),
+    # Sliding layers whose window equals the table's reach (8 blocks x 4).
+    "gemma3_text": dict(GQA, head_dim=16, sliding_window=32),
+    "phi": dict(GQA),
+    "phi3": dict(GQA, **TOKENS),
+    "gpt_neox": dict(TINY),
+    "gpt2": dict(TINY, n_inner=128),
+    "gpt_bigcode": dict(TINY, n_inner=128),
+    "gptj": dict(TINY, rotary_dim=8, n_inner=128),
+    "codegen": dict(TINY, rotary_dim=8, n_inner=128, n_ctx=256, **TOKENS),
+    "opt": dict(TINY, ffn_dim=128, word_embed_proj_dim=64),
+    "olmo": dict(GQA),
+    "olmo2": dict(GQA),
+    "granite": dict(GQA),
+    "cohere": dict(GQA, **TOKENS),
+    "starcoder2": dict(GQA),
+    "persimmon": dict(TINY),
+    "mixtral": dict(GQA, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(GQA, **MOE, num_experts=4, shared_expert_intermediate_size=32),
+    "qwen3_moe": dict(GQA, **MOE, num_experts=4, head_dim=16),
+}
+#: What transformers 4.x does differently (CI runs 4.56.0 on torch 2.5):
+#: families refused at load there, and one that fails at capture.
+REFUSED_BEFORE_V5 = {"gptj", "codegen", "gpt_bigcode", "qwen2_moe", "gpt2"}
+_NONZERO = "its MoE routing calls nonzero in 4.x (a data-dependent shape: the capture refuses it, naming the line)"
+RUNS_FROM_V5 = {"mixtral": _NONZERO, "qwen3_moe": _NONZERO}
+
+
+def config(family: str, **fields):
+    return transformers.AutoConfig.for_model(family, **fields)
+
+
+def requests() -> list[serve_hf.Request]:
+    generator = torch.Generator().manual_seed(1)
+    return [serve_hf.Request(torch.randint(3, 128, (n,), generator=generator).tolist(), new, arrival=2 * i)
+            for i, (n, new) in enumerate([(5, 6), (9, 4), (3, 7)])]
+
+
+@pytest.mark.parametrize("family", sorted(RUNS))
+def test_family_decodes_hf_greedy_tokens(family):
+    if not hasattr(transformers, "AutoConfig") or family not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    if not V5 and family in RUNS_FROM_V5:
+        pytest.skip(f"{family} on transformers {transformers.__version__}: {RUNS_FROM_V5[family]}")
+    settings = config(family, **RUNS[family])
+    if not V5 and family in REFUSED_BEFORE_V5:
+        with pytest.raises(ConfigError, match=f"'{family}' is not supported"):
+            load_model(settings)
+        return
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(settings).eval()
+    expected = []
+    for item in requests():
+        prompt = torch.tensor([item.prompt])
+        out = reference.generate(prompt, max_new_tokens=item.max_new_tokens, do_sample=False,
+                                 attention_mask=torch.ones_like(prompt), pad_token_id=0)
+        expected.append(out[0, prompt.shape[1]:].tolist())
+    model = load_model(settings)
+    model.hf_model.load_state_dict(reference.state_dict())
+    cache_blocks = MAX_BATCH * WIDTH + 1
+    kv_cache = model.make_kv_cache(cache_blocks, BLOCK_SIZE)
+    runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, num_blocks=WIDTH, block_size=BLOCK_SIZE)
+    batch = serve_hf.PagedBatch(cache_blocks, BLOCK_SIZE, WIDTH, torch.device("cpu"))
+    served = requests()
+    steps = serve_hf.serve(runner, kv_cache, batch, served, max_batch=MAX_BATCH)
+    assert [r.output for r in served] == expected
+    assert runner.stats.captures + runner.stats.replays == steps["decode"] >= 1
+
+
+#: Families refused at load: (config fields, what the message says).
+REFUSED = {
+    "falcon": (TINY, r"'falcon' is not supported: .*FalconForCausalLM declares no support .*ATTENTION_CLASSES"),
+    "stablelm": (GQA, r"'stablelm' is not supported: .*StableLmForCausalLM declares no support"),
+    "gpt_oss": (dict(GQA, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+                r"'gpt_oss' is not supported: model.layers.0.self_attn has attention sinks "
+                r"\(GptOssAttention.sinks, shape \(4,\)"),
+    "gemma2": (dict(GQA, head_dim=16), r"'gemma2' with config.attn_logit_softcapping=50.0 is not supported"),
+    "deepseek_v3": (dict(GQA, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                         v_head_dim=16, first_k_dense_replace=2),
+                    r"'deepseek_v3' is not supported: .*keys of shape \(1, 4, 1, 24\) and values of shape "
+                    r"\(1, 4, 1, 16\)"),
+    "llama4_text": (GQA, r"'llama4_text' with layers of type \['chunked_attention'\]"),
+    "recurrent_gemma": (TINY, r"'recurrent_gemma' with layers of type \['linear_attention'\]"),
+    "bert": (TINY, r"'bert' is not supported: .*attends bidirectionally .*set config.is_decoder=True"),
+}
+#: What transformers 4.x gives instead: no attention backend on these classes.
+if not V5:
+    for name in ("bert", "recurrent_gemma"):
+        REFUSED[name] = (REFUSED[name][0], rf"'{name}' is not supported: .* declares no support for registered")
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_family_the_adapter_cannot_run_is_refused_at_load(family):
+    if family not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    fields, message = REFUSED[family]
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_model(config(family, **fields))
+    assert "tensor(" not in str(refused.value)  # names and shapes, never values
+    assert "docs/engines.md" in str(refused.value)
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("mistral", dict(GQA, sliding_window=16)),  # every layer, passed to attention
+    ("gemma3_text", dict(GQA, head_dim=16, sliding_window=16)),  # sliding layers of config.layer_types
+])
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_sliding_window_shorter_than_the_table_is_refused_when_the_runner_is_built(family, fields, mode):
+    model = load_model(config(family, **fields))
+    with pytest.raises(ConfigError, match=r"has a sliding window of 16 tokens \(config.sliding_window\), but the "
+                       r"block table can address 32 tokens \(num_blocks 8 x block_size 4\).* Raise the window, "
+                       r"lower the table width \(num_blocks \* block_size <= 16\), or use a model without"):
+        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, num_blocks=WIDTH, block_size=BLOCK_SIZE,
+                                     execute_mode=mode)
+    # A table within the window is served.
+    graphmode.build_graph_runner(model, max_batches=MAX_BATCH, num_blocks=4, block_size=BLOCK_SIZE, execute_mode=mode)
