@@ -268,7 +268,6 @@ def _unknown_vendor_message(name: str) -> str:
 
 
 def _graphmode_version() -> str:
-    try:
-        return importlib.metadata.version("graphmode")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    import graphmode
+
+    return graphmode.__version__
