@@ -1,0 +1,68 @@
+"""The ``graphmode`` command itself: ``--help`` and ``--version`` without
+torch, the version from the installed metadata, the command list, and the
+default invocation of ``graphmode vendors`` (``bench`` and ``conformance``:
+tests/test_bench.py, tests/test_conformance_cli.py)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+import graphmode
+from graphmode.cli.main import COMMANDS, main
+from graphmode.plugins import installed_vendor_names
+
+# Runs the command's main, then says whether torch was imported on the way.
+IMPORTS_TORCH = """
+import sys
+from graphmode.cli import main
+try:
+    main({argv!r})
+except SystemExit:
+    pass
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], []], ids=["--help", "--version", "no command"])
+def test_help_and_version_import_no_torch(argv):
+    result = subprocess.run([sys.executable, "-c", IMPORTS_TORCH.format(argv=argv)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "torch imported: False", result.stdout
+
+
+def test_the_version_is_the_installed_distribution_s(capsys):
+    assert graphmode.__version__ == importlib.metadata.version("graphmode")
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out == f"graphmode {graphmode.__version__}\n"
+
+
+def test_no_command_lists_the_commands(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: graphmode")
+    for name, text in COMMANDS.items():
+        assert f"  {name:13s} {text}" in out
+
+
+def test_a_command_s_help_lists_its_own_options(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: graphmode bench") and "--vendors VENDORS" in out and "--workload" in out
+
+
+def test_vendors_with_its_defaults_lists_every_installed_vendor(capsys):
+    assert main(["vendors"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split(" (")[0] for line in lines if not line.startswith(" ") and not line.startswith("chosen")]
+    assert names == installed_vendor_names()
+    assert sum("capture list for max_batches=256" in line for line in lines) == len(names)
+    assert lines[-1].startswith("chosen here: ")
