@@ -1,19 +1,22 @@
 """The ``graphmode`` command itself: ``--help`` and ``--version`` without
 torch, the version from the installed metadata, the command list, and the
 default invocation of ``graphmode vendors`` (``bench`` and ``conformance``:
-tests/test_bench.py, tests/test_conformance_cli.py)."""
+tests/test_bench.py, tests/test_conformance_cli.py), and what the package declares and ships."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import graphmode
 from graphmode.cli.main import COMMANDS, main
 from graphmode.plugins import installed_vendor_names
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Runs the command's main, then says whether torch was imported on the way.
 IMPORTS_TORCH = """
@@ -66,3 +69,22 @@ def test_vendors_with_its_defaults_lists_every_installed_vendor(capsys):
     assert names == installed_vendor_names()
     assert sum("capture list for max_batches=256" in line for line in lines) == len(names)
     assert lines[-1].startswith("chosen here: ")
+
+
+def test_the_package_declares_its_license_and_ships_its_type_hints():
+    """What a wheel carries (checked on a built wheel once: LICENSE under
+    dist-info/licenses, every package's py.typed): the pyproject fields that
+    put them there, in the form setuptools >= 77 requires (PEP 639)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["build-system"]["requires"] == ["setuptools>=77"]
+    assert project["project"]["license"] == "Apache-2.0"
+    assert project["project"]["license-files"] == ["LICENSE"]
+    assert not [c for c in project["project"]["classifiers"] if c.startswith("License ::")]  # PEP 639 forbids both
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert project["tool"]["setuptools"]["package-data"] == {"*": ["py.typed"]}
+    for where in project["tool"]["setuptools"]["packages"]["find"]["where"]:
+        packages = [p for p in (ROOT / where).iterdir() if (p / "__init__.py").exists()]
+        assert packages and all((p / "py.typed").exists() for p in packages), where
