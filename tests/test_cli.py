@@ -6,6 +6,7 @@ tests/test_bench.py, tests/test_conformance_cli.py), and what the package declar
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,28 @@ def test_the_package_declares_its_license_and_ships_its_type_hints():
     for where in project["tool"]["setuptools"]["packages"]["find"]["where"]:
         packages = [p for p in (ROOT / where).iterdir() if (p / "__init__.py").exists()]
         assert packages and all((p / "py.typed").exists() for p in packages), where
+
+
+# torch_npu releases on PyPI and the torch release each requires (Requires-Dist
+# of their cp311 x86_64 wheels, read 2026-11-25; up to 2.10 the +cpu build).
+TORCH_NPU_TORCH = {
+    "2.5.1": "2.5.1", "2.6.0.post5": "2.6.0", "2.9.0.post9": "2.9.0", "2.10.0.post7": "2.10.0",
+    "2.12.0.post3": "2.12.0", "2.13.0": "2.13.0", "2.14.0": "2.14.0",
+}
+
+
+def test_the_ascend_extra_admits_the_torch_npu_of_every_supported_torch_only():
+    """Unpinned, ``pip install graphmode[ascend]`` took the newest torch_npu
+    and replaced the user's torch with that torch_npu's torch."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (extra,) = [Requirement(text) for text in project["optional-dependencies"]["ascend"]]
+    assert extra.name == "torch-npu"
+    (torch_requirement,) = [Requirement(text) for text in project["dependencies"] if text.startswith("torch")]
+    low, high = re.search(r"\*\*Supported torch: (\S+) to (\S+)\.\*\*", (ROOT / "README.md").read_text()).groups()
+    for release, torch_release in TORCH_NPU_TORCH.items():
+        supported = torch_release in torch_requirement.specifier and Version(torch_release).release[:2] <= Version(high).release
+        assert (release in extra.specifier) == supported, (release, torch_release, low, high)
