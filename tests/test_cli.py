@@ -63,6 +63,14 @@ def test_a_command_s_help_lists_its_own_options(capsys):
     assert out.startswith("usage: graphmode bench") and "--vendors VENDORS" in out and "--workload" in out
 
 
+def test_a_command_gets_every_argument_after_it_pytest_s_after_the_separator(capfd):
+    """The command's own parser reads what follows the command, ``--`` and
+    what follows it (pytest's arguments) included."""
+    assert main(["conformance", "--vendor", "cuda", "--device", "cpu", "-k", "test_vendor_describes_itself",
+                 "--", "-v"]) == 0
+    assert "test_vendor_describes_itself PASSED" in capfd.readouterr().out
+
+
 def test_vendors_with_its_defaults_lists_every_installed_vendor(capsys):
     assert main(["vendors"]) == 0
     lines = capsys.readouterr().out.splitlines()
