@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"== vendor {index}/{len(plan)}: {target.vendor.name} on {target.device} ==", flush=True)
         for line in describe(target, sizes):
             print(f"   {line}", flush=True)
+        if args.variant:
+            print(f"   only the option variant {args.variant} (--variant)", flush=True)
         if device is None and target.device.type == "cpu" and not target.vendor.info.detected:
             info = target.vendor.info
             print(f"   device cpu: {info.name} is not detected here ({info.reason}), so its graphs run on the "
