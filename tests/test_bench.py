@@ -1,5 +1,6 @@
-"""``graphmode bench --workload prefill`` and ``--workload offload`` on the CPU
-emulator at tiny sizes: the commands run end to end, their tables and JSON
+"""``graphmode bench`` on the CPU emulator at tiny sizes: the decode
+workload's default vendors, clear stops for what cannot run (a vendor, a
+device), and ``--workload prefill`` and ``--workload offload`` end to end: their tables and JSON
 hold a row per case (or batch) and a column per mode, the piecewise modes
 ran in graphs (no eager step), and their logits equal eager's. Timing is not
 checked here: the figures come from a GPU (docs/performance.md)."""
@@ -10,6 +11,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from graphmode.bench.cases import parse_cases
 from graphmode.cli.main import main
@@ -101,3 +103,40 @@ def test_a_case_longer_than_the_model_positions_is_refused(capsys):
 def test_tensor_parallel_with_another_workload_is_refused():
     with pytest.raises(SystemExit, match="--tp 2 measures the decode workload only"):
         main(["bench", "--device", "cpu", "--workload", "prefill", "--tp", "2"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default device is then cuda: the bench model, minutes")
+def test_the_default_vendors_are_those_that_run_the_bench_model(capsys, tmp_path):
+    """No --vendors: every installed vendor whose attention ops follow the
+    model's contract is timed (the 'cuda' contract: cuda and maca); the
+    others are listed with the reason, not a ConfigError traceback."""
+    out, results = run_bench(capsys, tmp_path, "--batches", "1", "--steps", "1", "--warmup", "1")
+    assert list(results["latency_ms"]) == ["eager", "graphmode[cuda]", "graphmode[maca]"]
+    assert all(value["1"] > 0 for value in results["latency_ms"].values())
+    for name in ("ascend", "camb", "ppu"):
+        assert (f"not timed: {name}: its attention ops follow the {name!r} contract, the bench model's "
+                "(ReferenceAttentionOps) the 'cuda' one") in out
+
+
+def test_a_named_vendor_that_cannot_run_the_bench_model_is_one_clear_error():
+    with pytest.raises(SystemExit, match=re.escape(
+        "graphmode bench: --vendors ppu: it cannot time the bench model on cpu: its attention ops follow the 'ppu' "
+        "contract, the bench model's (ReferenceAttentionOps) the 'cuda' one. Leave it out of --vendors"
+    )):
+        main(["bench", "--device", "cpu", "--vendors", "cuda,ppu", "--batches", "1"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+@pytest.mark.parametrize("workload", [[], ["--workload", "prefill"], ["--workload", "offload"], ["--tp", "2"]],
+                         ids=["decode", "prefill", "offload", "tp"])
+def test_every_workload_on_a_missing_device_is_one_clear_error(workload):
+    with pytest.raises(SystemExit, match=re.escape(
+        "graphmode bench: --device cuda: no cuda device is available to torch here (torch "
+    )) as stop:
+        main(["bench", "--device", "cuda", *workload])
+    assert "or pass --device cpu for the CPU graph emulator" in str(stop.value)
+
+
+def test_a_device_torch_does_not_know_is_one_clear_error():
+    with pytest.raises(SystemExit, match="graphmode bench: --device 'npu' is not a device torch .* knows"):
+        main(["bench", "--device", "npu"])

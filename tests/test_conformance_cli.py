@@ -108,3 +108,50 @@ def test_a_vendor_written_from_the_docs_passes_unchanged(capfd, monkeypatch):
     assert "sizes: block size 32 (declared by the vendor)" in out
     assert "capture list at max_batches=48: [1, 3, 6, 12, 24, 48] (the vendor's policy)" in out
     assert "acme             cpu" in out and "PASS" in out
+
+
+def test_an_undetected_vendor_without_device_runs_on_the_emulator_and_says_so(capfd):
+    """camb's own device type, mlu, is not one torch knows without torch_mlu:
+    naming it once raised torch's RuntimeError from the command."""
+    if graphmode.load_vendor("camb").info.detected:
+        pytest.skip("camb is detected here")
+    status = cli.run(_args("--vendor", "camb", "-k", "test_vendor_describes_itself"))
+    out = capfd.readouterr().out
+    assert status == 0, out
+    assert "== vendor 1/1: camb on cpu ==" in out
+    assert ("device cpu: camb is not detected here (torch_mlu is not installed), so its graphs run on the CPU "
+            "graph emulator; on its hardware pass --device mlu") in out
+
+
+def test_a_keyword_matching_no_test_says_so(capfd):
+    status = cli.run(_args("--vendor", "cuda", "--device", "cpu", "-k", "no_such_test"))
+    captured = capfd.readouterr()
+    assert status == 1
+    assert re.search(r"^cuda +cpu +0 +0 +0 +0 +0 +[0-9.]+s  NO TEST MATCHED$", captured.out, re.MULTILINE), captured.out
+    assert ("graphmode conformance: no test of vendor cuda matched -k 'no_such_test'; `-- --collect-only -q` "
+            "lists the test ids") in captured.err
+
+
+def test_variant_selects_one_option_variant(capfd):
+    """``-k "update_path=task_group"`` is not an expression pytest accepts;
+    ``--variant`` takes the id as the test ids show it."""
+    status = cli.run(_args("--vendor", "ascend", "--device", "cpu", "--variant", "update_path=task_group",
+                           "-k", "test_every_batch_size", "--", "--collect-only", "-q"))
+    out = capfd.readouterr().out
+    assert status == 0, out
+    assert "   only the option variant update_path=task_group (--variant)" in out
+    collected = [line for line in out.splitlines() if "::" in line]
+    assert collected and all(line.endswith("[update_path=task_group]") for line in collected), out
+
+
+@pytest.mark.parametrize(("vendor", "message"), [
+    ("ascend", "option variant 'update_path=other' is not one the vendor declares (GraphSpec.option_variants: "
+               "update_path=graph_update, update_path=task_group); pass one of those"),
+    ("cuda", "option variant 'update_path=other': the vendor declares no option variants "
+             "(GraphSpec.option_variants); leave the variant out"),
+])
+def test_an_undeclared_variant_is_one_clear_error(capsys, vendor, message):
+    assert cli.run(_args("--vendor", vendor, "--device", "cpu", "--variant", "update_path=other")) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == f"graphmode conformance: --variant: vendor {vendor}: {message}"

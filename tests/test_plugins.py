@@ -12,15 +12,22 @@ import graphmode
 from graphmode.plugins import describe_vendors, installed_vendor_names, load_vendor, select_vendor
 
 
-class FakeDistribution:
-    """Stands in for an installed package registering entry points."""
+class FakeDistribution(importlib.metadata.Distribution):
+    """An installed package registering entry points, through
+    importlib.metadata's own extension point: a Distribution reads its
+    metadata files, here from memory instead of a dist-info directory."""
 
     def __init__(self, name: str, entry_points: dict[str, str]) -> None:
-        self.metadata = {"Name": name}
-        self.version = "0.0.1"
-        self.entry_points = [
-            importlib.metadata.EntryPoint(name=n, value=v, group="graphmode") for n, v in entry_points.items()
-        ]
+        self.files_text = {
+            "METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.1\n",
+            "entry_points.txt": "[graphmode]\n" + "".join(f"{n} = {v}\n" for n, v in entry_points.items()),
+        }
+
+    def read_text(self, filename: str) -> str | None:
+        return self.files_text.get(filename)
+
+    def locate_file(self, path):  # no files on disk
+        raise FileNotFoundError(path)
 
 
 @pytest.fixture

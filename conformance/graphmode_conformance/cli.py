@@ -22,15 +22,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from graphmode.errors import GraphModeError
+from graphmode.errors import ConfigError, GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, installed_vendor_names, select_vendor
 from graphmode.runner.host_reads import ENV_CHECK_HOST_READS
-from graphmode_conformance.plugin import Target, describe, resolve_target
+from graphmode_conformance.plugin import Target, describe, pick_variant, resolve_target
 from graphmode_conformance.sizes import DTYPES, Sizes, parse_capture_sizes
 
 SUITE = Path(__file__).with_name("test_conformance.py")
+# pytest's exit status when no test was collected (pytest.ExitCode.NO_TESTS_COLLECTED).
+NO_TESTS = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--xfails", help="file of test ids expected to fail (# comments)")
     parser.add_argument("--report", help="write a JSON report (one record per test) here")
     parser.add_argument("-k", dest="keyword", help="only tests matching this pytest expression")
+    parser.add_argument("--variant", metavar="ID",
+                        help="only this one of the vendor's option variants, as the test ids name it "
+                             "(--vendor ascend --variant update_path=task_group); tests without options run as always")
     parser.add_argument("--plugin", metavar="MODULE:OBJECT",
                         help="test this plugin object (a plugin in development, not installed) instead of an entry point")
     sizes = parser.add_argument_group("sizes (default: the vendor's declarations, then the suite's defaults)")
@@ -132,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
             sys.path.insert(0, os.getcwd())  # as `python -m` does: a plugin module here imports
         plan = targets(args.vendor, args.device, args.plugin)
         resolved = [resolve_target(vendor, device, args.plugin) for vendor, device in plan]
+        if args.variant:
+            for target in resolved:
+                check_variant(target, args.variant)
     except GraphModeError as error:
         print(f"graphmode conformance: {error}", file=sys.stderr)
         return 2
@@ -140,6 +149,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"== vendor {index}/{len(plan)}: {target.vendor.name} on {target.device} ==", flush=True)
         for line in describe(target, sizes):
             print(f"   {line}", flush=True)
+        if args.variant:
+            print(f"   only the option variant {args.variant} (--variant)", flush=True)
+        if device is None and target.device.type == "cpu" and not target.vendor.info.detected:
+            info = target.vendor.info
+            print(f"   device cpu: {info.name} is not detected here ({info.reason}), so its graphs run on the "
+                  f"CPU graph emulator; on its hardware pass --device {info.device_types[0]}", flush=True)
         env = process_env(target, args.plugin)
         with tempfile.TemporaryDirectory() as scratch:
             report = Path(scratch) / "report.json"
@@ -159,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             command += size_options(args)
             if args.keyword:
                 command += ["-k", args.keyword]
+            if args.variant:
+                command += ["--graphmode-variant", args.variant]
             command += args.pytest_args
             started = time.perf_counter()
             status = subprocess.call(command, env=env)
@@ -167,6 +184,12 @@ def run(args: argparse.Namespace) -> int:
         data.update(vendor=data.get("vendor") or target.vendor.name, exit_status=status, seconds=round(elapsed, 1))
         runs.append(data)
     print_summary(runs)
+    for run in runs:
+        if run["exit_status"] == NO_TESTS:
+            chosen = " and ".join(f"{flag} {value!r}" for flag, value in (("-k", args.keyword), ("--variant", args.variant))
+                                  if value) or "the given arguments"
+            print(f"graphmode conformance: no test of vendor {run['vendor']} matched {chosen}; "
+                  "`-- --collect-only -q` lists the test ids", file=sys.stderr)
     if args.report:
         Path(args.report).write_text(json.dumps({"runs": runs}, indent=1))
     return 0 if runs and all(r["exit_status"] == 0 for r in runs) else 1
@@ -180,9 +203,18 @@ def print_summary(runs: list[dict]) -> None:
     for run in runs:
         counts = {o: sum(r["outcome"] == o for r in run["records"]) for o in outcomes}
         counts["failed"] += sum(r["outcome"] == "error" for r in run["records"])
-        result = "PASS" if run["exit_status"] == 0 else f"FAIL (exit {run['exit_status']})"
+        status = run["exit_status"]
+        result = "PASS" if status == 0 else "NO TEST MATCHED" if status == NO_TESTS else f"FAIL (exit {status})"
         print(f"{run['vendor']:16s} {str(run.get('device')):8s} " + " ".join(f"{counts[o]:8d}" for o in outcomes)
               + f" {run['seconds']:6.1f}s  {result}")
+
+
+def check_variant(target: Target, wanted: str) -> None:
+    """Refuse ``--variant wanted`` unless the vendor declares that variant."""
+    try:
+        pick_variant(target.vendor.spec.option_variants, wanted)
+    except pytest.UsageError as error:
+        raise ConfigError(f"--variant: vendor {target.vendor.name}: {error}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ Options:
                                when present, else the CPU emulator)
     --graphmode-plugin M:OBJ   test this plugin object instead of an installed
                                entry point (a plugin in development, a variant)
+    --graphmode-variant ID     only this one of the vendor's option variants, named
+                               as the test ids name it (update_path=task_group)
     --graphmode-xfails FILE    test ids expected to fail, one per line, # comments
     --graphmode-report FILE    a JSON report, one record per test
     --graphmode-block-size N, --graphmode-max-batches N, --graphmode-table-width N,
@@ -52,6 +54,8 @@ def pytest_addoption(parser):
     group.addoption("--graphmode-vendor", default=None, help="vendor under test")
     group.addoption("--graphmode-device", default=None, help="device graphs run on (cpu: the emulator)")
     group.addoption("--graphmode-plugin", default=None, help="module:object: a plugin to test that is not installed")
+    group.addoption("--graphmode-variant", default=None,
+                    help="only this option variant, as the test ids name it (update_path=task_group)")
     group.addoption("--graphmode-xfails", default=None, help="file of test ids expected to fail")
     group.addoption("--graphmode-report", default=None, help="write a JSON report here")
     group.addoption("--graphmode-block-size", default=None, help="KV-cache block size (default: the vendor's first declared)")
@@ -74,8 +78,11 @@ def resolve_target(vendor: str | None, device: str | None, plugin: str | None = 
     else:
         chosen = select_vendor(vendor, device)
     if device is None:
-        native = [t for t in chosen.info.device_types if chosen.info.runs_on(torch.device(t))[0]]
-        device = native[0] if native and chosen.info.detected else "cpu"
+        # Only a detected vendor's device types are asked about: torch may not
+        # know the others at all (no "mlu" without torch_mlu).
+        native = [t for t in chosen.info.device_types if chosen.info.runs_on(torch.device(t))[0]] \
+            if chosen.info.detected else []
+        device = native[0] if native else "cpu"
     return Target(chosen, torch.device(device))
 
 
@@ -103,7 +110,24 @@ def pytest_generate_tests(metafunc):
     except Exception:  # the fixtures report a bad target, once per test, with its error
         return
     if variants:
+        wanted = metafunc.config.getoption("--graphmode-variant")
+        if wanted:
+            variants = [pick_variant(variants, wanted)]
         metafunc.parametrize("vendor_options", [dict(v) for v in variants], ids=[variant_id(v) for v in variants])
+
+
+def pick_variant(variants: Any, wanted: str) -> Any:
+    """The option variant whose test id is ``wanted``; a ``pytest.UsageError``
+    listing the declared ones when none is."""
+    for variant in variants:
+        if variant_id(variant) == wanted:
+            return variant
+    if not variants:
+        raise pytest.UsageError(f"option variant {wanted!r}: the vendor declares no option variants "
+                                "(GraphSpec.option_variants); leave the variant out")
+    declared = ", ".join(variant_id(v) for v in variants)
+    raise pytest.UsageError(f"option variant {wanted!r} is not one the vendor declares "
+                            f"(GraphSpec.option_variants: {declared}); pass one of those")
 
 
 def pytest_configure(config):

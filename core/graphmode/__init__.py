@@ -18,12 +18,25 @@ backends such as torch_npu, which need their vendor's libraries), and the
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 hookimpl = pluggy.HookimplMarker("graphmode")
+
+
+def _version() -> str:
+    """The installed distribution's version; ``0+unknown`` when graphmode
+    runs from a source tree that was never installed (PYTHONPATH)."""
+    try:
+        return importlib.metadata.version("graphmode")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
 
 # Each public name and the module defining it.
 _EXPORTS = {

@@ -31,6 +31,7 @@ from graphmode.bench.workload import Workload
 from graphmode.buckets import padding_waste, parse_sizes
 from graphmode.model import ModelConfig
 from graphmode.plugins import installed_vendor_names, load_vendor
+from graphmode.plugins.info import device_available
 from graphmode.runner.setup import default_capture_sizes
 
 
@@ -98,7 +99,57 @@ def vendor_padding_waste(max_batches: int) -> dict[str, dict[str, Any]]:
     return waste
 
 
+def bench_device(text: str) -> torch.device:
+    """``--device`` as a torch device, or a stop naming what is missing:
+    torch cannot make that device, or has none of its kind here."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise SystemExit(f"graphmode bench: --device {text!r} is not a device torch {torch.__version__} knows "
+                         "(its vendor extension is not installed or failed to load); pass --device cpu for "
+                         "the CPU graph emulator") from None
+    usable, why = device_available(device)
+    if not usable:
+        raise SystemExit(f"graphmode bench: --device {text}: {why} (torch {torch.__version__}). The bench times "
+                         "a real device: run it where one is visible, or pass --device cpu for the CPU graph "
+                         "emulator (the tiny model; its times say nothing about a GPU)")
+    return device
+
+
+def bench_vendors(requested: str | None, model: Any, device: torch.device) -> tuple[list[str], list[str]]:
+    """The vendors ``graphmode[...]`` columns time, and a line per installed
+    vendor left out and why. Every vendor runs the one bench model, so only
+    vendors whose attention ops follow the model's contract (and whose graphs
+    run on ``device``) can be timed. Without ``--vendors`` the others are
+    left out with their reason; a vendor named in ``--vendors`` that cannot
+    run stops the command with the reason."""
+    contract = getattr(model.ops, "contract", None)
+    names = [name for name in (requested or "").split(",") if name] or installed_vendor_names()
+    timed, skipped = [], []
+    for name in names:
+        try:
+            vendor = load_vendor(name)
+            usable, why = vendor.info.runs_on(device)
+            wanted = getattr(vendor.attention_ops(), "contract", None)
+        except Exception as error:  # a broken plugin is reported, not fatal
+            usable, why = False, f"cannot load: {error}".splitlines()[0]
+        else:
+            if usable and wanted != contract:
+                usable, why = False, (f"its attention ops follow the {wanted!r} contract, the bench model's "
+                                      f"({type(model.ops).__name__}) the {contract!r} one")
+        if usable:
+            timed.append(name)
+        elif requested:
+            raise SystemExit(f"graphmode bench: --vendors {name}: it cannot time the bench model on {device}: "
+                             f"{why}. Leave it out of --vendors, or leave --vendors out to time every vendor "
+                             "that can")
+        else:
+            skipped.append(f"{name}: {why}")
+    return timed, skipped
+
+
 def run(args: argparse.Namespace) -> int:
+    bench_device(args.device)
     if args.tp > 1:
         if args.workload != "decode":
             raise SystemExit(f"graphmode bench: --tp {args.tp} measures the decode workload only, not "
@@ -147,7 +198,10 @@ def run(args: argparse.Namespace) -> int:
 
     modes: list[Any] = [Eager(workload.model)] if "eager" in wanted else []
     if "graphmode" in wanted:
-        modes += [GraphmodeRunner(workload.model, workload, v) for v in args.vendors.split(",") if v]
+        vendors, skipped = bench_vendors(args.vendors, workload.model, device)
+        for line in skipped:
+            print(f"not timed: {line}", flush=True)
+        modes += [GraphmodeRunner(workload.model, workload, v) for v in vendors]
     if device.type == "cuda":
         if "hand" in wanted:
             modes.append(HandWrittenGraph(workload.model, workload))

@@ -31,7 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", choices=["bench", "tiny"], default=None,
                         help="model size (default: bench on a GPU, tiny on the CPU)")
     parser.add_argument("--batches", default=None, help=f"batch sizes (default {DEFAULT_BATCHES}; 1,2,4,8 on the CPU)")
-    parser.add_argument("--vendors", default="cuda,maca,ppu", help="graphmode vendors to time")
+    parser.add_argument("--vendors", default=None,
+                        help="graphmode vendors to time, comma-separated (default: every installed vendor whose "
+                             "graphs run the bench model on --device; the others are listed as not timed, "
+                             "with the reason; --tp: the first, default cuda)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per batch size and mode")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (capture, compile)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     rank, world, device = torchrun_rank(args.device)
-    vendor = graphmode.select_vendor(args.vendors.split(",")[0], device)
+    vendor = graphmode.select_vendor((args.vendors or "cuda").split(",")[0], device)
     init_process_group(vendor, device)
     config = ModelConfig.bench() if (args.config or ("bench" if device.type == "cuda" else "tiny")) == "bench" else ModelConfig.tiny()
     small = device.type == "cpu"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CAPABILITIES", "VendorInfo", "probe_runtime"]
+__all__ = ["CAPABILITIES", "VendorInfo", "device_available", "probe_runtime"]
 
 CAPABILITIES = {
     "inductor_graphs": "Inductor's kernels (torch.compile) run inside the vendor's graphs on "
@@ -72,11 +72,19 @@ class VendorInfo:
                 f"it runs on {', '.join(self.device_types)} (and the cpu emulator), "
                 f"not {device.type}"
             )
-        module = getattr(torch, device.type, None)
-        available = getattr(module, "is_available", None)
-        if available is None or not available():
-            return False, f"no {device.type} device is available to torch here"
-        return True, f"{device.type} graphs"
+        available, why = device_available(device)
+        return (True, f"{device.type} graphs") if available else (False, why)
+
+
+def device_available(device: torch.device) -> tuple[bool, str]:
+    """Whether torch has a device of ``device``'s type here, and why not."""
+    if device.type == "cpu":
+        return True, "the cpu"
+    module = getattr(torch, device.type, None)
+    available = getattr(module, "is_available", None)
+    if available is None or not available():
+        return False, f"no {device.type} device is available to torch here"
+    return True, f"{device.type} devices"
 
 
 def probe_runtime(module_name: str, device_type: str) -> tuple[str | None, bool, str]:

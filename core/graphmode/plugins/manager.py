@@ -77,12 +77,13 @@ def _allowed() -> set[str] | None:
     return {name.strip() for name in value.split(",") if name.strip()}
 
 
-def _entry_points() -> dict[str, tuple[importlib.metadata.EntryPoint, Any]]:
-    found = {}
-    for dist in importlib.metadata.distributions():
-        for entry_point in dist.entry_points:
-            if entry_point.group == ENTRY_POINT_GROUP and entry_point.name not in found:
-                found[entry_point.name] = (entry_point, dist)
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """The ``graphmode`` group's entry points by name, from importlib.metadata's
+    own selection (one distribution per name, the first on the path); of two
+    distributions registering one name, the first wins."""
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(entry_point.name, entry_point)
     return found
 
 
@@ -169,18 +170,19 @@ def load_vendor(name: str, plugin: Any = None) -> Vendor:
         version = _graphmode_version()
     else:
         allowed = _allowed()
-        entry = _entry_points().get(name)
-        if entry is None or (allowed is not None and name not in allowed):
+        entry_point = _entry_points().get(name)
+        if entry_point is None or (allowed is not None and name not in allowed):
             raise VendorError(_unknown_vendor_message(name))
-        entry_point, dist = entry
+        dist = entry_point.dist
+        version = dist.version if dist is not None else "unknown"
         try:
             plugin = entry_point.load()
         except Exception as error:
+            package = f"{dist.name} {version}" if dist is not None else "an unknown package"
             raise VendorError(
-                f"vendor plugin {name!r} ({entry_point.value}, from {dist.metadata['Name']} "
-                f"{dist.version}) failed to import: {error!r}. Reinstall that package."
+                f"vendor plugin {name!r} ({entry_point.value}, from {package}) failed to import: {error!r}. "
+                "Reinstall that package."
             ) from error
-        version = dist.version
         _register(manager, plugin, name)
     return Vendor(name, manager, plugin, version)
 
@@ -268,7 +270,6 @@ def _unknown_vendor_message(name: str) -> str:
 
 
 def _graphmode_version() -> str:
-    try:
-        return importlib.metadata.version("graphmode")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    import graphmode
+
+    return graphmode.__version__

@@ -29,7 +29,6 @@ import dataclasses
 import gc
 import itertools
 import operator
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +48,7 @@ from graphmode.plugins import Vendor
 from graphmode.runner.debug import StepChecker
 from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
+from graphmode.runner.progress import CaptureProgress
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
 from graphmode.runner.validate import check_cache_layout, check_inputs, check_model_ops, uniform_q_len
@@ -425,13 +425,15 @@ class GraphRunner:
         ] if full else []
         if todo and not self._staging_decided:
             self._decide_staging(on_host=False)  # no step seen: host_staging=None means off
-        with _frozen_gc(), torch.inference_mode():
+        pieces = [b for b in self.piecewise.sizes if self.piecewise.graph(b) is None] \
+            if self.piecewise is not None else []
+        with _frozen_gc(), torch.inference_mode(), \
+                CaptureProgress(len(pieces) + len(todo), self.config.device, bar=progress) as report:
             if self.piecewise is not None:  # first, as vLLM: the larger activations take the pool first
-                self.piecewise.warmup(past_key_values, extras, self._report if progress else None)
+                self.piecewise.warmup(past_key_values, extras, report)
             for index, (bucket, q_len) in enumerate(todo):
-                if progress:
-                    name = f"bucket {bucket}" + (f", q_len {q_len}" if limit > 1 else "")
-                    self._report(f"capturing {name} ({index + 1}/{len(todo)})", last=index + 1 == len(todo))
+                name = f"bucket {bucket}" + (f", q_len {q_len}" if limit > 1 else "")
+                report(f"capturing {name} ({index + 1}/{len(todo)})", index + 1 == len(todo))
                 step = self._inert_step(bucket, past_key_values, extras, q_len)
                 self._capture(step, bucket, bucket, warmup=True)
 
@@ -461,15 +463,6 @@ class GraphRunner:
         step = StepInputs(zeros, zeros.clone(), past_key_values, attn, extras)
         # With host staging the step comes from the host, as an engine's steps do.
         return to_host(step, device) if self.staging is not None else step
-
-    def _report(self, message: str, last: bool) -> None:
-        free = _free_memory(self.config.device)
-        line = f"graphmode: {message}, {free}"
-        if sys.stderr.isatty():
-            sys.stderr.write("\r" + line.ljust(72) + ("\n" if last else ""))
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
 
     def reset(self) -> None:
         """Drop every graph, their captured parameters and the memory pool.
@@ -608,14 +601,6 @@ def _refuse_other_extras(captured: CapturedGraph, given: list[str]) -> None:
 def _model_attr(model: Any, name: str) -> Any:
     config = getattr(model, "config", None)
     return getattr(config, name, None)
-
-
-def _free_memory(device: torch.device) -> str:
-    module: Any = getattr(torch, device.type, None)
-    if device.type == "cpu" or not hasattr(module, "mem_get_info"):
-        return "emulated graphs (host memory)"
-    free, _ = module.mem_get_info(device)
-    return f"{free / 2**30:.2f} GiB free"
 
 
 @contextlib.contextmanager
