@@ -17,8 +17,11 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from graphmode.errors import ConfigError
+
 __all__ = [
     "GRADED_STEPS",
+    "FixedSizes",
     "PaddingWaste",
     "graded_sizes",
     "next_power_of_2",
@@ -99,6 +102,28 @@ def three_stage_sizes(max_batches: int) -> list[int]:
     with max_batches."""
     sizes = sorted({min(three_stage_size(n), max_batches) for n in range(1, max_batches + 1)})
     return sizes
+
+
+@dataclass(frozen=True)
+class FixedSizes:
+    """A capture policy for hardware that captures only the batch sizes of a
+    fixed list (``FixedSizes((1, 2, 4, 8, 16, 32))``): at a max_batches, the
+    listed sizes up to it. Its last size is the vendor's largest graph
+    (``GraphSpec.max_capture_size``): batches above it run eagerly. A
+    user's capture list keeps only listed sizes (``GraphSpec.capture_list``)."""
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.sizes)
+        if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes) or (
+            list(sizes) != sorted(set(sizes))
+        ):
+            raise ConfigError(f"FixedSizes({self.sizes!r}): give ascending, unique batch sizes >= 1, e.g. (1, 2, 4, 8)")
+        object.__setattr__(self, "sizes", sizes)
+
+    def __call__(self, max_batches: int) -> list[int]:
+        return [s for s in self.sizes if s <= max_batches]
 
 
 def smallest_bucket(batch_size: int, capture_sizes: Sequence[int]) -> int | None:
