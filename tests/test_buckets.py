@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 from plugins.fixed_capture_list import plugin as fixed_capture_list
 from setups import tiny_setup

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from graphmode.buckets import FixedSizes
 from graphmode.config import RunnerConfig
 from graphmode.errors import ConfigError
 from graphmode.plugins import Vendor
-from graphmode.buckets import FixedSizes
 from graphmode.spec import GraphSpec
 
 __all__ = ["capture_sizes", "configure", "default_capture_sizes"]
