@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "docs" / "writing-a-plugin.md", ROOT / "docs" / "hooks.md", ROOT / "docs" / "emulator.md"]
 SOURCES = [
     ROOT / "tests" / "plugins" / "walkthrough.py", Path(__file__), ROOT / "tests" / "emulated_updates.py",
-    ROOT / "tests" / "test_emulator.py",
+    ROOT / "tests" / "test_emulator.py", ROOT / "tests" / "plugins" / "fixed_capture_list.py",
 ]
 
 

@@ -6,7 +6,9 @@ any other bucket, as the hardware would refuse to capture one, so a runner
 asking for another size fails loudly rather than passing by luck.
 
 A plugin object (``--plugin plugins.fixed_capture_list:plugin``): the
-conformance suite runs on it in tests/test_conformance_suite.py.
+conformance suite runs on it in tests/test_conformance_suite.py. The region
+below is shown in docs/writing-a-plugin.md (tests/test_writing_a_plugin.py
+checks it word for word).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from graphmode import VendorInfo, hookimpl
 from graphmode.buckets import FixedSizes
 from graphmode.spec import CUDA_SPEC, GraphSpec
 
+# --8<-- [start:fixed_sizes]
+FIXED_SPEC = CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2, 4, 8, 16, 32)))  # its largest graph: 32
+# --8<-- [end:fixed_sizes]
 FIXED = (1, 2, 4, 8, 16, 32)
-FIXED_SPEC = CUDA_SPEC.replace(capture_sizes=FixedSizes(FIXED))  # max_capture_size: 32, its last size
 
 
 class FixedCaptureList:
