@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from graphmode.buckets import FixedSizes, graded_sizes
+from graphmode.buckets import capture_list, declared_max_capture_size, graded_sizes, largest_graph
 from graphmode.errors import ConfigError
 
 __all__ = [
@@ -306,7 +306,7 @@ class GraphSpec:
             raise ConfigError(f"GraphSpec max_kv_seq_len={self.max_kv_seq_len!r}: use 'dynamic' or 'capacity'")
         if self.block_sizes is not None:
             object.__setattr__(self, "block_sizes", tuple(self.block_sizes))
-        self._check_capture_size()
+        object.__setattr__(self, "max_capture_size", declared_max_capture_size(self.capture_sizes, self.max_capture_size))
         if self.max_q_len is not None and (not isinstance(self.max_q_len, int) or self.max_q_len < 1):
             raise ConfigError(f"GraphSpec max_q_len={self.max_q_len!r}: use an int >= 1, or None for no limit")
         if not dataclasses.is_dataclass(self.options):
@@ -323,55 +323,13 @@ class GraphSpec:
                     f"({sorted(known) or 'none'})"
                 )
 
-    def _check_capture_size(self) -> None:
-        largest = self.max_capture_size
-        if largest is not None and (not isinstance(largest, int) or isinstance(largest, bool) or largest < 1):
-            raise ConfigError(f"GraphSpec max_capture_size={largest!r}: use an int >= 1, or None for no limit")
-        if isinstance(self.capture_sizes, FixedSizes):
-            last = self.capture_sizes.sizes[-1]
-            if largest is None:
-                object.__setattr__(self, "max_capture_size", last)
-            elif largest > last:
-                raise ConfigError(
-                    f"GraphSpec max_capture_size={largest}: the fixed capture list {list(self.capture_sizes.sizes)} "
-                    f"(capture_sizes) ends at {last}; leave max_capture_size unset, or declare it <= {last}"
-                )
-
     def largest_graph(self, max_batches: int) -> int:
-        """The largest graph a runner of ``max_batches`` captures when the
-        engine gives no capture list: max_batches, capped at
-        ``max_capture_size``, and for ``FixedSizes`` the largest listed size
-        within that (0 when none is)."""
-        top = max_batches if self.max_capture_size is None else min(max_batches, self.max_capture_size)
-        if isinstance(self.capture_sizes, FixedSizes):
-            return max((s for s in self.capture_sizes.sizes if s <= top), default=0)
-        return top
+        """See :func:`graphmode.buckets.largest_graph`."""
+        return largest_graph(self.capture_sizes, self.max_capture_size, max_batches)
 
     def capture_list(self, max_batches: int, given: Sequence[int] | None = None) -> list[int]:
-        """The capture list the built-in ``graphmode_capture_sizes`` answers:
-        the engine's list ``given`` trimmed to the sizes this vendor
-        captures (none above ``max_capture_size``; only listed ones for
-        ``FixedSizes``), else the policy ``capture_sizes`` up to
-        ``largest_graph(max_batches)``. Refuses a list that ends up empty,
-        naming the declaration."""
-        top = max_batches if self.max_capture_size is None else min(max_batches, self.max_capture_size)
-        fixed = self.capture_sizes.sizes if isinstance(self.capture_sizes, FixedSizes) else None
-        if given is not None:
-            sizes = [s for s in given if s <= top and (fixed is None or s in fixed)]
-            if not sizes:
-                takes = f"only the sizes {list(fixed)}" if fixed else f"batches of at most {top}"
-                raise ConfigError(
-                    f"capture_batch_sizes={list(given)}: the vendor's graphs take {takes} (GraphSpec "
-                    "capture_sizes / max_capture_size), so none of them could be captured; give sizes among "
-                    "those, or leave capture_batch_sizes unset for the vendor's list"
-                )
-            return sizes
-        if fixed is not None and fixed[0] > top:
-            raise ConfigError(
-                f"max_batches={max_batches}: the vendor captures only the sizes {list(fixed)} (GraphSpec "
-                f"capture_sizes), none within it; use max_batches >= {fixed[0]}"
-            )
-        return list(self.capture_sizes(top))
+        """The built-in ``graphmode_capture_sizes``'s answer (:func:`graphmode.buckets.capture_list`)."""
+        return capture_list(self.capture_sizes, self.max_capture_size, max_batches, given)
 
     def buffer(self, name: str) -> BufferSpec:
         for spec in self.buffers:
