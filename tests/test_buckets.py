@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from plugins.fixed_capture_list import plugin as fixed_capture_list
+from setups import tiny_setup
 
-from graphmode import build_graph_runner
+from graphmode import ConfigError, RunnerConfig, build_graph_runner, hookimpl, load_vendor
 from graphmode.buckets import (
+    FixedSizes,
     graded_sizes,
     next_power_of_2,
     padding_waste,
@@ -115,3 +119,73 @@ def test_smallest_bucket():
     assert smallest_bucket(3, (1, 2, 4, 8)) == 4
     assert smallest_bucket(8, (1, 2, 4, 8)) == 8
     assert smallest_bucket(9, (1, 2, 4, 8)) is None
+
+
+# -- a vendor's largest graph: GraphSpec.max_capture_size, FixedSizes -----------
+
+
+def test_fixed_sizes_are_the_listed_sizes_up_to_max_batches():
+    fixed = FixedSizes((1, 2, 4, 8, 16, 32))
+    assert fixed(256) == [1, 2, 4, 8, 16, 32] and fixed(12) == [1, 2, 4, 8] and fixed(1) == [1]
+    for bad in ((), (4, 2), (0, 1), (1, 1, 2)):
+        with pytest.raises(ConfigError, match=r"FixedSizes\(.*\): give ascending, unique batch sizes >= 1"):
+            FixedSizes(bad)
+
+
+def test_a_fixed_capture_list_runs_batches_above_its_largest_graph_eagerly():
+    """The issue's vendor: hardware that captures 1, 2, 4, ..., 32 under an
+    engine asking for max_batches=256."""
+    setup = tiny_setup("fixed", plugin=fixed_capture_list, max_batches=256, width=4)
+    runner = setup.runner
+    assert runner.capture_sizes == (1, 2, 4, 8, 16, 32)
+    assert runner.bucket_of(32) == 32 and runner.bucket_of(33) is None and runner.bucket_of(256) is None
+    seqs = setup.prefill(40)
+    graph, eager = setup.decode(seqs)  # above the largest graph: eagerly
+    assert torch.equal(graph, eager)
+    graph, eager = setup.decode(seqs[:20])  # in the graph of 32
+    assert torch.allclose(graph, eager, atol=1e-4, rtol=1e-4)
+    assert runner.stats.eager_steps["no_bucket"] == 1 and runner.stats.captures == 1
+
+
+def test_a_users_capture_list_keeps_the_sizes_the_vendor_captures():
+    vendor = load_vendor("fixed", plugin=fixed_capture_list)
+    config = RunnerConfig(256, 4, 16, torch.device("cpu"), capture_batch_sizes=(1, 3, 8, 24, 32, 64))
+    assert vendor.hook.graphmode_capture_sizes(config=config, spec=vendor.spec) == [1, 8, 32]
+    with pytest.raises(ConfigError, match=r"capture_batch_sizes=\[3, 64\]: the vendor's graphs take only the sizes "
+                                          r"\[1, 2, 4, 8, 16, 32\] .*give sizes among those"):
+        tiny_setup("fixed", plugin=fixed_capture_list, max_batches=64, capture_batch_sizes=[3, 64])
+    with pytest.raises(ConfigError, match=r"max_batches=12: the vendor captures only the sizes \[16, 32\].*"
+                                          r"use max_batches >= 16"):
+        vendor.spec.replace(capture_sizes=FixedSizes((16, 32))).capture_list(12)
+
+
+class PastTheLargestGraph:
+    """The fixed-list vendor's declarations, with a capture hook that ignores them."""
+
+    __version__ = "0.1.0"
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    @hookimpl
+    def graphmode_graph_spec(self):
+        return fixed_capture_list.graphmode_graph_spec()
+
+    @hookimpl
+    def graphmode_capture_sizes(self, config, spec):
+        return self.sizes(config.max_batches)
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (graded_sizes, r"returned \[1, 2, .*, 64\], which goes past the vendor's largest graph, 32 "
+                       r"\(GraphSpec.max_capture_size\); fix the plugin's graphmode_capture_sizes \(start from "
+                       r"spec.capture_list"),
+        (lambda m: [1, 3, 32], r"has sizes \[3\] outside its fixed list \[1, 2, 4, 8, 16, 32\] \(GraphSpec.capture_sizes\)"),
+    ],
+    ids=["past the largest", "not in the list"],
+)
+def test_a_capture_hook_outside_the_declared_graphs_is_refused_naming_the_hook(sizes, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_setup("fixed", plugin=PastTheLargestGraph(sizes), max_batches=64, width=4)

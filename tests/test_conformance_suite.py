@@ -146,6 +146,18 @@ def test_the_power_of_two_plant_passes_on_a_power_of_two_capture_list(tmp_path):
     assert status == 0, failures(report)
 
 
+def test_a_vendor_with_a_fixed_capture_list_passes_and_its_header_says_so(tmp_path):
+    """Hardware that captures only 1, 2, 4, ..., 32 (tests/plugins/fixed_capture_list.py):
+    the suite checks its list against that declaration, and batches 33..48 run eagerly."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.fixed_capture_list:plugin")
+    assert status == 0, failures(report)
+    header = "\n".join(report["runs"][0]["header"])
+    assert "max_batches 48, largest graph 32 (declared by the vendor)" in header
+    assert "capture list at max_batches=48: [1, 2, 4, 8, 16, 32] (the vendor's policy); batches 33..48 run eagerly" in header
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_batches_above_the_largest_graph_run_eagerly"] == "passed"
+
+
 def test_graphmode_conformance_passes_for_every_installed_vendor_on_the_emulator(tmp_path, capfd):
     # --device cpu: every vendor on the emulator on any machine (on a GPU machine the
     # bare command tests the detected vendor on its device instead).

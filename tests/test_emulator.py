@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from emulated_updates import UpdatableAddGraph
 from setups import tiny_setup
 
 import graphmode
@@ -202,3 +203,23 @@ def test_a_max_length_frozen_at_capture_gives_wrong_output():
 
 def test_a_buffer_not_refilled_gives_wrong_output():
     assert _max_error(LengthsNotRefilled()) > 1e-3
+
+
+# -- the extension point: an updatable operator (docs/emulator.md) -------------
+
+
+def test_an_updatable_operator_on_the_extension_point():
+    # --8<-- [start:updatable_use]
+    x = torch.ones(3)
+    graph = UpdatableAddGraph()
+    with torch.inference_mode(), graph.capture():
+        y = torch.add(x, x, alpha=2) * 10  # the add is updatable, the mul an ordinary record
+    graph.replay()
+    assert y.tolist() == [30.0, 30.0, 30.0]  # alpha frozen at capture
+    graph.calls[0].update(alpha=5)
+    graph.replay()
+    assert y.tolist() == [60.0, 60.0, 60.0]
+    # --8<-- [end:updatable_use]
+    x.fill_(2)
+    graph.replay()  # inputs are read live; the update stays
+    assert y.tolist() == [120.0, 120.0, 120.0]

@@ -90,7 +90,7 @@ def compatible_size_is_a_fitting_capture_size(vendor: graphmode.Vendor) -> None:
 def trimmed_capture_list_ends_at_the_maximum(vendor: graphmode.Vendor) -> None:
     trimmed = harness(vendor, vendor_options={"max_graphs": 3})
     assert len(trimmed.runner.capture_sizes) == 3, f"max_graphs=3 kept {trimmed.runner.capture_sizes}"
-    HookContractTests().test_capture_list_is_sorted_unique_and_ends_at_the_maximum(trimmed)
+    HookContractTests().test_capture_list_is_sorted_unique_and_ends_at_the_largest_graph(trimmed, vendor)
 
 
 def refuses_a_table_wider_than_the_kernel(vendor: graphmode.Vendor) -> None:
@@ -277,7 +277,7 @@ SABOTAGES = {
         "a block table of 300 blocks for a kernel of 256: (accepted|raised .*max_batches)"),
     "graphmode_capture_sizes": Sabotage(
         walkthrough, _keeps_the_smallest, trimmed_capture_list_ends_at_the_maximum,
-        r"capture list \(1, 3, 6\) must end at max_batches=16"),
+        r"returned \[1, 3, 6\] at max_batches=16: it ends at 6, and the vendor declares no largest graph"),
     "graphmode_compatible_size": Sabotage(
         walkthrough, _next_size_up, compatible_size_is_a_fitting_capture_size, "compatible size is not idempotent"),
     "graphmode_make_buffers": Sabotage(walkthrough, _without_padding, buffers_are_made_as_declared, "graphmode_make_buffers"),

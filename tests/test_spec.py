@@ -12,6 +12,7 @@ from setups import tiny_setup
 
 import graphmode
 from graphmode import ConfigError, InputError
+from graphmode.buckets import FixedSizes, graded_sizes
 from graphmode.model import ReferenceAttentionOps, write_slots
 from graphmode.spec import CUDA_SPEC, ROW_INDEX, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 
@@ -223,11 +224,25 @@ def test_engine_inputs_cannot_shadow_the_vendors_declarations():
          r"context fields \['attn_metadata.kv_seqlens'\] are backed by more than one buffer"),
         (lambda: GraphSpec((*CUDA_SPEC.buffers, CUDA_SPEC.buffers[0])), r"declares buffers \['input_ids'\] more than once"),
         (lambda: CUDA_SPEC.replace(max_kv_seq_len="max"), "max_kv_seq_len='max'"),
+        (lambda: CUDA_SPEC.replace(max_capture_size=0), r"max_capture_size=0: use an int >= 1, or None for no limit"),
+        (lambda: CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2, 4)), max_capture_size=8),
+         r"max_capture_size=8: the fixed capture list \[1, 2, 4\] \(capture_sizes\) ends at 4"),
     ],
 )
 def test_bad_declarations_are_refused(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+def test_a_declared_largest_graph_caps_the_capture_list():
+    capped = CUDA_SPEC.replace(max_capture_size=24)
+    assert capped.capture_list(256) == graded_sizes(24) and capped.largest_graph(256) == 24
+    assert capped.capture_list(16) == graded_sizes(16) and capped.largest_graph(16) == 16
+    assert capped.capture_list(256, given=(1, 8, 24, 48)) == [1, 8, 24]  # a user's list, trimmed
+    fixed = CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2, 4, 8, 16, 32)))
+    assert fixed.max_capture_size == 32  # a fixed list's last size
+    assert fixed.largest_graph(256) == 32 and fixed.largest_graph(12) == 8
+    assert CUDA_SPEC.max_capture_size is None and CUDA_SPEC.largest_graph(256) == 256
 
 
 def test_row_padding_patterns():

@@ -240,3 +240,18 @@ def test_graphmode_make_graph_on_the_cpu(vendor, kind):
 )
 def test_graphmode_dist_backend(vendor, device, backend):
     assert graphmode.load_vendor(vendor).hook.graphmode_dist_backend(device=torch.device(device)) == backend
+
+
+# -- a declared largest graph -------------------------------------------------
+
+
+def test_graphmode_vendors_shows_a_vendors_largest_graph(capsys):
+    from plugins.fixed_capture_list import plugin
+
+    from graphmode.cli.vendors import _describe
+
+    _describe(graphmode.load_vendor("fixed", plugin=plugin), 256)
+    assert (
+        "capture list for max_batches=256: 6 graphs [1, 2, 4, 8, 16, 32]; largest graph 32 "
+        "(GraphSpec.max_capture_size); batches 33..256 run eagerly"
+    ) in capsys.readouterr().out

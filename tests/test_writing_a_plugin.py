@@ -1,5 +1,6 @@
 """docs/writing-a-plugin.md is real: its Python blocks are regions of the
-walkthrough plugin (tests/plugins/walkthrough.py) or of this file, its TOML
+walkthrough plugin (tests/plugins/walkthrough.py) or of this file (and those
+of docs/hooks.md and docs/emulator.md regions of the tests), its TOML
 parses, its commands parse; and the plugin passes the conformance suite on
 the CPU emulator, plugged in the way the docs show."""
 
@@ -20,8 +21,11 @@ from graphmode import ConfigError
 from graphmode_conformance import ConformanceTests, Sizes
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "docs" / "writing-a-plugin.md", ROOT / "docs" / "hooks.md"]
-SOURCES = [ROOT / "tests" / "plugins" / "walkthrough.py", Path(__file__)]
+DOCS = [ROOT / "docs" / "writing-a-plugin.md", ROOT / "docs" / "hooks.md", ROOT / "docs" / "emulator.md"]
+SOURCES = [
+    ROOT / "tests" / "plugins" / "walkthrough.py", Path(__file__), ROOT / "tests" / "emulated_updates.py",
+    ROOT / "tests" / "test_emulator.py", ROOT / "tests" / "plugins" / "fixed_capture_list.py",
+]
 
 
 def regions() -> dict[str, str]:

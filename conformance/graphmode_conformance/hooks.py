@@ -67,13 +67,54 @@ class HookContractTests(ConformanceFixtures):
         assert info.name == vendor.name, f"graphmode_vendor_info names {info.name!r}, registered as {vendor.name!r}"
         assert info.device_types and info.reason and info.runtime
 
-    def test_capture_list_is_sorted_unique_and_ends_at_the_maximum(self, harness):
-        sizes, maximum, given = harness.runner.capture_sizes, harness.sizes.max_batches, harness.sizes.capture_sizes
-        assert list(sizes) == sorted(set(sizes)), f"capture list {sizes} is not ascending and unique"
-        if given is None:
-            assert sizes[0] >= 1 and sizes[-1] == maximum, f"capture list {sizes} must end at max_batches={maximum}"
-        else:
-            assert set(sizes) <= set(given), f"capture list {sizes} adds sizes to the user's {given}"
+    def test_capture_list_is_sorted_unique_and_ends_at_the_largest_graph(self, harness, vendor):
+        """The capture list ends at max_batches, or at the largest graph the
+        vendor declares (GraphSpec.max_capture_size, FixedSizes)."""
+        sizes, maximum, given = list(harness.runner.capture_sizes), harness.sizes.max_batches, harness.sizes.capture_sizes
+        spec = harness.runner.spec
+        where = f"[hook contract] vendor {vendor.name}{harness.variant}: graphmode_capture_sizes returned {sizes} at max_batches={maximum}"
+        if sizes != sorted(set(sizes)):
+            raise ConformanceFailure(f"{where}: not ascending and unique. Fix the hook (or GraphSpec.capture_sizes)")
+        if given is not None:
+            if not set(sizes) <= set(given):
+                raise ConformanceFailure(f"{where}: it adds sizes to the user's {list(given)}; a plugin may only trim it")
+            return
+        largest = spec.largest_graph(maximum)
+        if sizes[-1] == largest:
+            return
+        if spec.max_capture_size is None:
+            raise ConformanceFailure(
+                f"{where}: it ends at {sizes[-1]}, and the vendor declares no largest graph, so batches "
+                f"{sizes[-1] + 1}..{maximum} would run eagerly unannounced. Fix: end the list at max_batches "
+                "(graphmode_capture_sizes, GraphSpec.capture_sizes), or, if the hardware captures no larger "
+                "graph, declare it in the GraphSpec: max_capture_size=N, or capture_sizes=FixedSizes((...)) "
+                "for a fixed list"
+            )
+        raise ConformanceFailure(
+            f"{where}: it ends at {sizes[-1]}, but the declarations (GraphSpec max_capture_size="
+            f"{spec.max_capture_size}, capture_sizes) promise graphs up to {largest}. Fix "
+            "graphmode_capture_sizes (spec.capture_list(config.max_batches, config.capture_batch_sizes) keeps "
+            "to the declarations), or declare the largest graph it really captures"
+        )
+
+    def test_batches_above_the_largest_graph_run_eagerly(self, harness, vendor):
+        """A vendor whose largest graph is below max_batches: those batches
+        run eagerly (graph equals eager is checked at every batch size by
+        the equivalence tests), counted as ``no_bucket`` eager steps."""
+        largest = harness.runner.capture_sizes[-1]
+        if largest >= harness.sizes.max_batches:
+            pytest.skip(f"capture list {list(harness.runner.capture_sizes)} ends at max_batches: no batch above it")
+        seqs = harness.start(largest + 1)
+        before = harness.runner.stats.eager_steps["no_bucket"]
+        harness.step(seqs)
+        harness.step(seqs[:largest])
+        if harness.runner.stats.eager_steps["no_bucket"] != before + 1:
+            raise ConformanceFailure(
+                f"[hook contract] vendor {vendor.name}{harness.variant}: a batch of {largest + 1}, above the "
+                f"largest graph {largest}, should run eagerly as a no_bucket step, and the batch of {largest} "
+                f"in its graph; runner: {harness.runner.stats.summary()}. Hook: graphmode_compatible_size "
+                "(None above the largest capture size)"
+            )
 
     def test_compatible_size_holds_the_batch_and_is_a_capture_size(self, vendor, harness):
         # The harness's list, and the vendor's policy up to at least 512

@@ -254,10 +254,11 @@ def describe(target: Target, sizes: Sizes | None = None) -> list[str]:
 def capture_list(vendor: graphmode.Vendor, sizes: Sizes) -> str:
     """The capture list a harness at ``sizes`` gets, and where it came from."""
     produced = list(vendor_capture_sizes(vendor, sizes))
+    eager = f"; batches {produced[-1] + 1}..{sizes.max_batches} run eagerly" if produced[-1] < sizes.max_batches else ""
     if sizes.capture_sizes is None:
-        return f"{produced} (the vendor's policy)"
+        return f"{produced} (the vendor's policy){eager}"
     trimmed = "" if produced == list(sizes.capture_sizes) else f", trimmed by the vendor from {list(sizes.capture_sizes)}"
-    return f"{produced} (given{trimmed})"
+    return f"{produced} (given{trimmed}){eager}"
 
 
 def _read_xfails(path: Path) -> dict[str, str]:

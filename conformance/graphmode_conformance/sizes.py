@@ -92,8 +92,10 @@ class Sizes:
         resolved = self.resolved(vendor)
         declared = vendor.spec.block_sizes
         origin = "given" if self.block_size is not None else ("declared by the vendor" if declared else "suite default")
+        largest = vendor.spec.max_capture_size
+        graphs = "" if largest is None else f", largest graph {largest} (declared by the vendor)"
         return (
-            f"block size {resolved.block} ({origin}), max_batches {self.max_batches}, block-table width "
+            f"block size {resolved.block} ({origin}), max_batches {self.max_batches}{graphs}, block-table width "
             f"{self.table_width}, model dtype {str(self.dtype).removeprefix('torch.')}"
         )
 

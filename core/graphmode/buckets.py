@@ -17,10 +17,16 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from graphmode.errors import ConfigError
+
 __all__ = [
     "GRADED_STEPS",
+    "FixedSizes",
     "PaddingWaste",
+    "capture_list",
+    "declared_max_capture_size",
     "graded_sizes",
+    "largest_graph",
     "next_power_of_2",
     "padding_waste",
     "parse_sizes",
@@ -99,6 +105,87 @@ def three_stage_sizes(max_batches: int) -> list[int]:
     with max_batches."""
     sizes = sorted({min(three_stage_size(n), max_batches) for n in range(1, max_batches + 1)})
     return sizes
+
+
+@dataclass(frozen=True)
+class FixedSizes:
+    """A capture policy for hardware that captures only the batch sizes of a
+    fixed list (``FixedSizes((1, 2, 4, 8, 16, 32))``): at a max_batches, the
+    listed sizes up to it. Its last size is the vendor's largest graph
+    (``GraphSpec.max_capture_size``): batches above it run eagerly. A
+    user's capture list keeps only listed sizes (``GraphSpec.capture_list``)."""
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.sizes)
+        if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes) or (
+            list(sizes) != sorted(set(sizes))
+        ):
+            raise ConfigError(f"FixedSizes({self.sizes!r}): give ascending, unique batch sizes >= 1, e.g. (1, 2, 4, 8)")
+        object.__setattr__(self, "sizes", sizes)
+
+    def __call__(self, max_batches: int) -> list[int]:
+        return [s for s in self.sizes if s <= max_batches]
+
+
+Policy = Callable[[int], list[int]]
+
+
+def declared_max_capture_size(policy: Policy, max_capture_size: int | None) -> int | None:
+    """A GraphSpec's ``max_capture_size``, checked: an int >= 1 or None;
+    for a ``FixedSizes`` policy, its last size unless declared (never above it)."""
+    largest = max_capture_size
+    if largest is not None and (not isinstance(largest, int) or isinstance(largest, bool) or largest < 1):
+        raise ConfigError(f"GraphSpec max_capture_size={largest!r}: use an int >= 1, or None for no limit")
+    if isinstance(policy, FixedSizes):
+        last = policy.sizes[-1]
+        if largest is not None and largest > last:
+            raise ConfigError(
+                f"GraphSpec max_capture_size={largest}: the fixed capture list {list(policy.sizes)} "
+                f"(capture_sizes) ends at {last}; leave max_capture_size unset, or declare it <= {last}"
+            )
+        return last if largest is None else largest
+    return largest
+
+
+def largest_graph(policy: Policy, max_capture_size: int | None, max_batches: int) -> int:
+    """The largest graph a runner of ``max_batches`` captures when the
+    engine gives no capture list: max_batches, capped at
+    ``max_capture_size``, and for ``FixedSizes`` the largest listed size
+    within that (0 when none is)."""
+    top = max_batches if max_capture_size is None else min(max_batches, max_capture_size)
+    if isinstance(policy, FixedSizes):
+        return max((s for s in policy.sizes if s <= top), default=0)
+    return top
+
+
+def capture_list(
+    policy: Policy, max_capture_size: int | None, max_batches: int, given: Sequence[int] | None = None
+) -> list[int]:
+    """The capture list of a vendor declaring ``policy`` and
+    ``max_capture_size``: the engine's list ``given`` trimmed to the sizes
+    the vendor captures (none above ``max_capture_size``; only listed ones
+    for ``FixedSizes``), else ``policy`` up to the largest graph. Refuses a
+    list that ends up empty, naming the declaration."""
+    top = max_batches if max_capture_size is None else min(max_batches, max_capture_size)
+    fixed = policy.sizes if isinstance(policy, FixedSizes) else None
+    if given is not None:
+        sizes = [s for s in given if s <= top and (fixed is None or s in fixed)]
+        if not sizes:
+            takes = f"only the sizes {list(fixed)}" if fixed else f"batches of at most {top}"
+            raise ConfigError(
+                f"capture_batch_sizes={list(given)}: the vendor's graphs take {takes} (GraphSpec "
+                "capture_sizes / max_capture_size), so none of them could be captured; give sizes among "
+                "those, or leave capture_batch_sizes unset for the vendor's list"
+            )
+        return sizes
+    if fixed is not None and fixed[0] > top:
+        raise ConfigError(
+            f"max_batches={max_batches}: the vendor captures only the sizes {list(fixed)} (GraphSpec "
+            f"capture_sizes), none within it; use max_batches >= {fixed[0]}"
+        )
+    return list(policy(top))
 
 
 def smallest_bucket(batch_size: int, capture_sizes: Sequence[int]) -> int | None:

@@ -53,9 +53,7 @@ def graphmode_graph_spec() -> GraphSpec:
 
 @hookimpl
 def graphmode_capture_sizes(config: RunnerConfig, spec: GraphSpec) -> list[int]:
-    if config.capture_batch_sizes is not None:
-        return list(config.capture_batch_sizes)
-    return spec.capture_sizes(config.max_batches)
+    return spec.capture_list(config.max_batches, config.capture_batch_sizes)
 
 
 @hookimpl

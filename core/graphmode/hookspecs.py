@@ -86,9 +86,11 @@ def graphmode_check_config(config: RunnerConfig) -> None:
 @hookspec(firstresult=True)
 def graphmode_capture_sizes(config: RunnerConfig, spec: GraphSpec) -> list[int]:
     """The batch sizes to capture a graph for: ascending, unique, within
-    ``1..config.max_batches``. ``config.capture_batch_sizes`` is the user's
-    list when given; a plugin may trim it but must not add sizes to it. The
-    default: the user's list, else ``spec.capture_sizes(max_batches)``.
+    ``1..config.max_batches`` and the vendor's declared graphs (none above
+    ``spec.max_capture_size``; only listed sizes for ``FixedSizes``).
+    ``config.capture_batch_sizes`` is the user's list when given; a plugin
+    may trim it but must not add sizes to it. The default:
+    ``spec.capture_list(config.max_batches, config.capture_batch_sizes)``.
 
     Stops at the first non-None result.
     """
@@ -202,6 +204,9 @@ def graphmode_update_graph_params(
     read from its host buffer). Called before every replay, never at capture
     (the capture step's values are already in the buffers); no host reads of
     device values. The replay must not start before the update is complete.
+    Push every row of the bucket, padding rows with their declared padding
+    as the fill left them (``meta.input_buffers[name][:bucket]``): the
+    captured kernel took ``bucket`` rows and may trust their host values.
 
     Every implementation is called; the runner skips the call entirely when
     no plugin implements it.

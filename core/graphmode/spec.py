@@ -25,13 +25,13 @@ model, read from the step's ``extras``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from graphmode.buckets import graded_sizes
+from graphmode.buckets import capture_list, declared_max_capture_size, graded_sizes, largest_graph
 from graphmode.errors import ConfigError
 
 __all__ = [
@@ -243,7 +243,14 @@ class GraphSpec:
     block_sizes: KV-cache block sizes its kernels accept; None for any. (The
         cache layout is the attention ops' ``layout`` and ``block_view``.)
     capture_sizes: the capture list for a max_batches when the user gives
-        none (``graded_sizes``, ``three_stage_sizes``, ...).
+        none (``graded_sizes``, ``three_stage_sizes``, ...), ending at
+        max_batches (or at ``max_capture_size``); or ``FixedSizes(...)``,
+        the only sizes the hardware captures.
+    max_capture_size: the largest batch one graph takes (the vendor's
+        largest graph), None for no limit; a ``FixedSizes`` list's last size
+        unless declared. Capture lists stop there: a user's list is trimmed
+        to it, and batches above it run eagerly (the runner counts them as
+        ``no_bucket`` eager steps).
     max_q_seq_len: what graph contexts pass: "bound" (the graph's query
         length, 1 in decode) or "dynamic" (-1: the kernel derives it).
     max_kv_seq_len: "dynamic" (-1) or "capacity" (the block table's
@@ -268,6 +275,7 @@ class GraphSpec:
     buffers: tuple[BufferSpec, ...]
     block_sizes: tuple[int, ...] | None = None
     capture_sizes: Callable[[int], list[int]] = graded_sizes
+    max_capture_size: int | None = None
     max_q_seq_len: str = "bound"
     max_kv_seq_len: str = "dynamic"
     options: type = NoOptions
@@ -298,6 +306,7 @@ class GraphSpec:
             raise ConfigError(f"GraphSpec max_kv_seq_len={self.max_kv_seq_len!r}: use 'dynamic' or 'capacity'")
         if self.block_sizes is not None:
             object.__setattr__(self, "block_sizes", tuple(self.block_sizes))
+        object.__setattr__(self, "max_capture_size", declared_max_capture_size(self.capture_sizes, self.max_capture_size))
         if self.max_q_len is not None and (not isinstance(self.max_q_len, int) or self.max_q_len < 1):
             raise ConfigError(f"GraphSpec max_q_len={self.max_q_len!r}: use an int >= 1, or None for no limit")
         if not dataclasses.is_dataclass(self.options):
@@ -313,6 +322,14 @@ class GraphSpec:
                     f"GraphSpec option_variants[{index}] has {unknown}, not fields of {self.options.__name__} "
                     f"({sorted(known) or 'none'})"
                 )
+
+    def largest_graph(self, max_batches: int) -> int:
+        """See :func:`graphmode.buckets.largest_graph`."""
+        return largest_graph(self.capture_sizes, self.max_capture_size, max_batches)
+
+    def capture_list(self, max_batches: int, given: Sequence[int] | None = None) -> list[int]:
+        """The built-in ``graphmode_capture_sizes``'s answer (:func:`graphmode.buckets.capture_list`)."""
+        return capture_list(self.capture_sizes, self.max_capture_size, max_batches, given)
 
     def buffer(self, name: str) -> BufferSpec:
         for spec in self.buffers:

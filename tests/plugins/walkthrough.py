@@ -121,7 +121,7 @@ def graphmode_check_config(config) -> None:
 # --8<-- [start:capture_sizes]
 @hookimpl
 def graphmode_capture_sizes(config, spec) -> list[int]:
-    sizes = list(config.capture_batch_sizes or spec.capture_sizes(config.max_batches))
+    sizes = spec.capture_list(config.max_batches, config.capture_batch_sizes)  # the default's answer
     limit = config.vendor_options.max_graphs
     if limit is None or len(sizes) <= limit:
         return sizes

@@ -1,5 +1,6 @@
 """``graphmode vendors``: every installed vendor, usable or not and why, its
-runtime version, and its capture list for a given maximum batch."""
+runtime version, and its capture list for a given maximum batch (with its
+declared largest graph, above which batches run eagerly)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,12 @@ def _describe(vendor: Vendor, max_batches: int) -> None:
           f"max_kv_seq_len {spec.max_kv_seq_len}; options: {spec.options.__name__}")
     print("  buffers: " + "; ".join(_buffer(b) for b in spec.buffers))
     sizes = list(default_capture_sizes(vendor, max_batches))
-    print(f"  capture list for max_batches={max_batches}: {len(sizes)} graphs {sizes}")
+    largest = ""
+    if spec.max_capture_size is not None:
+        largest = f"; largest graph {spec.max_capture_size} (GraphSpec.max_capture_size)"
+    if sizes[-1] < max_batches:
+        largest += f"; batches {sizes[-1] + 1}..{max_batches} run eagerly"
+    print(f"  capture list for max_batches={max_batches}: {len(sizes)} graphs {sizes}{largest}")
 
 
 def _buffer(spec: BufferSpec) -> str:

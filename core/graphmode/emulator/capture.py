@@ -171,6 +171,34 @@ class CaptureSession:
             self.targets.pop()
 
     def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Record one operator call as a device capture would, run it, and
+        return its outputs: the default of ``EmulatedGraph.record_call``.
+
+        Contract, for a vendor graph's ``record_call`` that calls it:
+
+        - It appends one :class:`OpRecord` where the capture records now
+          (the session's steps, or the list of the innermost
+          :meth:`nested` block) and returns the call's outputs, real values
+          computed now. Return exactly those: replays write into them, and
+          the captured forward holds them.
+        - The record's ``args``/``kwargs`` are what every replay re-issues.
+          To make an operator updatable, record it alone in a nested list,
+          keep that list, and before a replay replace its record by
+          ``OpRecord(func, args, new_kwargs, record.outputs,
+          record.targets)``: replays then write into the same outputs.
+        - Host tensors given to device work are cloned: the graph keeps
+          their capture-time values, as a device freezes host values at
+          launch; change them by replacing the record, not the host tensor.
+          A call whose tensors are all host memory runs once, now, and is
+          not recorded (its results are host values).
+        - A ``copy_`` between pinned host memory and the device, with
+          ``non_blocking=True``, is recorded as a transfer that reads the
+          host memory at every replay; pageable or blocking ones raise
+          :class:`CaptureError`.
+        - Memory that existed before the capture and that the call writes
+          is restored when the capture stops (a device capture runs
+          nothing); memory the call allocates belongs to the graph.
+        """
         tensors = _tensors((args, kwargs))
         host = [t for t in tensors if is_host(t)]
         if host and len(host) == len(tensors):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from graphmode.buckets import FixedSizes
 from graphmode.config import RunnerConfig
 from graphmode.errors import ConfigError
 from graphmode.plugins import Vendor
@@ -55,9 +56,11 @@ def configure(vendor: Vendor, config: RunnerConfig) -> GraphSpec:
 
 def capture_sizes(vendor: Vendor, config: RunnerConfig, spec: GraphSpec) -> tuple[int, ...]:
     """The vendor's capture list for ``config``, checked: ascending, unique,
-    within 1..max_batches, and never adding to the user's list."""
+    within 1..max_batches, never adding to the user's list, and within the
+    vendor's declared graphs (``max_capture_size``, ``FixedSizes``)."""
     sizes = vendor.hook.graphmode_capture_sizes(config=config, spec=spec)
     limit = config.max_batches
+    fixed = spec.capture_sizes.sizes if isinstance(spec.capture_sizes, FixedSizes) else None
     problem = None
     if not sizes:
         problem = "is empty"
@@ -67,10 +70,15 @@ def capture_sizes(vendor: Vendor, config: RunnerConfig, spec: GraphSpec) -> tupl
         problem = f"leaves 1..max_batches={limit}"
     elif config.capture_batch_sizes is not None and not set(sizes) <= set(config.capture_batch_sizes):
         problem = f"adds sizes to the user's list {list(config.capture_batch_sizes)}"
+    elif spec.max_capture_size is not None and sizes[-1] > spec.max_capture_size:
+        problem = f"goes past the vendor's largest graph, {spec.max_capture_size} (GraphSpec.max_capture_size)"
+    elif fixed is not None and not set(sizes) <= set(fixed):
+        problem = f"has sizes {sorted(set(sizes) - set(fixed))} outside its fixed list {list(fixed)} (GraphSpec.capture_sizes)"
     if problem:
         raise ConfigError(
-            f"vendor {vendor.name!r}: graphmode_capture_sizes returned {sizes}, which "
-            f"{problem}; fix the plugin (or pass capture_batch_sizes explicitly)"
+            f"vendor {vendor.name!r}: graphmode_capture_sizes returned {list(sizes)}, which {problem}; fix the "
+            "plugin's graphmode_capture_sizes (start from spec.capture_list(config.max_batches, "
+            "config.capture_batch_sizes), which keeps to the declarations), or pass capture_batch_sizes explicitly"
         )
     return tuple(sizes)
 
