@@ -112,9 +112,9 @@ DIAGNOSES = {
     ),
     "plan_cached_by_shape": (
         "[planning state] vendor cuda on cpu, graph: eagerly, at the step of 6 tokens of 1 sequence with kv lengths "
-        "[12], the vendor's kernels give logits differing from graphmode's reference kernels",
+        "[12] (longest 12), the vendor's kernels give logits differing from graphmode's reference kernels",
         "a kernel of graphmode_attention_ops keeps per-call planning state",
-        "the step of 6 tokens of 1 sequence with kv lengths [6], of the same shapes, was right",
+        "the step of 6 tokens of 1 sequence with kv lengths [6] (longest 6), of the same shapes, was right",
     ),
 }
 

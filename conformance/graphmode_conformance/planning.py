@@ -52,7 +52,7 @@ class PlanningHarness(ModeHarness):
         kv = attn.kv_seqlens.tolist()
         step = (
             f"the step of {shapes[0]} tokens of {shapes[1]} sequence{'s' * (shapes[1] != 1)} with kv lengths "
-            f"{kv[:6]}{' ...' * (len(kv) > 6)}"
+            f"{kv[:6]}{' ...' * (len(kv) > 6)} (longest {max(kv)})"
         )
         if difference <= tolerance:
             self.shapes_seen.setdefault(shapes, step)
@@ -102,7 +102,9 @@ class PlanningStateTests(ConformanceFixtures):
     def test_decode_steps_of_one_shape_across_planning_boundaries(self, planning_harness):
         """Decode steps of 4 sequences at a time (one shape), each step's
         group with a longer longest sequence: across blocks, powers of two
-        and most of the block table's capacity."""
+        and most of the block table's capacity; then two steps of a batch
+        no bucket takes, the second with a longest sequence 2 -> half the
+        table."""
         harness, engine = planning_harness, planning_harness.engine
         block, capacity = harness.sizes.block, harness.sizes.table_width * harness.sizes.block
         longest = [3, block - 1, block + 1, 2 * block + 5, capacity // 2 + 1, capacity - 4]
@@ -115,3 +117,11 @@ class PlanningStateTests(ConformanceFixtures):
             harness.decode(group)
         for group in reversed(groups):
             harness.decode(group)
+        # A batch no bucket takes decodes eagerly in graph modes (piecewise: in a token bucket), where a
+        # plan made at one step is not frozen into a graph but reused by the next call of the shape.
+        batch = harness.runner.capture_sizes[-1] + 1
+        short, long = [engine.add() for _ in range(batch)], [engine.add() for _ in range(batch)]
+        harness.prefill(short, [2] * batch)
+        harness.prefill(long, [2] * (batch - 1) + [capacity // 2 + 1])
+        harness.decode(short)
+        harness.decode(long)
