@@ -347,7 +347,6 @@ def _plan_caching_ops():
     return _PlanCachingOps()
 
 
-
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
