@@ -67,7 +67,7 @@ class PlanningHarness(ModeHarness):
             cause = (
                 f"a kernel of graphmode_attention_ops keeps per-call planning state (a maximum length, a split "
                 f"plan) keyed by something that repeats: {earlier}, of the same shapes, was right; at the same "
-                "shapes with longer contexts the kernel reuses its plan. Compute the plan from each call's lengths "
+                "shapes with other lengths the kernel reused what it planned for an earlier call. Compute the plan from each call's lengths "
                 "(or key it by them)"
             )
         raise ConformanceFailure(
