@@ -13,6 +13,7 @@ package.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -25,7 +26,9 @@ import graphmode_maca.plugin as maca
 import graphmode_ppu.plugin as ppu
 from graphmode import buffers, hookimpl
 from graphmode.buckets import next_power_of_2, smallest_bucket
+from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.model import ReferenceAttentionOps
+from graphmode.plugins.info import probe_runtime
 from graphmode_ascend.graph import AscendGraph
 
 __all__ = ["BROKEN", "OPTIONS", "ORIGINALS", "variant"]
@@ -265,6 +268,85 @@ def _half_out_ops():
     return _HalfOutOps()
 
 
+# -- Classes that passed the suite before issue 22 (realistic one-slip bugs) --
+
+
+# 22. Outputs of a model returning several tensors: only the first is cut to
+#     the live tokens; the others keep the bucket's padding rows.
+@hookimpl
+def _first_output_cut_only(meta, batch_size, num_tokens):
+    output = meta.output_buffers["output"]
+    if isinstance(output, torch.Tensor):
+        return output[:, :num_tokens]
+    if isinstance(output, (tuple, list)):
+        return (output[0][:, :num_tokens], *output[1:])
+    return output
+
+
+class _PoolDroppingGraph(DeviceGraph):
+    """The default device graph, captured without the pool the runner passes
+    (``capture_begin()`` instead of ``capture_begin(pool)``): every graph
+    gets a pool of its own. Outputs are right; graph memory grows with every
+    bucket."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.inner = make_device_graph(device)
+
+    def capture_begin(self, pool: Any = None) -> None:
+        self.inner.capture_begin()
+
+    def capture_end(self) -> None:
+        self.inner.capture_end()
+
+    def replay(self) -> None:
+        self.inner.replay()
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def pool(self) -> Any:
+        return self.inner.pool()
+
+
+# 23. Graphs captured outside the runner's shared memory pool.
+@hookimpl
+def _pool_dropping_graph(meta):
+    return _PoolDroppingGraph(meta.device)
+
+
+# 24. Detection from the probe's wording: "torch_mlu is not installed"
+#     contains "installed", so the vendor says it is detected on any machine.
+@hookimpl
+def _detected_from_reason():
+    version, _, reason = probe_runtime("torch_mlu", "mlu")
+    info = camb.graphmode_vendor_info()
+    return dataclasses.replace(info, runtime_version=version, detected="installed" in reason, reason=reason)
+
+
+class _PlanCachingOps(ReferenceAttentionOps):
+    """Prefill attention planned once per shape: the longest kv length (which
+    bounds the keys it reads) is taken at the first call of each (tokens,
+    sequences) and reused, as a kernel caching its split plan by shape does.
+    Right while every shape comes with its own lengths; stale when chunked
+    prefill repeats a chunk size with a longer context."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[int, int], int] = {}
+
+    def prefill_attention(self, query, k_cache, v_cache, attn, scale):
+        key = (query.shape[0], attn.q_seqlens.shape[0])
+        longest = self._plans.setdefault(key, int(attn.kv_seqlens.max()))
+        planned = dataclasses.replace(attn, kv_seqlens=attn.kv_seqlens.clamp(max=longest))
+        return super().prefill_attention(query, k_cache, v_cache, planned, scale)
+
+
+# 25. A kernel's per-call plan cached under a key (the shapes) that repeats
+#     while the lengths it was computed from change.
+@hookimpl
+def _plan_caching_ops():
+    return _PlanCachingOps()
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -287,6 +369,11 @@ BROKEN = {
     "mutates_engine_inputs": variant(ascend, "mutates_engine_inputs", graphmode_fill_buffers=_cumulative_lengths_in_place),
     "kernel_off_contract": variant(cuda, "kernel_off_contract", graphmode_attention_ops=_hot_softmax_ops),
     "out_rows_half_written": variant(cuda, "out_rows_half_written", graphmode_attention_ops=_half_out_ops),
+    # Issue 22's classes.
+    "first_output_cut_only": variant(cuda, "first_output_cut_only", graphmode_get_outputs=_first_output_cut_only),
+    "graphs_outside_the_pool": variant(cuda, "graphs_outside_the_pool", graphmode_make_graph=_pool_dropping_graph),
+    "detected_without_runtime": variant(camb, "detected_without_runtime", graphmode_vendor_info=_detected_from_reason),
+    "plan_cached_by_shape": variant(cuda, "plan_cached_by_shape", graphmode_attention_ops=_plan_caching_ops),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

@@ -95,6 +95,27 @@ DIAGNOSES = {
         "modified the engine's attn_metadata.q_seqlens in place: [1, 1, 1, 1, 1] became [1, 2, 3, 4, 5]. Hook: "
         "graphmode_fill_buffers",
     ),
+    # Issue 22's classes.
+    "first_output_cut_only": (
+        "[every output of a tuple equals eager] vendor cuda on cpu, graph, batch 3, bucket 4",
+        "output[1] has shape (1, 4, 256), eager (1, 3, 256), while output[0] has eager's shape",
+        "graphmode_get_outputs cut only some tensors of the model's tuple to the live tokens",
+    ),
+    "graphs_outside_the_pool": (
+        "[memory pool] vendor cuda on cpu, graph: 2 of 3 graphs were captured outside the runner's memory pool",
+        "graph memory grows with every bucket though outputs are right. Hook: graphmode_make_graph",
+    ),
+    "detected_without_runtime": (
+        "[detection] vendor camb: graphmode_vendor_info says detected",
+        "its runtime torch_mlu is not installed (importlib.util.find_spec('torch_mlu') is None)",
+        "Automatic selection (select_vendor() with no vendor named) would pick camb here",
+    ),
+    "plan_cached_by_shape": (
+        "[planning state] vendor cuda on cpu, graph: eagerly, at the step of 6 tokens of 1 sequence with kv lengths "
+        "[12] (longest 12), the vendor's kernels give logits differing from graphmode's reference kernels",
+        "a kernel of graphmode_attention_ops keeps per-call planning state",
+        "the step of 6 tokens of 1 sequence with kv lengths [6] (longest 6), of the same shapes, was right",
+    ),
 }
 
 

@@ -21,6 +21,7 @@ Run it with ``graphmode conformance``, or plug it into your own test tree::
 See docs/conformance.md.
 """
 
+from graphmode_conformance.detection import DetectionTests
 from graphmode_conformance.equivalence import GraphEqualsEagerTests
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure, Harness, Sizes
@@ -33,7 +34,10 @@ from graphmode_conformance.lifecycle import (
     ParameterUpdateTests,
 )
 from graphmode_conformance.multi_token import MultiTokenDecodeTests
+from graphmode_conformance.outputs import MultiOutputTests
 from graphmode_conformance.piecewise import PiecewiseTests
+from graphmode_conformance.planning import PlanningStateTests
+from graphmode_conformance.pool import MemoryPoolTests
 from graphmode_conformance.step_inputs import StepInputsTests
 
 __all__ = [
@@ -41,15 +45,19 @@ __all__ = [
     "ConformanceFailure",
     "ConformanceFixtures",
     "ConformanceTests",
+    "DetectionTests",
     "GraphEqualsEagerTests",
     "Harness",
     "HookContractTests",
     "KVCacheIntegrityTests",
     "KernelTests",
     "LifecycleTests",
+    "MemoryPoolTests",
+    "MultiOutputTests",
     "MultiTokenDecodeTests",
     "ParameterUpdateTests",
     "PiecewiseTests",
+    "PlanningStateTests",
     "Sizes",
     "StepInputsTests",
 ]
@@ -58,6 +66,9 @@ __all__ = [
 # pytest collects inherited tests from the last base to the first: the quick,
 # precise hook-contract checks run first, the long equivalence runs last.
 class ConformanceTests(
+    PlanningStateTests,
+    MultiOutputTests,
+    MemoryPoolTests,
     MultiTokenDecodeTests,
     PiecewiseTests,
     GraphEqualsEagerTests,
@@ -68,6 +79,7 @@ class ConformanceTests(
     CapabilityTests,
     KernelTests,
     HookContractTests,
+    DetectionTests,
 ):
     """Every check of the suite: inherit it and provide ``vendor`` and
     ``device`` (or run with the plugin's command-line options)."""

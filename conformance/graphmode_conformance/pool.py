@@ -1,0 +1,89 @@
+"""Every graph of a runner captured into the runner's one memory pool.
+
+The runner passes the pool of its first graph to every later capture (full
+graphs of every bucket and q_len, piecewise segments), so that their
+intermediates share memory. A device graph class that drops the ``pool``
+argument (``capture_begin()`` for ``capture_begin(pool)``) gives each graph a
+pool of its own: outputs stay right, and graph memory grows with every bucket
+(59% more on an H100 in one such slip). Outputs cannot show it; the pools
+can:
+
+- on every device, each graph's ``pool()`` token must be the runner's
+  (``torch.cuda.CUDAGraph.pool()`` returns the pool the capture used: the one
+  passed, or a new one when none was);
+- on the CPU emulator, the runner's pool must also hold every emulated graph
+  captured (an ``EmulatedPool`` records the graphs captured into it), which
+  also catches a graph class whose ``pool()`` returns the token it was given
+  while it captured elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import graphmode
+from graphmode.emulator import EmulatedPool
+from graphmode.graphs import DeviceGraph
+from graphmode_conformance.fixtures import ConformanceFixtures
+from graphmode_conformance.harness import ConformanceFailure
+from graphmode_conformance.modes import EXECUTE_MODES, build_in_mode
+
+__all__ = ["MemoryPoolTests", "check_one_pool", "runner_graphs"]
+
+
+def runner_graphs(runner: graphmode.GraphRunner) -> list[tuple[str, DeviceGraph]]:
+    """Every device graph the runner holds, each with its name."""
+    graphs = []
+    for bucket, q_len in runner.captured_graphs:
+        captured = runner.graph(bucket, q_len)
+        assert captured is not None
+        graphs.append((f"the decode graph of bucket {bucket} (q_len {q_len})", captured.graph))
+    if runner.piecewise is not None:
+        for bucket in runner.piecewise.captured_buckets:
+            piecewise = runner.piecewise.graph(bucket)
+            assert piecewise is not None
+            for index, segment in enumerate(piecewise.pieces.segments):
+                graphs.append((f"segment {index + 1} of the piecewise graph of token bucket {bucket}", segment))
+    return graphs
+
+
+def check_one_pool(where: str, runner: graphmode.GraphRunner) -> None:
+    """Raise :class:`ConformanceFailure` unless every graph of ``runner`` was
+    captured into one pool (see the module's doc)."""
+    graphs = runner_graphs(runner)
+    if len(graphs) < 2:
+        return
+    tokens = [graph.pool() for _, graph in graphs]
+    first_name, first = graphs[0][0], tokens[0]
+    elsewhere = [name for (name, _), token in zip(graphs, tokens) if token is not first and token != first]
+    if elsewhere:
+        raise ConformanceFailure(
+            f"[memory pool] {where}: {len(elsewhere)} of {len(graphs)} graphs were captured outside the runner's "
+            f"memory pool (the pool of {first_name}): {'; '.join(elsewhere[:4])}{' ...' if len(elsewhere) > 4 else ''}. "
+            "Each keeps a pool of its own, so graph memory grows with every bucket though outputs are right. Hook: "
+            "graphmode_make_graph: the device graph's capture_begin(pool) must capture into the pool it is given "
+            "(torch: graph.capture_begin(pool=pool))"
+        )
+    if isinstance(first, EmulatedPool) and first.num_graphs < len(graphs):
+        raise ConformanceFailure(
+            f"[memory pool] {where}: every graph's pool() is the runner's pool, but the emulator recorded only "
+            f"{first.num_graphs} of the {len(graphs)} captures in it: the others captured into pools of their own. "
+            "Hook: graphmode_make_graph: the device graph's capture_begin(pool) must pass the pool to the capture, "
+            "not only return it from pool()"
+        )
+
+
+class MemoryPoolTests(ConformanceFixtures):
+    @pytest.mark.parametrize("mode", EXECUTE_MODES)
+    def test_every_graph_is_captured_into_the_runners_pool(self, build_harness, sizes, mode):
+        harness = build_in_mode(build_harness, sizes, mode)
+        harness.check = "one memory pool"
+        engine = harness.engine
+        seqs = [engine.add() for _ in range(8)]
+        harness.prefill(seqs, [4, 9, 1, 17, 5, 2, 11, 6])  # 55 tokens: token bucket 64
+        for batch in (8, 3, 1):  # buckets 8, 4 and 1
+            harness.decode(seqs[:batch])
+        harness.prefill(seqs[:2], [3, 4])  # token bucket 8
+        where = f"vendor {harness.vendor.name} on {harness.device}{harness.variant}, {mode}"
+        assert len(runner_graphs(harness.runner)) >= 2, f"{where}: the steps should capture several graphs"
+        check_one_pool(where, harness.runner)
