@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from graphmode.context import AttnMetadata
+from graphmode.deprecated import renamed_keywords
 from graphmode.errors import ConfigError, InputError
 
 __all__ = [
@@ -170,7 +171,7 @@ def _refuse_unsupported(module: Any, step: PagedStep, dropout: float, kwargs: di
             raise ConfigError(
                 f"layer {layer} has a sliding window of {window} tokens, but the block table can address "
                 f"{reach} (width {step.attn.block_offsets.shape[-1]} x block_size {step.block_size}); the paged "
-                f"kernels attend to the whole sequence. Keep num_blocks * block_size <= {window} so no "
+                f"kernels attend to the whole sequence. Keep max_blocks_per_seq * block_size <= {window} so no "
                 "sequence outgrows the window"
             )
 
@@ -212,15 +213,17 @@ class HuggingFaceModel(nn.Module):
     def head_dim(self) -> int:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 
+    @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
     def make_kv_cache(
-        self, num_blocks: int, block_size: int, device: torch.device | str | None = None
+        self, num_cache_blocks: int, block_size: int, device: torch.device | str | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A paged KV cache in the vendor's layout, in the model's dtype
-        (block 0 reserved for padding, as every graphmode cache)."""
+        """A paged KV cache in the vendor's layout, in the model's dtype, of
+        ``num_cache_blocks`` blocks shared by every sequence (block 0 reserved
+        for padding, as every graphmode cache)."""
         weight = next(self.hf_model.parameters())
         self.block_size = block_size
         return self.ops.make_kv_cache(
-            self.config.num_hidden_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+            self.config.num_hidden_layers, num_cache_blocks, block_size, self.num_kv_heads, self.head_dim,
             weight.dtype, torch.device(device) if device is not None else weight.device,
         )
 
