@@ -178,7 +178,7 @@ def main() -> None:
     width = -(-max_len // args.block_size)
     kv_cache = model.make_kv_cache(args.max_batch * width + 1, args.block_size)
     runner = graphmode.build_graph_runner(
-        model, max_batches=args.max_batch, num_blocks=width, block_size=args.block_size, vendor=args.vendor,
+        model, max_batches=args.max_batch, max_blocks_per_seq=width, block_size=args.block_size, vendor=args.vendor,
         execute_mode="eager" if args.eager else "graph", max_q_len=args.speculate + 1,
     )
     batch = PagedBatch(args.max_batch * width + 1, args.block_size, width, device)

@@ -60,7 +60,7 @@ def main() -> int:
     width = -(-(args.context + args.steps) // args.block_size)
     cache_blocks = max_batch * width + 1
     runner = graphmode.build_graph_runner(
-        model, max_batches=max_batch, num_blocks=width, block_size=args.block_size, device=device, vendor=vendor.name
+        model, max_batches=max_batch, max_blocks_per_seq=width, block_size=args.block_size, device=device, vendor=vendor.name
     )
     graph_cache = model.make_kv_cache(cache_blocks, args.block_size)
     eager_cache = model.make_kv_cache(cache_blocks, args.block_size)

@@ -46,7 +46,7 @@ def run_graphmode(model, args, execute_mode: str):
     """Tokens and the logits rows that chose them, per request; runner stats."""
     width = -(-(args.prompt_len + args.new_tokens + args.speculate) // args.block_size)
     kv_cache = model.make_kv_cache(args.max_batch * width + 1, args.block_size)
-    runner = graphmode.build_graph_runner(model, max_batches=args.max_batch, num_blocks=width,
+    runner = graphmode.build_graph_runner(model, max_batches=args.max_batch, max_blocks_per_seq=width,
                                           block_size=args.block_size, execute_mode=execute_mode,
                                           max_q_len=args.speculate + 1)
     batch = serve_hf.PagedBatch(args.max_batch * width + 1, args.block_size, width, torch.device(args.device))
@@ -123,7 +123,7 @@ def time_steps(model, args) -> None:
         requests = [serve_hf.Request([1] * context, 1) for _ in range(size)]
         batch.step(requests, [r.prompt for r in requests], False)  # allocate the context's blocks
         step = batch.step(requests, [[1]] * size, True)
-        runner = graphmode.build_graph_runner(model, max_batches=size, num_blocks=width, block_size=args.block_size,
+        runner = graphmode.build_graph_runner(model, max_batches=size, max_blocks_per_seq=width, block_size=args.block_size,
                                               capture_batch_sizes=[size])
         timings = {}
         for name, forward in (("eager", model), ("graph", runner)):

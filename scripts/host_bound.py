@@ -113,7 +113,7 @@ def run(batches: list[int], device: torch.device, repeats: int) -> None:
 
     def runner(**options: Any) -> graphmode.GraphRunner:
         return graphmode.build_graph_runner(workload.model, max_batches=workload.max_batches,
-                                            num_blocks=workload.width, block_size=workload.block_size,
+                                            max_blocks_per_seq=workload.width, block_size=workload.block_size,
                                             device=device, capture_batch_sizes=batches, **options)
 
     on_device, on_host = runner(host_staging=False), runner(host_staging=True)

@@ -61,7 +61,7 @@ def main() -> None:
                              intermediate_size=512, vocab_size=1024, dtype=torch.bfloat16)
     device = torch.device("cuda")
     workload = Workload.build(config, device, max_batches=max(batches), steps=4)
-    runner = graphmode.build_graph_runner(workload.model, max_batches=workload.max_batches, num_blocks=workload.width,
+    runner = graphmode.build_graph_runner(workload.model, max_batches=workload.max_batches, max_blocks_per_seq=workload.width,
                                           block_size=workload.block_size, device=device, capture_batch_sizes=batches)
     small = torch.zeros(64, device=device)
     small_source = torch.ones(64, device=device)

@@ -52,7 +52,7 @@ def pool_contents(workload: Workload) -> None:
     live blocks grouped by where they were allocated."""
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=200000)
     runner = graphmode.build_graph_runner(
-        workload.model, max_batches=workload.max_batches, num_blocks=workload.width,
+        workload.model, max_batches=workload.max_batches, max_blocks_per_seq=workload.width,
         block_size=workload.block_size, device=workload.device,
     )
     runner.warmup(workload.kv_cache, progress=False)

@@ -48,7 +48,7 @@ def main() -> None:
         run([int(b) for b in args.batches.split(",")], device, args.repeats)
         return
     workload = Workload.build(ModelConfig.bench(), device, steps=8)
-    runner = graphmode.build_graph_runner(workload.model, max_batches=256, num_blocks=workload.width,
+    runner = graphmode.build_graph_runner(workload.model, max_batches=256, max_blocks_per_seq=workload.width,
                                           block_size=workload.block_size, device=device)
     hook = runner.vendor.hook
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host microseconds, median of 50, device idle")

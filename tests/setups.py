@@ -67,7 +67,7 @@ def tiny_setup(
         cache_blocks, block_size, device, vocab_size=config.vocab_size, table_width=width, seed=7, host_inputs=host_inputs
     )
     runner = graphmode.build_graph_runner(
-        model, max_batches=max_batches, num_blocks=width, block_size=block_size, device=device, vendor=vendor,
+        model, max_batches=max_batches, max_blocks_per_seq=width, block_size=block_size, device=device, vendor=vendor,
         **runner_options,
     ) if plugin is None else graphmode.GraphRunner(
         model,

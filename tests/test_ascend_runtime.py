@@ -134,7 +134,7 @@ def test_the_update_state_keeps_no_captured_tensor_alive(path, monkeypatch):
 
 
 def capture_sizes(**config) -> list[int]:
-    config = RunnerConfig(**{"max_batches": 256, "num_blocks": 16, "block_size": 128, "device": "cpu", **config})
+    config = RunnerConfig(**{"max_batches": 256, "max_blocks_per_seq": 16, "block_size": 128, "device": "cpu", **config})
     vendor = graphmode.load_vendor("ascend")
     return list(capture_list(vendor, config, configure(vendor, config)))
 

@@ -87,13 +87,13 @@ def test_a_model_on_another_vendors_ops_is_refused_at_start_up(model_vendor, run
     model = build_reference_model(ModelConfig.tiny(), model_vendor, "cpu")
     with pytest.raises(ConfigError, match=rf"the model's attention ops are \w+ \(the '{model_vendor}' contract.*"
                        rf"the runner's vendor '{runner_vendor}' drives .*or the runner with vendor='{model_vendor}'"):
-        graphmode.build_graph_runner(model, max_batches=4, num_blocks=8, block_size=16, device="cpu",
+        graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=8, block_size=16, device="cpu",
                                      vendor=runner_vendor)
 
 
 def test_a_model_on_the_cuda_ops_runs_under_maca_which_uses_them():
     model = build_reference_model(ModelConfig.tiny(), "cuda", "cpu")
-    graphmode.build_graph_runner(model, max_batches=4, num_blocks=8, block_size=16, device="cpu", vendor="maca")
+    graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=8, block_size=16, device="cpu", vendor="maca")
 
 
 class _OptionalScale(torch.nn.Module):
@@ -108,7 +108,7 @@ class _OptionalScale(torch.nn.Module):
 
 def test_steps_passing_extras_that_warmup_was_not_given_are_told_to_pass_them_to_warmup():
     setup = tiny_setup()
-    runner = graphmode.build_graph_runner(_OptionalScale(setup.model), max_batches=4, num_blocks=8, block_size=16,
+    runner = graphmode.build_graph_runner(_OptionalScale(setup.model), max_batches=4, max_blocks_per_seq=8, block_size=16,
                                           device="cpu", capture_batch_sizes=[2, 4])
     runner.warmup(setup.graph_cache, progress=False)
     step = _decode(setup)

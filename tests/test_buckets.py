@@ -62,7 +62,7 @@ def test_graded_sizes_refuse_a_maximum_that_is_not_a_positive_integer(maximum):
 @pytest.mark.parametrize("maximum", [8, 64, 256, 512])
 def test_the_default_capture_list_wastes_at_most_5_percent_on_average(maximum):
     """The issue's bar, on the list the CUDA vendor actually returns."""
-    runner = build_graph_runner(lambda **_: None, max_batches=maximum, num_blocks=1, block_size=16, device="cpu",
+    runner = build_graph_runner(lambda **_: None, max_batches=maximum, max_blocks_per_seq=1, block_size=16, device="cpu",
                                 vendor="cuda")
     waste = padding_waste(runner.capture_sizes, maximum, runner.bucket_of)
     print(f"max_batches {maximum}: {waste.graphs} graphs, mean waste {waste.mean:.2%}, worst {waste.worst:.1%}")

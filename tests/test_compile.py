@@ -22,7 +22,7 @@ def _model():
 
 def test_compile_is_refused_on_the_cpu_emulator():
     with pytest.raises(ConfigError, match="compile=True on the CPU graph emulator: .* Use compile=True on a GPU"):
-        graphmode.build_graph_runner(_model(), max_batches=4, num_blocks=2, block_size=16, device="cpu", compile=True)
+        graphmode.build_graph_runner(_model(), max_batches=4, max_blocks_per_seq=2, block_size=16, device="cpu", compile=True)
 
 
 def test_compile_is_refused_for_a_vendor_without_the_inductor_graphs_capability():
@@ -30,7 +30,7 @@ def test_compile_is_refused_for_a_vendor_without_the_inductor_graphs_capability(
     with pytest.raises(ConfigError, match="vendor 'ascend' does not declare that Inductor's kernels run inside its graphs"):
         model = graphmode.model.build_reference_model(graphmode.model.ModelConfig.tiny(), "ascend", "cpu")
         graphmode.build_graph_runner(
-            model, max_batches=4, num_blocks=2, block_size=16, device="cpu", vendor="ascend", compile=True,
+            model, max_batches=4, max_blocks_per_seq=2, block_size=16, device="cpu", vendor="ascend", compile=True,
         )
 
 

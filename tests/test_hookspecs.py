@@ -94,10 +94,10 @@ def trimmed_capture_list_ends_at_the_maximum(vendor: graphmode.Vendor) -> None:
 
 
 def refuses_a_table_wider_than_the_kernel(vendor: graphmode.Vendor) -> None:
-    config = graphmode.RunnerConfig(max_batches=300, num_blocks=300, block_size=32, device=torch.device("cpu"))
-    refused(lambda: configure(vendor, config), ConfigError, r"num_blocks=300: Acme's decode kernel reads block tables of at most 256",
+    config = graphmode.RunnerConfig(max_batches=300, max_blocks_per_seq=300, block_size=32, device=torch.device("cpu"))
+    refused(lambda: configure(vendor, config), ConfigError, r"max_blocks_per_seq=300: Acme's decode kernel reads block tables of at most 256",
             "a block table of 300 blocks for a kernel of 256")
-    configure(vendor, dataclasses.replace(config, num_blocks=256))
+    configure(vendor, dataclasses.replace(config, max_blocks_per_seq=256))
 
 
 def a_padded_batch_equals_eager(vendor: graphmode.Vendor) -> None:

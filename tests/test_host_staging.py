@@ -183,7 +183,7 @@ def test_writing_the_mirror_waits_for_the_previous_replays_copy():
             x = torch.tanh(x @ weight)
         return (x.sum(-1, keepdim=True) * 0 + input_ids[0, :, None].float())[None]
 
-    runner = graphmode.build_graph_runner(model, max_batches=4, num_blocks=2, block_size=16, device="cuda",
+    runner = graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=2, block_size=16, device="cuda",
                                           host_staging=True, capture_batch_sizes=[4])
 
     def step(value):

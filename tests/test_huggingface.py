@@ -60,7 +60,7 @@ def serve(directory, speculate: int):
     model = load_model(directory)
     kv_cache = model.make_kv_cache(MAX_BATCH * WIDTH + 1, BLOCK_SIZE)
     runner = graphmode.build_graph_runner(
-        model, max_batches=MAX_BATCH, num_blocks=WIDTH, block_size=BLOCK_SIZE, max_q_len=speculate + 1
+        model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE, max_q_len=speculate + 1
     )
     batch = serve_hf.PagedBatch(MAX_BATCH * WIDTH + 1, BLOCK_SIZE, WIDTH, torch.device("cpu"))
     requests = make_requests()

@@ -251,7 +251,7 @@ def test_a_model_without_attention_ops_is_refused():
         return torch.zeros((1, input_ids.shape[1], 4))
 
     with pytest.raises(ConfigError, match="no AttentionOps object at `model.ops`"):
-        graphmode.build_graph_runner(model, max_batches=4, num_blocks=4, block_size=16, device="cpu",
+        graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu",
                                      execute_mode="piecewise")
 
 
@@ -269,7 +269,7 @@ def test_a_segment_reading_the_attention_metadata_fails_at_capture():
             return logits + attn_metadata.kv_seqlens.sum()  # outside the attention calls
 
     setup = piecewise_setup()
-    runner = graphmode.build_graph_runner(ReadsLengths(setup.model), max_batches=16, num_blocks=8, block_size=16,
+    runner = graphmode.build_graph_runner(ReadsLengths(setup.model), max_batches=16, max_blocks_per_seq=8, block_size=16,
                                           device="cpu", execute_mode="piecewise")
     step = setup.engine.prefill([setup.engine.add()], [3])
     with torch.inference_mode(), pytest.raises(RuntimeError, match="meta") as raised:
@@ -310,7 +310,7 @@ def test_a_vendor_states_its_default_execute_mode(monkeypatch):
     model = piecewise_setup().model
 
     def build(**options):
-        return graphmode.build_graph_runner(model, max_batches=4, num_blocks=8, block_size=16, device="cpu",
+        return graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=8, block_size=16, device="cpu",
                                             vendor="piecewise_default", **options)
 
     assert build().config.execute_mode == "full_and_piecewise"
@@ -343,7 +343,7 @@ def test_hugging_face_model_in_piecewise_graphs_gives_hf_greedy_tokens(tmp_path)
         expected.append(out[0, prompt.shape[1]:].tolist())
     model = load_model(tmp_path)
     kv_cache = model.make_kv_cache(MAX_BATCH * WIDTH + 1, BLOCK_SIZE)
-    runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, num_blocks=WIDTH, block_size=BLOCK_SIZE,
+    runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
                                           execute_mode="full_and_piecewise", capture_token_sizes=[4, 8, 16])
     batch = serve_hf.PagedBatch(MAX_BATCH * WIDTH + 1, BLOCK_SIZE, WIDTH, torch.device("cpu"))
     requests = make_requests()
@@ -373,7 +373,7 @@ def test_offloaded_layers_replay_per_layer_graphs_with_host_loads_between(vendor
     config = ModelConfig.tiny()
     model = build_reference_model(config, graphmode.load_vendor(vendor))
     offloaded = OffloadedLlama(model, num_buffers=num_buffers)
-    runner = graphmode.build_graph_runner(offloaded, max_batches=8, num_blocks=8, block_size=16, device="cpu",
+    runner = graphmode.build_graph_runner(offloaded, max_batches=8, max_blocks_per_seq=8, block_size=16, device="cpu",
                                           vendor=vendor, execute_mode="piecewise", capture_token_sizes=[4, 8, 16])
     engine = ReferenceEngine(65, 16, "cpu", vocab_size=config.vocab_size, table_width=8, seed=3)
     setup = Setup(model, engine, offloaded.make_kv_cache(65, 16), model.make_kv_cache(65, 16), runner)

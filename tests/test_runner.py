@@ -76,7 +76,7 @@ def test_decode_step_with_several_tokens_per_sequence_runs_eagerly():
         return torch.zeros((1, input_ids.shape[1], 4))
 
     setup = tiny_setup()
-    runner = graphmode.build_graph_runner(model, max_batches=16, num_blocks=8, block_size=16, device="cpu")
+    runner = graphmode.build_graph_runner(model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu")
     seqs = [setup.engine.add() for _ in range(2)]
     step = setup.engine.prefill(seqs, [2, 2])  # two new tokens each: speculative verification, say
     runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata.replace(is_decoding=True))
@@ -175,7 +175,7 @@ def test_extra_inputs_are_frozen_and_checked():
             return self.inner(input_ids, position_ids, past_key_values, attn_metadata) * scale
 
     setup = tiny_setup()
-    runner = graphmode.build_graph_runner(WithExtra(setup.model), max_batches=16, num_blocks=8, block_size=16, device="cpu")
+    runner = graphmode.build_graph_runner(WithExtra(setup.model), max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu")
     seqs = setup.prefill(2)
     scale = torch.tensor(2.0)
     with torch.inference_mode():
@@ -223,18 +223,20 @@ def test_batch_above_max_batches_is_refused():
         _call(setup, step)
 
 
-def test_block_table_wider_than_num_blocks_is_refused():
+def test_block_table_wider_than_max_blocks_per_seq_is_refused():
     setup = tiny_setup()
     step = _step(setup)
     wide = torch.zeros((2, 9), dtype=torch.int32)
-    with pytest.raises(InputError, match=r"block_offsets is 9 blocks wide, above num_blocks=8; build the runner with num_blocks >= 9"):
+    with pytest.raises(InputError, match=r"block_offsets is 9 blocks wide, above the runner's max_blocks_per_seq=8 "
+                       r"\(the block table's width, not the KV cache's size\); build the runner with "
+                       r"max_blocks_per_seq >= 9"):
         _call(setup, step, block_offsets=wide)
 
 
 def test_kv_length_above_capacity_is_refused():
     setup = tiny_setup()
     step = _step(setup)
-    with pytest.raises(InputError, match=r"max_kv_seq_len=200 is above the 128 tokens a block table can address \(num_blocks=8 x block_size=16\)"):
+    with pytest.raises(InputError, match=r"max_kv_seq_len=200 is above the 128 tokens a block table can address \(max_blocks_per_seq=8 x block_size=16\)"):
         _call(setup, step, max_kv_seq_len=200)
 
 
@@ -332,7 +334,7 @@ def test_capture_errors_without_advice_keep_their_type_and_say_where():
     def model(input_ids, position_ids, past_key_values, attn_metadata):
         return input_ids[:, :, None].float() * attn_metadata.kv_seqlens.sum().item()
 
-    runner = graphmode.build_graph_runner(model, max_batches=4, num_blocks=8, block_size=16, device="cpu")
+    runner = graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=8, block_size=16, device="cpu")
     setup = tiny_setup()
     step = _step(setup)
     with pytest.raises(graphmode.CaptureError) as error:

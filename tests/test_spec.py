@@ -143,7 +143,7 @@ def _scaled_setup(**options):
     setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **options)
     scaled = ScaledModel(setup.model)
     runner = graphmode.build_graph_runner(
-        scaled, max_batches=16, num_blocks=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8], **options
+        scaled, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8], **options
     )
     return setup, scaled, runner
 
@@ -282,7 +282,7 @@ def test_a_declared_input_whose_rows_are_not_its_first_dimension():
     setup = tiny_setup(capture_batch_sizes=[2, 4, 8])
     model = MRopeLikeModel(setup.model)
     runner = graphmode.build_graph_runner(
-        model, max_batches=16, num_blocks=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8],
+        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8],
         step_inputs=[BufferSpec("mrope_positions", torch.int64, shape=(3, TOKENS), padding=0)],
     )
     seqs = setup.prefill(6)

@@ -225,7 +225,7 @@ def test_graph_runner_with_triton_kernels_matches_reference_model():
     engine = ReferenceEngine(16 * width + 1, block_size, "cuda", vocab_size=config.vocab_size, table_width=width)
     triton_cache = triton_model.make_kv_cache(16 * width + 1, block_size)
     reference_cache = reference_model.make_kv_cache(16 * width + 1, block_size)
-    runner = graphmode.build_graph_runner(triton_model, max_batches=16, num_blocks=width, block_size=block_size,
+    runner = graphmode.build_graph_runner(triton_model, max_batches=16, max_blocks_per_seq=width, block_size=block_size,
                                           device="cuda", vendor="cuda")
     seqs = [engine.add() for _ in range(11)]
     step = engine.prefill(seqs, [engine.rng.randrange(1, 60) for _ in seqs])

@@ -102,7 +102,7 @@ def test_the_runner_raises_the_advice_from_the_original_error():
         return input_ids[..., None].float()
 
     setup = tiny_setup("ascend")
-    runner = graphmode.build_graph_runner(model, max_batches=4, num_blocks=8, block_size=16, device="cpu", vendor="ascend")
+    runner = graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=8, block_size=16, device="cpu", vendor="ascend")
     step = setup.engine.decode(setup.prefill(2))
     with pytest.raises(CaptureError, match="capturing bucket 2 ran out of NPU streams") as error:
         runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)

@@ -31,7 +31,7 @@ class Sizes:
     max_batches: the runner's max_batches (the largest batch the steps use).
     block_size: tokens per KV-cache block; None takes the vendor's first
         declared block size (``GraphSpec.block_sizes``), else 16.
-    table_width: the block-table buffer's width (the runner's num_blocks);
+    table_width: the block-table buffer's width (the runner's max_blocks_per_seq);
         each step's own table is as wide as its longest sequence needs,
         so widths vary from step to step.
     steps: decode steps per batch size in the every-batch-size test.

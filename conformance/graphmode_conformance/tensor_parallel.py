@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     capture_sizes = [1, 2, 4] if (args.scenario == "different-capture-lists" and rank == 1) else None
     try:
         runner = graphmode.build_graph_runner(
-            sharded, max_batches=max(batches), num_blocks=width, block_size=block_size, device=device,
+            sharded, max_batches=max(batches), max_blocks_per_seq=width, block_size=block_size, device=device,
             vendor=vendor.name, process_group=group, capture_batch_sizes=capture_sizes,
         )
     except graphmode.GraphModeError as error:

@@ -2,7 +2,7 @@
 on any accelerator, through vendor plugins.
 
     import graphmode
-    runner = graphmode.build_graph_runner(model, max_batches=256, num_blocks=64, block_size=64)
+    runner = graphmode.build_graph_runner(model, max_batches=256, max_blocks_per_seq=64, block_size=64)
     logits = runner(input_ids=..., position_ids=..., past_key_values=kv, attn_metadata=meta)
 
 A vendor plugin imports ``graphmode.hookimpl`` and implements hooks from

@@ -14,6 +14,11 @@ From the :class:`graphmode.spec.GraphSpec` in ``meta.spec``:
 These are the built-in plugin's buffer hooks. A plugin that fills buffers
 its own way stages its copies through :func:`stage`, so that host staging
 (:mod:`graphmode.staging`) can route them.
+
+The helpers of the plugin API before the declarations (``padding_rows``,
+``decode_rows``, ``TOKEN_BUFFERS``, ``ROW_BUFFERS``) and the old
+``stage(pairs)`` form still work for a release, with a DeprecationWarning
+naming what replaces them (``DEPRECATED``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 
 from graphmode.context import AttnMetadata, StepInputs
+from graphmode.deprecated import warn_deprecated
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
@@ -33,6 +39,29 @@ from graphmode.spec import BLOCKS, BufferSpec
 __all__ = ["allocate", "fill", "graph_context", "host_zeros", "q_len_paddings", "stage", "step_value"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+_PADDING_PAIRS = (
+    "pairs of meta.input_buffers[name].narrow(dim, start, stop - start) and "
+    "meta.padding_buffers[name].narrow(dim, start, stop - start)"
+)
+_DECLARED = "a BufferSpec in the vendor's GraphSpec, which graphmode.buffers.fill fills and pads"
+# Each deprecated name of this module and what replaces it (the warning's text).
+DEPRECATED = {
+    "padding_rows": f"{_PADDING_PAIRS}, passed to graphmode.buffers.stage(meta, pairs); or {_DECLARED}",
+    "decode_rows": f"graphmode.buffers.fill(meta, inputs, batch_size, bucket) over {_DECLARED}",
+    "TOKEN_BUFFERS": "the names of meta.spec.buffers whose BufferSpec has per_token=True",
+    "ROW_BUFFERS": "the names of meta.spec.buffers whose BufferSpec has written=True",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A deprecated name (``DEPRECATED``), with a DeprecationWarning."""
+    if name in DEPRECATED:
+        from graphmode import buffers_deprecated
+
+        warn_deprecated(f"graphmode.buffers.{name}", DEPRECATED[name])
+        return getattr(buffers_deprecated, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
@@ -277,7 +306,10 @@ def fill(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
     plan.run(inputs)
 
 
-def stage(meta: GraphMeta, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def stage(
+    meta: GraphMeta | Sequence[tuple[torch.Tensor, torch.Tensor]],
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> None:
     """Copy every source into its destination: one ``_foreach_copy_`` per
     destination device and dtype, so that each group takes the fused path (one
     kernel on a GPU) rather than one copy per buffer.
@@ -285,7 +317,21 @@ def stage(meta: GraphMeta, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -
     With host staging (``meta.staging``), a destination in the device arena
     is written through its pinned host mirror instead, on the host: its
     source must then be a host tensor (or a view of a padding or live
-    constant, whose host copy is used); a device source raises InputError."""
+    constant, whose host copy is used); a device source raises InputError.
+
+    ``stage(pairs)``, the form before ``meta`` was passed, is deprecated: it
+    works as it did (the runner found from each destination), with a
+    DeprecationWarning."""
+    if not isinstance(meta, GraphMeta):
+        if pairs is not None:
+            raise TypeError(f"stage(meta, pairs) takes a GraphMeta first, not a {type(meta).__name__}")
+        from graphmode.buffers_deprecated import stage_pairs
+
+        warn_deprecated("graphmode.buffers.stage(pairs)", "graphmode.buffers.stage(meta, pairs)")
+        stage_pairs(meta)
+        return
+    if pairs is None:
+        raise TypeError("stage(meta, pairs) missing its pairs: the (destination, source) tensors to copy")
     if meta.staging is not None:
         pairs = meta.staging.route(pairs)
     groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from graphmode.config import RunnerConfig
+from graphmode.deprecated import renamed_keywords
 from graphmode.plugins import select_vendor
 from graphmode.runner import GraphRunner
 from graphmode.spec import BufferSpec
@@ -22,11 +23,12 @@ def model_device(model: Any) -> torch.device:
     return torch.device("cpu")
 
 
+@renamed_keywords("build_graph_runner", num_blocks="max_blocks_per_seq")
 def build_graph_runner(
     model: Any,
     *,
     max_batches: int,
-    num_blocks: int,
+    max_blocks_per_seq: int,
     block_size: int,
     device: torch.device | str | None = None,
     vendor: str | None = None,
@@ -49,8 +51,11 @@ def build_graph_runner(
     model: any callable taking ``input_ids, position_ids, past_key_values,
         attn_metadata`` (plus extras) and returning tensors whose second
         dimension is the token (hidden states or logits).
-    max_batches: the most sequences per step; num_blocks: the widest block
-        table; block_size: tokens per KV block.
+    max_batches: the most sequences per step. max_blocks_per_seq: the
+        widest block table a step may carry, in blocks (its columns: the most
+        KV blocks one sequence holds), not the KV cache's size, which
+        ``make_kv_cache(num_cache_blocks, block_size)`` takes; ``num_blocks=``
+        is its deprecated spelling. block_size: tokens per KV block.
     device: the model's device by default; "cpu" captures emulated graphs.
     vendor: a vendor name; else ``$GRAPHMODE_VENDOR``; else detection.
     execute_mode: "graph" (full graphs for decode steps), "piecewise" (every
@@ -101,7 +106,7 @@ def build_graph_runner(
         num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "num_layers", None)
     config = RunnerConfig(
         max_batches=max_batches,
-        num_blocks=num_blocks,
+        max_blocks_per_seq=max_blocks_per_seq,
         block_size=block_size,
         device=device,
         execute_mode=execute_mode or chosen.info.execute_mode,

@@ -27,7 +27,8 @@ class GraphMeta:
     max_tokens: the most new tokens in a graph step, ``max_batchs x
         max_q_len`` (``max_batchs`` when decoding one token per sequence);
         per-token buffers have this length.
-    num_blocks: columns of the block-table buffer, the most KV blocks one
+    num_blocks: columns of the block-table buffer (the runner's
+        ``max_blocks_per_seq``), the most KV blocks one
         sequence may own; a step's block table may be narrower, never wider.
     block_size: tokens per KV-cache block.
     device: where the device buffers live.

@@ -53,7 +53,7 @@ __all__ = [
 # Symbolic dimensions of a buffer's shape.
 TOKENS = "tokens"  # one row per new token: max_tokens rows
 SEQUENCES = "sequences"  # one row per sequence: max_batches rows
-BLOCKS = "blocks"  # the block table's width: num_blocks columns
+BLOCKS = "blocks"  # the block table's width: max_blocks_per_seq columns (GraphMeta.num_blocks)
 
 # Padding values that depend on the row: 0, 1, 2, ... and 1, 2, 3, ...
 ROW_INDEX = "row_index"

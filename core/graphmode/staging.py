@@ -23,6 +23,7 @@ waits on it before writing the mirror again.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
 from graphmode.plugins.manager import DEFAULT_PLUGIN_NAME
 
-__all__ = ["ALIGNMENT", "HostStaging", "staging_refusal", "to_device", "to_host"]
+__all__ = ["ALIGNMENT", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
 
 ALIGNMENT = 256
 _TABLE = "block_offsets"
@@ -92,6 +93,7 @@ class HostStaging:
         self._event: Any = None if emulated else torch.cuda.Event()
         meta.views.clear()  # views of the old buffers
         meta.staging = self
+        _live.add(self)
 
     def _view(self, memory: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
         start = self.offsets[name]
@@ -185,6 +187,23 @@ class HostStaging:
             else:
                 routed.append((mirror, self.host_source(source, destination) if host_sources else source))
         return routed
+
+
+# Every live HostStaging, for the deprecated ``graphmode.buffers.stage(pairs)``
+# form, which has no meta to say whose arena a destination is in.
+_live: weakref.WeakSet[HostStaging] = weakref.WeakSet()
+
+
+def route_any(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The pairs routed as :meth:`HostStaging.route` routes them, through
+    whichever live runner's arena holds each destination (deprecated
+    ``stage(pairs)`` only; ``stage(meta, pairs)`` knows its runner's)."""
+    stagings = list(_live)
+    routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for pair in pairs:
+        staging = next((s for s in stagings if s.holds(pair[0])), None)
+        routed.extend(staging.route([pair]) if staging is not None else [pair])
+    return routed
 
 
 def _like(memory: torch.Tensor, tensor: torch.Tensor, offset: Any) -> torch.Tensor:

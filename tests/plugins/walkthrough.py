@@ -109,11 +109,11 @@ MAX_TABLE_BLOCKS = 256  # the decode kernel stages a sequence's block table on c
 
 @hookimpl
 def graphmode_check_config(config) -> None:
-    if config.num_blocks > MAX_TABLE_BLOCKS:
+    if config.max_blocks_per_seq > MAX_TABLE_BLOCKS:
         raise ConfigError(
-            f"num_blocks={config.num_blocks}: Acme's decode kernel reads block tables of at most "
-            f"{MAX_TABLE_BLOCKS} blocks ({MAX_TABLE_BLOCKS * config.block_size} tokens at "
-            f"block_size={config.block_size}); build the runner with num_blocks <= {MAX_TABLE_BLOCKS}"
+            f"max_blocks_per_seq={config.max_blocks_per_seq}: Acme's decode kernel reads block tables of "
+            f"at most {MAX_TABLE_BLOCKS} blocks ({MAX_TABLE_BLOCKS * config.block_size} tokens at "
+            f"block_size={config.block_size}); build the runner with max_blocks_per_seq <= {MAX_TABLE_BLOCKS}"
         )
 # --8<-- [end:check_config]
 

@@ -62,7 +62,7 @@ def host_cost(runner: graphmode.GraphRunner, steps: list, device: torch.device) 
 def capture_cost(workload: Workload, buckets: list[int] | None) -> dict[str, float]:
     """Seconds and device memory to capture ``buckets`` (all when None)."""
     runner = graphmode.build_graph_runner(
-        workload.model, max_batches=workload.max_batches, num_blocks=workload.width,
+        workload.model, max_batches=workload.max_batches, max_blocks_per_seq=workload.width,
         block_size=workload.block_size, device=workload.device, capture_batch_sizes=buckets,
     )
     runner.graph_meta()

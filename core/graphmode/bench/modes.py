@@ -46,7 +46,7 @@ class GraphmodeRunner:
     def __init__(self, model: Any, workload: Any, vendor: str, **options: Any) -> None:
         self.name = f"graphmode[{vendor}]"
         self.runner = graphmode.build_graph_runner(
-            model, max_batches=workload.max_batches, num_blocks=workload.width,
+            model, max_batches=workload.max_batches, max_blocks_per_seq=workload.width,
             block_size=workload.block_size, device=workload.device, vendor=vendor, **options,
         )
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from graphmode.context import AttnMetadata
+from graphmode.deprecated import renamed_keywords
 from graphmode.errors import ConfigError, InputError
 from graphmode.integrations.huggingface_support import Probe, active_probe, probe, refuse_config
 
@@ -219,17 +220,19 @@ class HuggingFaceModel(nn.Module):
         """Refuse, when a runner is built for this model, a block table that
         can address more tokens than a layer's sliding window (the paged
         kernels attend to the whole sequence)."""
-        self.support.check_table(config.num_blocks, config.block_size)
+        self.support.check_table(config.max_blocks_per_seq, config.block_size)
 
+    @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
     def make_kv_cache(
-        self, num_blocks: int, block_size: int, device: torch.device | str | None = None
+        self, num_cache_blocks: int, block_size: int, device: torch.device | str | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A paged KV cache in the vendor's layout, in the model's dtype
-        (block 0 reserved for padding, as every graphmode cache)."""
+        """A paged KV cache in the vendor's layout, in the model's dtype, of
+        ``num_cache_blocks`` blocks shared by every sequence (block 0 reserved
+        for padding, as every graphmode cache)."""
         weight = next(self.hf_model.parameters())
         self.block_size = block_size
         return self.ops.make_kv_cache(
-            self.config.num_hidden_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+            self.config.num_hidden_layers, num_cache_blocks, block_size, self.num_kv_heads, self.head_dim,
             weight.dtype, torch.device(device) if device is not None else weight.device,
         )
 

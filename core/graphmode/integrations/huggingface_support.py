@@ -240,18 +240,18 @@ class Probe:
     def head_dim(self) -> int:
         return self.calls[0].key[3]
 
-    def check_table(self, num_blocks: int, block_size: int) -> None:
+    def check_table(self, max_blocks_per_seq: int, block_size: int) -> None:
         """Refuse a block table that can address more tokens than a layer's
         sliding window: the paged kernels attend to the whole sequence."""
         found = self.window
-        reach = num_blocks * block_size
+        reach = max_blocks_per_seq * block_size
         if found is not None and reach > found[0]:
             window, where = found
             raise ConfigError(
                 f"{self.family!r}: {where} has a sliding window of {window} tokens (config.sliding_window), but "
-                f"the block table can address {reach} tokens (num_blocks {num_blocks} x block_size {block_size}), "
+                f"the block table can address {reach} tokens (max_blocks_per_seq {max_blocks_per_seq} x block_size {block_size}), "
                 "and graphmode's paged kernels attend to the whole sequence, not to a window. Raise the window, "
-                f"lower the table width (num_blocks * block_size <= {window}), or use a model without sliding window"
+                f"lower the table width (max_blocks_per_seq * block_size <= {window}), or use a model without sliding window"
             )
 
 

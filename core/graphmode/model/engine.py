@@ -29,7 +29,7 @@ class Sequence:
 
 class ReferenceEngine:
     """num_cache_blocks: blocks in the KV cache, block 0 included (reserved).
-    table_width: columns of every block table (the runner's num_blocks);
+    table_width: columns of every block table (the runner's max_blocks_per_seq);
     None sizes each step's table to its longest sequence.
     host_inputs: build each step's tensors on the host, as engines that
     schedule on the CPU do (marked as host memory on the emulator)."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from graphmode.context import AttnMetadata
+from graphmode.deprecated import renamed_keywords
 from graphmode.model.config import ModelConfig
 from graphmode.model.ops import AttentionOps, KVCache
 
@@ -130,12 +131,18 @@ class LlamaModel(nn.Module):
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
         return self
 
-    def make_kv_cache(self, num_blocks: int, block_size: int, device: torch.device | str | None = None) -> KVCache:
-        """A KV cache in the vendor's layout (block 0 reserved for padding)."""
+    @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
+    def make_kv_cache(
+        self, num_cache_blocks: int, block_size: int, device: torch.device | str | None = None
+    ) -> KVCache:
+        """A KV cache in the vendor's layout of ``num_cache_blocks`` blocks of
+        ``block_size`` tokens, shared by every sequence, block 0 included and
+        reserved for padding (not the runner's ``max_blocks_per_seq``, the
+        width of one sequence's block table)."""
         config = self.config
         return self.ops.make_kv_cache(
             config.num_hidden_layers,
-            num_blocks,
+            num_cache_blocks,
             block_size,
             config.num_key_value_heads // self.tp_size,
             config.head_dim,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from graphmode.context import AttnMetadata
+from graphmode.deprecated import renamed_keywords
 from graphmode.emulator.host import mark_host
 from graphmode.errors import ConfigError
 from graphmode.model.llama import LlamaModel, embed
@@ -56,10 +57,13 @@ class OffloadedLlama(nn.Module):
                 target.copy_(source, non_blocking=True)
         self.loads += 1
 
-    def make_kv_cache(self, num_blocks: int, block_size: int, device: torch.device | str | None = None) -> KVCache:
+    @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
+    def make_kv_cache(
+        self, num_cache_blocks: int, block_size: int, device: torch.device | str | None = None
+    ) -> KVCache:
         config = self.config
         return self.ops.make_kv_cache(
-            config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
+            config.num_hidden_layers, num_cache_blocks, block_size, config.num_key_value_heads, config.head_dim,
             config.dtype, torch.device(device) if device is not None else self.embed_tokens.weight.device,
         )
 

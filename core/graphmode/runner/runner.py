@@ -381,7 +381,7 @@ class GraphRunner:
             meta = GraphMeta(
                 max_batchs=config.max_batches,
                 max_tokens=config.max_tokens,
-                num_blocks=config.num_blocks,
+                num_blocks=config.max_blocks_per_seq,
                 block_size=config.block_size,
                 device=config.device,
                 vocab_size=_model_attr(self.model, "vocab_size"),

@@ -71,17 +71,18 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
             f"runner with max_batches >= {batch}, or schedule fewer sequences per step"
         )
     width = attn.block_offsets.shape[-1]
-    if width > config.num_blocks:
+    if width > config.max_blocks_per_seq:
         raise InputError(
-            f"attn_metadata.block_offsets is {width} blocks wide, above "
-            f"num_blocks={config.num_blocks}; build the runner with num_blocks >= {width}"
+            f"attn_metadata.block_offsets is {width} blocks wide, above the runner's "
+            f"max_blocks_per_seq={config.max_blocks_per_seq} (the block table's width, not the "
+            f"KV cache's size); build the runner with max_blocks_per_seq >= {width}"
         )
-    capacity = config.num_blocks * config.block_size
+    capacity = config.max_blocks_per_seq * config.block_size
     if attn.max_kv_seq_len > capacity:
         raise InputError(
             f"max_kv_seq_len={attn.max_kv_seq_len} is above the {capacity} tokens a "
-            f"block table can address (num_blocks={config.num_blocks} x "
-            f"block_size={config.block_size}); raise num_blocks or shorten the sequence"
+            f"block table can address (max_blocks_per_seq={config.max_blocks_per_seq} x "
+            f"block_size={config.block_size}); raise max_blocks_per_seq or shorten the sequence"
         )
     tokens = _token_count(inputs)
     if attn.is_decoding:
