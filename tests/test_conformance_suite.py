@@ -95,6 +95,21 @@ DIAGNOSES = {
         "modified the engine's attn_metadata.q_seqlens in place: [1, 1, 1, 1, 1] became [1, 2, 3, 4, 5]. Hook: "
         "graphmode_fill_buffers",
     ),
+    "host_copy_in_fill": (
+        "(replay): the runner raised ReplayError in graphmode_fill_buffers",
+        "read a device value on the host during a replay step (Tensor.__setitem__() of device memory into host memory",
+    ),
+    "dist_backend_from_string": (
+        "[distributed backend] vendor maca: graphmode_dist_backend answers cuda -> 'nccl', cuda:0 -> 'gloo'",
+        "must answer from device.type, not from the device's string form",
+    ),
+    "pushed_padding_stale": (
+        "[pushed host values] vendor ascend",
+        "after graphmode_update_graph_params the graph's",
+        "reads actual_seq_lengths_kv",
+        "padding rows left stale, pushed for the live rows only",
+        "Hook: graphmode_update_graph_params must push every row up to the bucket",
+    ),
 }
 
 

@@ -35,6 +35,7 @@ from graphmode_conformance.lifecycle import (
 from graphmode_conformance.multi_token import MultiTokenDecodeTests
 from graphmode_conformance.piecewise import PiecewiseTests
 from graphmode_conformance.step_inputs import StepInputsTests
+from graphmode_conformance.unseen import UnseenByOutputsTests
 
 __all__ = [
     "CapabilityTests",
@@ -52,6 +53,7 @@ __all__ = [
     "PiecewiseTests",
     "Sizes",
     "StepInputsTests",
+    "UnseenByOutputsTests",
 ]
 
 
@@ -66,6 +68,7 @@ class ConformanceTests(
     KVCacheIntegrityTests,
     LifecycleTests,
     CapabilityTests,
+    UnseenByOutputsTests,
     KernelTests,
     HookContractTests,
 ):
