@@ -347,6 +347,40 @@ def _plan_caching_ops():
     return _PlanCachingOps()
 
 
+# -- More classes that passed the suite before issue 22: what outputs on the emulator do not show --
+
+
+# 26. A device-to-host copy in the fill on every replay, the value landing in
+#     a host buffer: Ascend's host kv lengths taken from the device's lengths
+#     rather than the engine's host copy (results correct; a host
+#     synchronisation per step on a device).
+@hookimpl(wrapper=True)
+def _device_lengths_into_host_buffer(meta, inputs, batch_size, bucket):
+    result = yield
+    meta.input_buffers["kv_seqlens"][:batch_size] = inputs.attn_metadata.kv_seqlens
+    return result
+
+
+# 27. The distributed backend answered from the device's string form:
+#     "cuda" -> nccl, but "cuda:0" (an indexed device, as every rank passes
+#     its own) -> gloo.
+@hookimpl
+def _dist_backend_from_string(device):
+    return "nccl" if str(device) == "cuda" else "gloo"
+
+
+# 28. Host kv lengths pushed into the graph for the live rows only, the
+#     padding rows left as an earlier step pushed them (a host list kept
+#     between steps): harmless on the emulator, whose kernel masks the
+#     reserved block; on a device whose kernel trusts the lengths, padding
+#     rows read that many tokens.
+@hookimpl
+def _push_live_rows_only(graph, meta, batch_size, bucket):
+    pushed = meta.vendor_state.setdefault("pushed_lengths", [1] * meta.max_batchs)
+    pushed[:batch_size] = meta.input_buffers["kv_seqlens"][:batch_size].tolist()
+    graph.push_kv_lengths(pushed[:bucket])
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -374,6 +408,9 @@ BROKEN = {
     "graphs_outside_the_pool": variant(cuda, "graphs_outside_the_pool", graphmode_make_graph=_pool_dropping_graph),
     "detected_without_runtime": variant(camb, "detected_without_runtime", graphmode_vendor_info=_detected_from_reason),
     "plan_cached_by_shape": variant(cuda, "plan_cached_by_shape", graphmode_attention_ops=_plan_caching_ops),
+    "host_copy_in_fill": variant(ascend, "host_copy_in_fill", graphmode_fill_buffers=_device_lengths_into_host_buffer),
+    "dist_backend_from_string": variant(maca, "dist_backend_from_string", graphmode_dist_backend=_dist_backend_from_string),
+    "pushed_padding_stale": variant(ascend, "pushed_padding_stale", graphmode_update_graph_params=_push_live_rows_only),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

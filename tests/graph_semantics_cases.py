@@ -361,6 +361,26 @@ def case_to_host_raises(b: Backend):
     return "did not raise"
 
 
+def case_memory_moved_under_a_tensor(b: Backend):
+    """A graph reads the memory it captured, not whatever storage a tensor
+    object points to at replay: after ``k.set_(other)`` or ``k.data = other``
+    (a KV cache given new memory in place) the replay still reads, and
+    writes, the old memory. (Aliases keep the old memory alive, so that
+    reading it is defined on CUDA too.)"""
+    k, v = b.tensor([1.0, 2.0]), b.tensor([0.0, 0.0])
+    old_k, old_v = k.view_as(k), v.view_as(v)
+    g = b.graph()
+    with g.capture():
+        y = k * 2
+        v.add_(1)
+    k.set_(b.tensor([7.0, 8.0]))
+    v.data = b.tensor([50.0, 50.0])
+    old_k.copy_(b.tensor([3.0, 4.0]))
+    g.replay()
+    b.sync()
+    return {"read": values(y), "old written": values(old_v), "new left": values(v)}
+
+
 # Cases that fail a capture run last: a failed CUDA capture must not be what
 # breaks the cases after it.
 _FAILING = (
@@ -399,6 +419,7 @@ EXPECTED = {
     "no_op_device_move_is_live": {"no_op_moves": [9.0, 12.0], "conversion": [30.0, 40.0]},
     "host_copy_raises": "raised",
     "to_host_raises": "raised",
+    "memory_moved_under_a_tensor": {"read": [6.0, 8.0], "old written": [1.0, 1.0], "new left": [50.0, 50.0]},
 }
 
 # Cases whose expectation differs by nature between CUDA and the emulator.

@@ -116,6 +116,21 @@ DIAGNOSES = {
         "a kernel of graphmode_attention_ops keeps per-call planning state",
         "the step of 6 tokens of 1 sequence with kv lengths [6] (longest 6), of the same shapes, was right",
     ),
+    "host_copy_in_fill": (
+        "(replay): the runner raised ReplayError in graphmode_fill_buffers",
+        "read a device value on the host during a replay step (Tensor.__setitem__() of device memory into host memory",
+    ),
+    "dist_backend_from_string": (
+        "[distributed backend] vendor maca: graphmode_dist_backend answers cuda -> 'nccl', cuda:0 -> 'gloo'",
+        "must answer from device.type, not from the device's string form",
+    ),
+    "pushed_padding_stale": (
+        "[pushed host values] vendor ascend",
+        "after graphmode_update_graph_params the graph's",
+        "reads actual_seq_lengths_kv",
+        "padding rows left stale, pushed for the live rows only",
+        "Hook: graphmode_update_graph_params must push every row up to the bucket",
+    ),
 }
 
 

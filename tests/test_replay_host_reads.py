@@ -10,6 +10,7 @@ from setups import tiny_setup
 
 import graphmode
 from graphmode import ReplayError
+from graphmode.buffers import host_zeros
 from graphmode.runner.host_reads import CudaSyncGuard, replay_guard
 
 
@@ -31,6 +32,27 @@ class ReadsInUpdate:
         self.lengths = meta.input_buffers["kv_seqlens"][:bucket].tolist()
 
 
+class CopiesIntoHostMemory:
+    """Copies the device's kv lengths into a host buffer of its own (a
+    device-to-host read however the value lands)."""
+
+    @graphmode.hookimpl(wrapper=True)
+    def graphmode_fill_buffers(self, meta, inputs, batch_size, bucket):
+        result = yield
+        host = meta.vendor_state.setdefault("host_lengths", host_zeros(meta, (meta.max_batchs,), torch.int32))
+        host[:batch_size] = inputs.attn_metadata.kv_seqlens
+        return result
+
+
+class CopiesInUpdate:
+    """Copies a device buffer into host memory with copy_ before pushing."""
+
+    @graphmode.hookimpl
+    def graphmode_update_graph_params(self, graph, meta, batch_size, bucket):
+        host = meta.vendor_state.setdefault("host_starts", host_zeros(meta, (meta.max_batchs,), torch.int32))
+        torch._foreach_copy_([host[:bucket]], [meta.input_buffers["q_start_loc"][:bucket]])
+
+
 class ReadsInOutputs:
     """Checks the output on the host before returning it."""
 
@@ -47,6 +69,8 @@ class ReadsInOutputs:
         (ReadsInFill(), "graphmode_fill_buffers", "Tensor.__int__()"),
         (ReadsInUpdate(), "graphmode_update_graph_params", "Tensor.tolist()"),
         (ReadsInOutputs(), "graphmode_get_outputs", "Tensor.item()"),
+        (CopiesIntoHostMemory(), "graphmode_fill_buffers", "Tensor.__setitem__()"),
+        (CopiesInUpdate(), "graphmode_update_graph_params", "torch._foreach_copy_()"),
     ],
 )
 def test_a_host_read_of_device_memory_on_the_replay_path_names_the_hook(plugin, hook, what):

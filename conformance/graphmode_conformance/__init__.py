@@ -39,6 +39,7 @@ from graphmode_conformance.piecewise import PiecewiseTests
 from graphmode_conformance.planning import PlanningStateTests
 from graphmode_conformance.pool import MemoryPoolTests
 from graphmode_conformance.step_inputs import StepInputsTests
+from graphmode_conformance.unseen import UnseenByOutputsTests
 
 __all__ = [
     "CapabilityTests",
@@ -60,6 +61,7 @@ __all__ = [
     "PlanningStateTests",
     "Sizes",
     "StepInputsTests",
+    "UnseenByOutputsTests",
 ]
 
 
@@ -77,6 +79,7 @@ class ConformanceTests(
     KVCacheIntegrityTests,
     LifecycleTests,
     CapabilityTests,
+    UnseenByOutputsTests,
     KernelTests,
     HookContractTests,
     DetectionTests,

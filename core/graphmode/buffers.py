@@ -165,6 +165,12 @@ class _Plan:
         for spec in meta.spec.buffers:
             buffer, padding = meta.input_buffers[spec.name], meta.padding_buffers[spec.name]
             padding = scaled_padding.get(spec.name, padding)
+            if spec.host and meta.device.type == "cpu":
+                # The runner's snapshots of a host buffer are host memory
+                # (CPU tensors on a device); on the emulator, marked so.
+                mark_host(padding)
+                if spec.live is not None:
+                    mark_host(meta.live_buffers[spec.name])
             row = spec.row_dim
             if not spec.written:
                 if rescaled and spec.q_len_scaled:

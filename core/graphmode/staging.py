@@ -83,7 +83,7 @@ class HostStaging:
             *(t for paddings in meta.q_len_padding.values() for t in paddings.values()),
         ]
         self._constants = {
-            t.untyped_storage().data_ptr(): (t, t.to("cpu", copy=True)) for t in constants if not self.on_host(t)
+            t.untyped_storage().data_ptr(): (t, _host_copy(t, emulated)) for t in constants if not self.on_host(t)
         }
         self._buffers = {name: meta.input_buffers[name] for name in names}
         self._arena_range = (self.arena.data_ptr(), self.arena.data_ptr() + self.nbytes)
@@ -210,6 +210,12 @@ def _like(memory: torch.Tensor, tensor: torch.Tensor, offset: Any) -> torch.Tens
     """A view of byte tensor ``memory`` with ``tensor``'s dtype, shape and
     strides at element ``offset``."""
     return memory.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), offset)
+
+
+def _host_copy(tensor: torch.Tensor, emulated: bool) -> torch.Tensor:
+    """A host copy of ``tensor`` (marked as host memory on the emulator)."""
+    copy = tensor.to("cpu", copy=True)
+    return mark_host(copy) if emulated else copy
 
 
 def _is_cpu(tensor: torch.Tensor) -> bool:

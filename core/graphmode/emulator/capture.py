@@ -104,6 +104,15 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
+def _bound(value: Any) -> Any:
+    """A tensor argument as a record keeps it: a view of the memory it has
+    now (:func:`frozen_view`), which a later ``set_`` on the tensor object
+    does not move. Other values, and tensor subclasses, as they are."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter) and value.layout == torch.strided:
+        return frozen_view(value)
+    return value
+
+
 def named_arguments(func: Any, args: tuple, kwargs: dict) -> dict:
     """All arguments of an operator call by name (so that a vendor's update
     can replace them by name)."""
@@ -232,6 +241,10 @@ class CaptureSession:
         # the graph keeps the value it had at capture.
         if host and not transfer:
             args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) and is_host(x) else x, (args, kwargs))
+        # A device kernel is launched with the memory its tensors had at
+        # capture: memory given to a tensor object later (``k.set_(other)``,
+        # ``k.data = other``) is not what the graph reads.
+        args, kwargs = tree_map(_bound, (args, kwargs))
         targets = tree_map(lambda x: frozen_view(x) if isinstance(x, torch.Tensor) else x, outputs)
         self.append(OpRecord(func, args, kwargs, outputs, targets))
         if not is_mutating(func):

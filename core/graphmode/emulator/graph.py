@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from graphmode.emulator.capture import CaptureSession
+from graphmode.emulator.capture import CaptureSession, named_arguments
 from graphmode.emulator.recording import OpRecord, compile_steps
 from graphmode.errors import CaptureError, ReplayError
 from graphmode.graphs.base import DeviceGraph
@@ -144,6 +144,20 @@ class EmulatedGraph(DeviceGraph):
 
     def allocated_storages(self) -> list[Any]:
         return [tensor.untyped_storage() for tensor in self._allocated]
+
+    def host_arguments(self) -> list[tuple[str, str, list]]:
+        """The host values this graph's kernels read at replay, as
+        (operator, argument, values): every argument that is a list of
+        numbers, of every recorded call of an operator outside ``aten`` (a
+        vendor's kernel). What a parameter update pushed shows here after it."""
+        found = []
+        for step in _walk(self._steps):
+            if not isinstance(step, OpRecord) or getattr(step.func, "namespace", "aten") in ("aten", "prims"):
+                continue
+            for name, value in named_arguments(step.func, step.args, step.kwargs).items():
+                if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+                    found.append((str(step.func), name, list(value)))
+        return found
 
     @property
     def num_ops(self) -> int:

@@ -8,6 +8,12 @@ tensor, so :class:`ReplayHostReadGuard` refuses reads of memory not marked as
 host memory (:func:`graphmode.emulator.mark_host`, which
 ``graphmode.buffers.host_zeros`` applies), naming the hook that was running.
 Host memory reads are fine: Ascend reads its host kv-length buffer every step.
+A copy of device memory into host memory is refused too (``host.copy_(x)``,
+``host[:n] = x``, ``torch._foreach_copy_``, an in-place operator or ``out=``
+writing host memory from device memory): on a device it is a device-to-host
+read like ``.cpu()``, however the value lands. The engine's host tensors are
+host memory too: on the emulator an engine marks them (the reference engine
+marks ``kv_seqlens_cpu``; host staging's copies are marked).
 
 The emulator's own replay runs with torch functions disabled (a device replay
 runs no Python), so the guard costs only the calls the hooks make.
@@ -17,10 +23,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_flatten
+
 from graphmode.emulator.capture import HostReadGuard, call_site
+from graphmode.emulator.host import is_host
 from graphmode.errors import ReplayError
 
-__all__ = ["ReplayHostReadGuard", "host_read_error"]
+__all__ = ["ReplayHostReadGuard", "copies_to_host", "host_read_error"]
 
 
 def host_read_error(hook: str, what: str, where: str) -> ReplayError:
@@ -40,7 +50,7 @@ class ReplayHostReadGuard:
 
     def __init__(self) -> None:
         self.hook = "the replay step"
-        self._mode = HostReadGuard(self._refuse)
+        self._mode = _ReplayMode(self._refuse)
 
     def running(self, hook: str) -> None:
         """Name what runs from now on in this step (a hook's name)."""
@@ -55,4 +65,43 @@ class ReplayHostReadGuard:
         self._mode.__exit__(*exc)
 
     def _refuse(self, what: str) -> ReplayError:
-        return host_read_error(self.hook, f"{what} of device memory", f", called at {call_site()}")
+        if what.endswith("into host memory"):  # a copy (copies_to_host)
+            what = what.replace("() into host memory", "() of device memory into host memory")
+        else:
+            what = f"{what} of device memory"
+        return host_read_error(self.hook, what, f", called at {call_site()}")
+
+
+class _ReplayMode(HostReadGuard):
+    """:class:`HostReadGuard`, plus copies of device memory into host memory."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        copied = copies_to_host(func, args, kwargs)
+        if copied is not None:
+            raise self.refuse(copied)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def copies_to_host(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """What a call that writes device memory into host memory is called
+    (``Tensor.copy_() into host memory``), or None for any other call."""
+    name = getattr(func, "__name__", str(func))
+    if func is torch._foreach_copy_:
+        pairs = list(zip(_tensors(args[0]), _tensors(args[1] if len(args) > 1 else kwargs.get("src"))))
+    elif name == "__setitem__" and len(args) == 3 and isinstance(args[0], torch.Tensor):
+        pairs = [(args[0], t) for t in _tensors(args[1:])]
+    elif name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor):
+        pairs = [(args[0], t) for t in _tensors((args[1:], kwargs))]  # in place: copy_, add_, index_copy_, ...
+    elif isinstance(kwargs.get("out"), torch.Tensor):
+        pairs = [(kwargs["out"], t) for t in _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))]
+    else:
+        return None
+    if any(is_host(destination) and not is_host(source) for destination, source in pairs):
+        prefix = "torch." if func is torch._foreach_copy_ else "Tensor."
+        return f"{prefix}{name}() into host memory"
+    return None
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphmode.context import AttnMetadata, StepInputs
+from graphmode.emulator.host import mark_host
 from graphmode.staging import to_host
 
 __all__ = ["ReferenceEngine", "Sequence", "pad_step"]
@@ -132,7 +133,8 @@ class ReferenceEngine:
             kv_start_indices=torch.tensor(slots, dtype=torch.int64, device=device),
             max_q_seq_len=max(lengths),
             max_kv_seq_len=max(kv_lens),
-            kv_seqlens_cpu=torch.tensor(kv_lens, dtype=int32),
+            # Host memory, on the emulator too (where every tensor is a CPU tensor).
+            kv_seqlens_cpu=mark_host(torch.tensor(kv_lens, dtype=int32)),
         )
         ids = torch.tensor([tokens], dtype=torch.int64, device=device)
         pos = torch.tensor([positions], dtype=torch.int64, device=device)

@@ -69,6 +69,7 @@ __all__ = [
     "graph_task_group_end",
     "graph_task_update_begin",
     "graph_task_update_end",
+    "recorded_arguments",
     "recorded_operators",
     "register_updatable",
     "stream",
@@ -294,6 +295,13 @@ def graph_task_group_end(stream: Stream) -> TaskGroupHandle:
     group, nesting = groups.pop()
     nesting.close()
     return TaskGroupHandle(group)
+
+
+def recorded_arguments(handle: TaskGroupHandle) -> dict:
+    """The arguments, by name, of the last call recorded in a task group, as
+    the record holds them: bound to the memory they had at capture."""
+    record = handle.group().steps[-1]
+    return named_arguments(record.func, record.args, record.kwargs)
 
 
 _update: list[UpdateSession] = []

@@ -128,7 +128,10 @@ class DispatchRecord:
     """One updatable call captured by ``NPUGraph``'s dispatch mode."""
 
     def __init__(self, func: Any, kwargs: dict, outputs: Any, event: Any, group: TaskGroup) -> None:
-        self.func, self.kwargs, self.outputs, self.event, self.group = func, kwargs, outputs, event, group
+        self.func, self.outputs, self.event, self.group = func, outputs, event, group
+        # The arguments as recorded: bound to the memory captured, as
+        # torch_npu's records hold weak aliases of it, not the tensor objects.
+        self.kwargs = dict(group.steps[-1].kwargs)
         self.targets = group.steps[-1].targets
 
     def update(self, changes: dict[str, Any]) -> None:

@@ -259,6 +259,11 @@ class AttentionCapture(TorchDispatchMode):
         runtime.graph_task_group_begin(stream)
         self.calls.issue(named, out)
         handle = runtime.graph_task_group_end(stream)
+        if not self.calls.on_npu:
+            # The arguments as the emulator recorded them, bound to the memory
+            # captured, as torch_npu's weak aliases are (not the tensor objects).
+            named = runtime.recorded_arguments(handle)
+            out = named.pop("out")
         self.tasks.append(_Task(handle, event, {k: _weak(v) for k, v in named.items()}, _weak(out)))
         return self.calls.result(out)
 

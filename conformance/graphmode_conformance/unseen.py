@@ -1,0 +1,135 @@
+"""What a vendor can get wrong that outputs on the emulator do not show.
+
+- :class:`UnseenByOutputsTests`: the distributed backend of an indexed
+  device (``cuda:0``, as every rank passes its own) is the un-indexed
+  device's; the host values a graph's kernels read at replay (what
+  ``graphmode_update_graph_params`` pushed) hold, in every padding row of the
+  bucket, what the declared buffer they come from holds there, not what an
+  earlier, larger batch left.
+
+A device-to-host read on the replay path, however the value lands (``.item()``,
+a copy into a host buffer), is refused by the runner's replay guard on every
+step of every test (``graphmode.emulator.replay``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from graphmode.emulator import EmulatedGraph
+from graphmode_conformance.fixtures import ConformanceFixtures
+from graphmode_conformance.harness import Harness
+from graphmode_conformance.structure import ConformanceFailure
+
+__all__ = ["UnseenByOutputsTests", "check_pushed_host_values"]
+
+
+def _indexed_forms(device_type: str) -> list[torch.device] | None:
+    """``device_type`` un-indexed, then indexed; None if this torch cannot
+    name the type (npu, mlu without their runtime)."""
+    try:
+        return [torch.device(device_type), torch.device(device_type, 0), torch.device(f"{device_type}:1")]
+    except RuntimeError:
+        return None
+
+
+def _emulated(graph: Any) -> EmulatedGraph | None:
+    """The emulator's graph a device graph is or wraps (an attribute of it)."""
+    if isinstance(graph, EmulatedGraph):
+        return graph
+    return next((v for v in getattr(graph, "__dict__", {}).values() if isinstance(v, EmulatedGraph)), None)
+
+
+def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
+    """After a replay of ``batch`` sequences: every host list of the bucket's
+    graph whose live rows are a declared per-sequence buffer's live rows holds
+    that buffer's rows in its padding rows too (the declared padding, which
+    the declared-buffer checks hold the buffer to). ``state`` keeps the last
+    values seen, to name stale rows."""
+    runner = harness.runner
+    bucket = runner.bucket_of(batch)
+    captured = runner.graph(bucket) if bucket is not None else None
+    graph = _emulated(captured.graph) if captured is not None else None
+    if graph is None:
+        return
+    meta = runner.graph_meta()
+    rows = {
+        spec.name: (meta.input_buffers[spec.name].detach().cpu()[:bucket].tolist(), spec.padding)
+        for spec in meta.spec.buffers
+        if not spec.per_token and meta.input_buffers[spec.name].dim() == 1
+    }
+    for op, argument, values in graph.host_arguments():
+        if len(values) != bucket:
+            continue
+        if batch == bucket:
+            state[(op, argument)] = (batch, values)
+            continue
+        matching = {name: (held, padding) for name, (held, padding) in rows.items() if held[:batch] == values[:batch]}
+        if not matching or any(held[batch:] == values[batch:] for held, _ in matching.values()):
+            state[(op, argument)] = (batch, values)
+            continue
+        name, (held, padding) = next(iter(matching.items()))
+        previous = state.get((op, argument))
+        stale = ""
+        if previous is not None and previous[1][batch:] == values[batch:]:
+            stale = (f" They are what was pushed for the previous step (batch {previous[0]}): padding rows left "
+                     "stale, pushed for the live rows only.")
+        raise ConformanceFailure(
+            f"[pushed host values] vendor {harness.vendor.name} on {harness.device}{harness.variant}, batch {batch}, "
+            f"bucket {bucket} (replay): after graphmode_update_graph_params the graph's {op} reads {argument} "
+            f"{values}: rows 0..{batch - 1} are this step's {name}, but padding rows {batch}..{bucket - 1} hold "
+            f"{values[batch:]}, not what buffer {name} holds there ({held[batch:]}, its declared padding "
+            f"{padding!r}).{stale} A device kernel reads every row of the bucket: one that trusts these values "
+            f"reads that many tokens for each padding row, past the reserved block (an out-of-range read), "
+            f"although the emulator's outputs are right. Hook: graphmode_update_graph_params must push every row "
+            f"up to the bucket (meta.input_buffers[{name!r}][:bucket])"
+        )
+
+
+class UnseenByOutputsTests(ConformanceFixtures):
+    def test_distributed_backend_ignores_the_device_index(self, vendor, device):
+        """``graphmode_dist_backend`` for ``cuda:0`` (each rank's own device)
+        is the answer for ``cuda``, for every device type the vendor drives."""
+        types = dict.fromkeys((*vendor.info.device_types, device.type, "cpu"))
+        checked = []
+        for device_type in types:
+            forms = _indexed_forms(device_type)
+            if forms is None:
+                continue
+            answers = {str(d): vendor.hook.graphmode_dist_backend(device=d) for d in forms}
+            if len(set(answers.values())) > 1:
+                raise ConformanceFailure(
+                    f"[distributed backend] vendor {vendor.name}: graphmode_dist_backend answers "
+                    f"{', '.join(f'{d} -> {b!r}' for d, b in answers.items())}. An indexed device is the same device "
+                    "type: every rank of a process group passes its own (torch.device('cuda', rank)), so it got "
+                    f"{answers[str(forms[1])]!r} where {answers[str(forms[0])]!r} was meant. Hook: graphmode_dist_backend "
+                    "must answer from device.type, not from the device's string form"
+                )
+            checked.append(device_type)
+        if not checked:
+            pytest.skip(f"torch here names none of the vendor's device types {vendor.info.device_types}")
+
+    def test_pushed_host_values_hold_padding_in_padding_rows(self, updates_graph_params, harness):
+        """A large batch, then smaller ones in the same bucket: after each
+        replay, every host list the graph's kernels read holds, in its padding
+        rows, the declared buffer's padding, not the larger batch's values."""
+        if not updates_graph_params:
+            pytest.skip("the vendor pushes no host values into graphs")
+        if harness.device.type != "cpu":
+            pytest.skip("what a graph's kernels read is inspected on the emulator's records")
+        runner = harness.runner
+        top = min(8, harness.sizes.max_batches)
+        bucket = runner.bucket_of(top)
+        smaller = sorted((b for b in range(1, top) if runner.bucket_of(b) == bucket), reverse=True)
+        if bucket is None or not smaller:
+            pytest.skip(f"bucket {bucket} of batch {top} holds no smaller batch")
+        longest = harness.sizes.table_width * harness.sizes.block // 2
+        lengths = [longest - 3 * i for i in range(bucket)]  # long, distinct: not the padding, not row numbers
+        seqs = harness.start(bucket, lengths)
+        state: dict = {}
+        for batch in (bucket, bucket, *smaller, bucket, smaller[-1]):
+            harness.step(seqs[:batch])
+            check_pushed_host_values(harness, batch, state)
