@@ -96,6 +96,7 @@ def test_a_torch_npu_that_records_nothing_is_refused_after_capture(monkeypatch):
                 torch.testing.assert_close(graph, eager)
     assert str(error.value).startswith(
         "torch_npu recorded 0 of the 2 npu_fused_infer_attention_score calls captured, "
+        "so graph.update would leave 2 of them with their capture-time kv lengths."
     )
     assert setup.runner.captured_buckets == []
 

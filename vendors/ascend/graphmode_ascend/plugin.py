@@ -51,7 +51,8 @@ REMOVED_OPTIONS = ("stream_budget", "comm_groups")
 @dataclass(frozen=True)
 class AscendOptions:
     """update_path: how kv lengths reach a captured graph: "graph_update"
-    (torch_npu >= 2.8.0.post1), "task_group", or "auto" (by the installed
+    (torch_npu 2.8.0.post1, 2.7.1.post1, 2.6.0.post3 or later in its line),
+    "task_group", or "auto" (by the installed
     torch_npu; ``$GRAPHMODE_ASCEND_UPDATE_PATH`` overrides). The runner holds
     the resolved path.
 
@@ -98,7 +99,7 @@ ASCEND_SPEC = GraphSpec(
     capture_sizes=three_stage_sizes,
     max_q_len=None,  # FIA in TND layout on the graph_update path; check_config refuses task_group
     options=AscendOptions,
-    # Both paths run in the field (torch_npu before and since 2.8.0.post1):
+    # Both paths run in the field (torch_npu before and since the .default fix):
     # the conformance suite runs every test under each.
     option_variants=({"update_path": "graph_update"}, {"update_path": "task_group"}),
 )
@@ -140,9 +141,10 @@ def graphmode_check_config(config: RunnerConfig) -> None:
     if config.max_q_len > 1 and path != "graph_update":
         raise ConfigError(
             f"max_q_len={config.max_q_len} with Ascend update_path={path!r}: decode graphs of several tokens "
-            "per sequence run only on the 'graph_update' path (torch_npu >= 2.8.0.post1), as upstream dlinfer "
+            "per sequence run only on the 'graph_update' path (torch_npu 2.8.0.post1, 2.7.1.post1, 2.6.0.post3 or "
+            "later in its line), as upstream dlinfer "
             "allows them (its task-group path re-issues a one-query-per-sequence kernel). Set "
-            "vendor_options={'update_path': 'graph_update'} with torch_npu >= 2.8.0.post1, or build the "
+            "vendor_options={'update_path': 'graph_update'} with such a torch_npu, or build the "
             "runner with max_q_len=1 (longer decode steps then run eagerly)"
         )
     config.vendor_options = dataclasses.replace(options, update_path=path)
