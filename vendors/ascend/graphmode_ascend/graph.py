@@ -331,6 +331,7 @@ class AscendGraph(DeviceGraph):
             self.runtime = emulated_npu
             self.inner = self.npu_graph = emulated_npu.NPUGraph()
         self.captured = captured if captured is not None else weakref.WeakSet()
+        self.piece = False  # a piece of a piecewise graph (the plugin sets it)
         self._open: contextlib.ExitStack | None = None
         self._capture: AttentionCapture | None = None
         self._records_before = 0
