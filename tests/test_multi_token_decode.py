@@ -194,6 +194,50 @@ def test_ascend_refuses_multi_token_graphs_on_the_task_group_path():
     tiny_setup("ascend", vendor_options={"update_path": "task_group"})  # one-token decode: accepted
 
 
+@pytest.mark.parametrize(
+    "options, refusal",
+    [
+        ({"max_q_len": 17}, "max_q_len=17: FIA in TND layout takes at most 16 new tokens per sequence "
+                            "(vllm-ascend's TND limit); build the runner with max_q_len <= 16"),
+        ({"block_size": 8}, "block_size=8: FIA in TND layout takes paged KV blocks of a multiple of 16 tokens, "
+                            "at most 1024; allocate the KV cache with such a block size (128, say)"),
+        ({"block_size": 2048}, "block_size=2048: FIA in TND layout takes paged KV blocks"),
+        ({"max_batches": 4097}, "max_batches=4097: FIA in TND layout takes at most 4096 sequences; build the "
+                                "runner with max_batches <= 4096"),
+    ],
+)
+def test_ascend_refuses_multi_token_graphs_beyond_the_tnd_kernel_limits_at_build_time(options, refusal):
+    """FIA in TND layout (op-plugin's constraints, vllm-ascend's q_len limit):
+    refused when the runner is built, not at the first multi-token step."""
+    model = tiny_setup("ascend").model
+    settings = {"max_batches": 8, "num_blocks": 4, "block_size": 16, "max_q_len": 4, **options}
+    with pytest.raises(ConfigError) as error:
+        graphmode.build_graph_runner(model, device="cpu", vendor="ascend", **settings)
+    assert str(error.value).startswith(
+        f"max_q_len={settings['max_q_len']} with Ascend: decode graphs of several tokens per sequence call FIA "
+        "in TND layout, whose limits this runner exceeds: "
+    )
+    assert refusal in str(error.value)
+    # One-token decode (BSH layout) is not bound by them.
+    graphmode.build_graph_runner(model, device="cpu", vendor="ascend", **{**settings, "max_q_len": 1})
+
+
+def test_ascend_tnd_limits_at_their_edges_and_the_head_size():
+    from graphmode_ascend.ops import tnd_limit_violations
+
+    def problems(**changes):
+        limits = {"max_q_len": 16, "block_size": 1024, "max_batches": 4096, "head_dim": 128, **changes}
+        return tnd_limit_violations(**limits)
+
+    assert problems() == [] and problems(block_size=16) == [] and problems(head_dim=None) == []
+    assert problems(block_size=1040) and problems(block_size=24) and problems(max_q_len=17)
+    assert problems(max_batches=4097)
+    (head,) = problems(head_dim=64)
+    assert head.startswith("head_dim=64: FIA in TND layout takes heads of 128 (or 192 for query and key with 128")
+    # The runner knows the model's head size from its config (the reference model: hidden 64 / 4 heads).
+    assert tiny_setup("ascend").runner.config.head_dim == 16
+
+
 class _OneTokenVendor:
     """A vendor whose kernels take one query per sequence, declared as data."""
 

@@ -42,7 +42,7 @@ from graphmode.plugins import probe_runtime
 from graphmode.spec import BLOCKS, ROW_INDEX, ROW_NUMBER, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import UPDATE_PATHS, AscendGraph, resolve_update_path
-from graphmode_ascend.ops import AscendAttentionOps
+from graphmode_ascend.ops import AscendAttentionOps, tnd_limit_violations
 
 # Options of earlier releases, which fed the stream-budget trimming.
 REMOVED_OPTIONS = ("stream_budget", "comm_groups")
@@ -147,6 +147,19 @@ def graphmode_check_config(config: RunnerConfig) -> None:
             "vendor_options={'update_path': 'graph_update'} with such a torch_npu, or build the "
             "runner with max_q_len=1 (longer decode steps then run eagerly)"
         )
+    if config.max_q_len > 1:
+        # The emulator's FIA stand-in takes any head size (the tiny CPU models
+        # have 16); the other limits hold everywhere.
+        head_dim = config.head_dim if config.device.type == "npu" else None
+        problems = tnd_limit_violations(
+            max_q_len=config.max_q_len, block_size=config.block_size, max_batches=config.max_batches,
+            head_dim=head_dim,
+        )
+        if problems:
+            raise ConfigError(
+                f"max_q_len={config.max_q_len} with Ascend: decode graphs of several tokens per sequence call "
+                f"FIA in TND layout, whose limits this runner exceeds: {'; '.join(problems)}"
+            )
     config.vendor_options = dataclasses.replace(options, update_path=path)
 
 
