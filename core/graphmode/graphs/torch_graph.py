@@ -143,6 +143,14 @@ class TorchGraph(DeviceGraph):
     def debug_dump(self, path: str) -> None:
         self.graph.debug_dump(path)
 
+    def enable_debug_mode(self) -> None:
+        """The graph class's ``enable_debug_mode()`` where it has one
+        (``torch.cuda.CUDAGraph``, ``torch.mlu.MLUGraph``,
+        ``torch.accelerator.Graph``; torch_npu's ``NPUGraph`` dumps without)."""
+        enable = getattr(self.graph, "enable_debug_mode", None)
+        if enable is not None:
+            enable()
+
 
 class AcceleratorGraph(TorchGraph):
     """``torch.accelerator.Graph`` (PyTorch 2.12+): the pool and the capture

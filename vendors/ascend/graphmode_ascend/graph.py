@@ -408,6 +408,9 @@ class AscendGraph(DeviceGraph):
     def debug_dump(self, path: str) -> None:
         self.inner.debug_dump(path)
 
+    def enable_debug_mode(self) -> None:
+        self.inner.enable_debug_mode()
+
 
 _update_streams: dict[int, Any] = {}
 
