@@ -96,6 +96,7 @@ def test_a_torch_npu_that_records_nothing_is_refused_after_capture(monkeypatch):
                 torch.testing.assert_close(graph, eager)
     assert str(error.value).startswith(
         "torch_npu recorded 0 of the 2 npu_fused_infer_attention_score calls captured, "
+        "so graph.update would leave 2 of them with their capture-time kv lengths."
     )
     assert setup.runner.captured_buckets == []
 
@@ -169,6 +170,31 @@ def test_stream_exhaustion_says_how_many_graphs_were_captured_and_what_to_set():
     )
     assert "Stream resources are insufficient" in str(error.value.__cause__)
     assert setup.runner.captured_buckets == [8, 4]
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_stream_exhaustion_in_piecewise_modes_names_the_token_sizes_and_counts_pieces(mode):
+    """Each token size is one graph per piece (layers + 1 = 3 in the tiny
+    model): token bucket 16 took 3 graphs, and 8 ran out. The advice is about
+    capture_token_sizes, not batch sizes."""
+    setup = tiny_setup(
+        "ascend", max_batches=8, capture_batch_sizes=[1, 2, 4, 8], execute_mode=mode,
+        capture_token_sizes=[4, 8, 16],
+    )
+    with npu.stream_limit(4), pytest.raises(CaptureError) as error:
+        setup.runner.warmup(setup.graph_cache, progress=False)
+    assert str(error.value) == (
+        "capturing the piecewise graph of token bucket 8 ran out of NPU streams (error 207008, \"Stream "
+        "resources are insufficient\") after 3 graphs were captured (3 of them pieces of piecewise graphs). "
+        "In piecewise modes every token size is captured as one graph per piece, about layers + 1 graphs (the "
+        "pieces between attention calls), so the 3 token sizes asked for need about 3 x (layers + 1) graphs; "
+        "each graph holds NPU streams until it is freed, and the device has a fixed number. Capture fewer "
+        "token sizes: pass capture_token_sizes with at most 3 / (layers + 1) sizes (it has 3: [4, 8, 16]), "
+        "keeping the largest, or use execute_mode='graph' (one graph per batch size); "
+        "HCCL_OP_EXPANSION_MODE=AIV frees the streams HCCL takes; execute_mode='eager' captures nothing"
+    )
+    assert "capture_batch_sizes" not in str(error.value)
+    assert "Stream resources are insufficient" in str(error.value.__cause__)
 
 
 # -- defect 5: torch_npu's dispatch mode is left on every path -----------------

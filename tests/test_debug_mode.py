@@ -8,7 +8,10 @@ import pytest
 import torch
 from setups import tiny_setup
 
-from graphmode import ConfigError, InputError
+from graphmode import ConfigError, InputError, hookimpl
+from graphmode.emulator import EmulatedGraph
+from graphmode.graphs import DeviceGraph, TorchGraph
+from graphmode.plugins.info import VendorInfo
 
 
 def _setup(**options):
@@ -138,3 +141,145 @@ def test_a_captured_tensor_whose_memory_moved_is_refused_at_replay(move, message
     setup.runner.reset()
     graph, eager = setup.decode(seqs)  # captured again on the new memory
     torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+
+
+# -- the device graphs' own debug dumps ------------------------------------------
+
+
+class _DumpsOnlyIfEnabled(EmulatedGraph):
+    """The emulator's graph with the debug-dump contract of
+    torch.cuda.CUDAGraph (torch.mlu.MLUGraph and torch.accelerator.Graph
+    alike): ``debug_dump`` has something to write only when
+    ``enable_debug_mode()`` was called before ``capture_begin`` (CUDA warns
+    and writes nothing; here it raises). Driven through ``TorchGraph``, the
+    adapter the runner drives those classes with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.debug_mode = False
+        self.enabled_at_capture: bool | None = None
+
+    def enable_debug_mode(self) -> None:
+        self.debug_mode = True
+
+    def capture_begin(self, pool=None, capture_error_mode="global") -> None:
+        self.enabled_at_capture = self.debug_mode
+        super().capture_begin(pool)
+
+    def debug_dump(self, path: str) -> None:
+        if not self.enabled_at_capture:
+            raise RuntimeError("debug_dump: enable_debug_mode() was not called before capture")
+        super().debug_dump(path)
+
+
+class _HostTorchGraph(TorchGraph):
+    """TorchGraph capturing on the current (host) stream: torch.cpu's streams
+    take no device, and the emulator needs no side stream."""
+
+    def capture_begin(self, pool=None) -> None:
+        self.graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
+
+    def capture_end(self) -> None:
+        self.graph.capture_end()
+
+
+class _DebugDumpVendor:
+    graphs: list[_DumpsOnlyIfEnabled] = []
+
+    @staticmethod
+    @hookimpl
+    def graphmode_vendor_info():
+        return VendorInfo(name="dumps", device_types=("cpu",), runtime="none", runtime_version=None,
+                          detected=False, reason="test plugin")
+
+    @staticmethod
+    @hookimpl
+    def graphmode_make_graph(meta):
+        graph = _DumpsOnlyIfEnabled()
+        _DebugDumpVendor.graphs.append(graph)
+        return _HostTorchGraph(torch.device("cpu", 0), graph)
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_debug_mode_captures_device_graphs_in_their_debug_mode_and_dumps_each(debug, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHMODE_DEBUG_DUMP", str(tmp_path / "dumps"))
+    _DebugDumpVendor.graphs = []
+    setup = tiny_setup("dumps", plugin=_DebugDumpVendor(), capture_batch_sizes=[2, 4], debug=debug)
+    seqs = setup.prefill(3)
+    for _ in range(2):
+        graph, eager = setup.decode(seqs)
+        torch.testing.assert_close(graph, eager)
+    setup.decode(seqs[:2])
+    (bucket4, bucket2) = _DebugDumpVendor.graphs
+    if not debug:  # no debug mode: no runtime debug mode, no dumps
+        assert bucket4.enabled_at_capture is False and not (tmp_path / "dumps").exists()
+        return
+    assert bucket4.enabled_at_capture and bucket2.enabled_at_capture
+    assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == ["bucket2-q1.dump", "bucket4-q1.dump"]
+    assert "replay" in (tmp_path / "dumps" / "bucket4-q1.dump").read_text()
+    # And on demand, from the runner's captured graph.
+    setup.runner.graph(4).graph.debug_dump(str(tmp_path / "again.dump"))
+    assert (tmp_path / "again.dump").read_text() == (tmp_path / "dumps" / "bucket4-q1.dump").read_text()
+
+
+def test_a_graph_without_a_debug_dump_is_named_and_skipped(tmp_path, monkeypatch):
+    """The default DeviceGraph has no dump: $GRAPHMODE_DEBUG_DUMP warns, the step runs."""
+
+    class NoDump(DeviceGraph):
+        def __init__(self):
+            self.inner = EmulatedGraph()
+
+        def capture_begin(self, pool=None):
+            self.inner.capture_begin(pool)
+
+        def capture_end(self):
+            self.inner.capture_end()
+
+        def replay(self):
+            self.inner.replay()
+
+        def reset(self):
+            self.inner.reset()
+
+        def pool(self):
+            return self.inner.pool()
+
+    class Vendor:
+        @staticmethod
+        @hookimpl
+        def graphmode_vendor_info():
+            return VendorInfo(name="nodump", device_types=("cpu",), runtime="none", runtime_version=None,
+                              detected=False, reason="test plugin")
+
+        @staticmethod
+        @hookimpl
+        def graphmode_make_graph(meta):
+            return NoDump()
+
+    monkeypatch.setenv("GRAPHMODE_DEBUG_DUMP", str(tmp_path))
+    setup = tiny_setup("nodump", plugin=Vendor(), capture_batch_sizes=[4], debug=True)
+    seqs = setup.prefill(3)
+    with pytest.warns(UserWarning, match=r"\$GRAPHMODE_DEBUG_DUMP: NoDump has no debug dump; no dump of bucket 4"):
+        graph, eager = setup.decode(seqs)
+    torch.testing.assert_close(graph, eager)
+
+
+def test_torch_graph_enables_debug_mode_only_where_the_class_has_one():
+    """torch_npu's NPUGraph has no enable_debug_mode (it dumps without): nothing to call."""
+    with_it = _DumpsOnlyIfEnabled()
+    _HostTorchGraph(torch.device("cpu", 0), with_it).enable_debug_mode()
+    assert with_it.debug_mode
+    _HostTorchGraph(torch.device("cpu", 0), object()).enable_debug_mode()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_write_their_debug_dump_in_debug_mode(tmp_path, monkeypatch):
+    """torch.cuda.CUDAGraph writes a DOT file only after enable_debug_mode()."""
+    monkeypatch.setenv("GRAPHMODE_DEBUG_DUMP", str(tmp_path))
+    setup = tiny_setup("cuda", device="cuda", capture_batch_sizes=[4], debug=True)
+    seqs = setup.prefill(3)
+    for _ in range(2):
+        graph, eager = setup.decode(seqs)
+        torch.testing.assert_close(graph, eager, atol=1e-4, rtol=1e-4)
+    dump = tmp_path / "bucket4-q1.dump"
+    assert dump.read_text().startswith("digraph"), dump.read_text()[:200]

@@ -21,6 +21,8 @@ from graphmode.plugins.info import VendorInfo
 from graphmode.spec import CUDA_SPEC
 
 VENDORS = installed_vendor_names()
+# The vendors whose decode kernels take several queries per sequence (Camb's does not).
+MULTI_TOKEN_VENDORS = [name for name in VENDORS if graphmode.load_vendor(name).spec.max_q_len != 1]
 
 
 def _churn(setup, q_lens=(1, 2, 4)) -> float:
@@ -38,7 +40,7 @@ def _churn(setup, q_lens=(1, 2, 4)) -> float:
     return worst
 
 
-@pytest.mark.parametrize("vendor", VENDORS)
+@pytest.mark.parametrize("vendor", MULTI_TOKEN_VENDORS)
 def test_graphs_equal_eager_for_q_len_1_2_4_with_batch_churn(vendor):
     setup = tiny_setup(vendor, max_batches=8, width=4, max_q_len=4, capture_batch_sizes=[1, 2, 4, 8])
     assert _churn(setup) < 1e-4
@@ -192,6 +194,70 @@ def test_ascend_refuses_multi_token_graphs_on_the_task_group_path():
         tiny_setup("ascend", max_q_len=2, vendor_options={"update_path": "task_group"})
     tiny_setup("ascend", max_q_len=2, vendor_options={"update_path": "graph_update"})  # accepted
     tiny_setup("ascend", vendor_options={"update_path": "task_group"})  # one-token decode: accepted
+
+
+@pytest.mark.parametrize(
+    "options, refusal",
+    [
+        ({"max_q_len": 17}, "max_q_len=17: FIA in TND layout takes at most 16 new tokens per sequence "
+                            "(vllm-ascend's TND limit); build the runner with max_q_len <= 16"),
+        ({"block_size": 8}, "block_size=8: FIA in TND layout takes paged KV blocks of a multiple of 16 tokens, "
+                            "at most 1024; allocate the KV cache with such a block size (128, say)"),
+        ({"block_size": 2048}, "block_size=2048: FIA in TND layout takes paged KV blocks"),
+        ({"max_batches": 4097}, "max_batches=4097: FIA in TND layout takes at most 4096 sequences; build the "
+                                "runner with max_batches <= 4096"),
+    ],
+)
+def test_ascend_refuses_multi_token_graphs_beyond_the_tnd_kernel_limits_at_build_time(options, refusal):
+    """FIA in TND layout (op-plugin's constraints, vllm-ascend's q_len limit):
+    refused when the runner is built, not at the first multi-token step."""
+    model = tiny_setup("ascend").model
+    settings = {"max_batches": 8, "num_blocks": 4, "block_size": 16, "max_q_len": 4, **options}
+    with pytest.raises(ConfigError) as error:
+        graphmode.build_graph_runner(model, device="cpu", vendor="ascend", **settings)
+    assert str(error.value).startswith(
+        f"max_q_len={settings['max_q_len']} with Ascend: decode graphs of several tokens per sequence call FIA "
+        "in TND layout, whose limits this runner exceeds: "
+    )
+    assert refusal in str(error.value)
+    # One-token decode (BSH layout) is not bound by them.
+    graphmode.build_graph_runner(model, device="cpu", vendor="ascend", **{**settings, "max_q_len": 1})
+
+
+def test_ascend_tnd_limits_at_their_edges_and_the_head_size():
+    from graphmode_ascend.ops import tnd_limit_violations
+
+    def problems(**changes):
+        limits = {"max_q_len": 16, "block_size": 1024, "max_batches": 4096, "head_dim": 128, **changes}
+        return tnd_limit_violations(**limits)
+
+    assert problems() == [] and problems(block_size=16) == [] and problems(head_dim=None) == []
+    assert problems(block_size=1040) and problems(block_size=24) and problems(max_q_len=17)
+    assert problems(max_batches=4097)
+    (head,) = problems(head_dim=64)
+    assert head.startswith("head_dim=64: FIA in TND layout takes heads of 128 (or 192 for query and key with 128")
+    # The runner knows the model's head size from its config (the reference model: hidden 64 / 4 heads).
+    assert tiny_setup("ascend").runner.config.head_dim == 16
+
+
+def test_camb_declares_one_query_per_sequence_and_runs_verify_steps_eagerly():
+    """torch_mlu_ops' single_query_cached_kv_attn takes one query per
+    sequence: a runner asking for multi-token graphs is refused at start-up;
+    with the default, verify steps run eagerly, equal to eager."""
+    with pytest.raises(ConfigError) as error:
+        tiny_setup("camb", max_q_len=4)
+    assert str(error.value) == (
+        "max_q_len=4: vendor 'camb' graphs decode steps of at most 1 new token(s) per sequence "
+        "(GraphSpec.max_q_len): the MLU decode kernel, torch_mlu_ops' single_query_cached_kv_attn, takes one "
+        "query per sequence. Build the runner with max_q_len <= 1; longer decode steps then run eagerly"
+    )
+    setup = tiny_setup("camb", max_batches=4, width=4, capture_batch_sizes=[4])
+    seqs = setup.prefill(2)
+    graph, eager = setup.decode(seqs, 3)
+    assert torch.allclose(graph, eager, atol=1e-5, rtol=0)
+    setup.decode(seqs)
+    assert setup.runner.stats.eager_steps["multi_token_decode"] == 1
+    assert setup.runner.captured_graphs == [(4, 1)]
 
 
 class _OneTokenVendor:

@@ -6,6 +6,7 @@ cannot work is refused with a reason."""
 from __future__ import annotations
 
 import importlib.metadata
+import types
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from setups import Setup, tiny_setup
 import graphmode
 from graphmode import CaptureError, ConfigError, InputError
 from graphmode.emulator import EmulatedPool
+from graphmode.graphs.torch_graph import stream_capturing
 from graphmode.piecewise import default_token_sizes, host_break
 from graphmode.plugins import installed_vendor_names
 
@@ -286,8 +288,10 @@ def test_another_kv_cache_is_refused_at_replay():
         setup.runner(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
 
 
-def test_host_break_inside_a_full_graph_capture_is_refused():
-    setup = tiny_setup(execute_mode="graph")
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_host_break_inside_a_full_graph_capture_is_refused(vendor):
+    """On the emulator of every vendor, the Ascend one's NPU-like graphs included."""
+    setup = tiny_setup(vendor, execute_mode="graph")
     original = setup.model.norm.forward
     setup.model.norm.forward = lambda x: host_break(original, x)
     seqs = [setup.engine.add()]
@@ -295,6 +299,27 @@ def test_host_break_inside_a_full_graph_capture_is_refused():
     step = setup.engine.decode(seqs)
     with torch.inference_mode(), pytest.raises(CaptureError, match="execute_mode='piecewise'"):
         setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+
+
+@pytest.mark.parametrize("device_type", ["npu", "mlu"])
+def test_host_break_asks_each_device_runtime_about_its_own_streams(device_type, monkeypatch):
+    """torch_npu (torch.npu) and torch_mlu (torch.mlu) each have their own
+    is_current_stream_capturing; torch.cuda's sees only CUDA streams. The
+    runtime here is a module with those two real names and a switch, as
+    torch_npu and torch_mlu cannot be installed on this machine."""
+    capturing = False
+    runtime = types.ModuleType(f"torch.{device_type}")
+    runtime.is_available = lambda: True  # type: ignore[attr-defined]
+    runtime.is_current_stream_capturing = lambda: capturing  # type: ignore[attr-defined]
+    monkeypatch.setattr(torch, device_type, runtime, raising=False)
+    assert host_break(lambda x: x + 1, 1) == 2
+    assert not stream_capturing(device_type)
+    capturing = True
+    assert stream_capturing(device_type) and not stream_capturing("cuda")
+    with pytest.raises(CaptureError, match=r"host_break\(.*\) inside a full-graph capture"):
+        host_break(lambda x: x + 1, 1)
+    runtime.is_available = lambda: False  # type: ignore[attr-defined]  # no device: nothing captures
+    assert host_break(lambda x: x + 1, 1) == 2
 
 
 def test_a_vendor_states_its_default_execute_mode(monkeypatch):

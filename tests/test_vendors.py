@@ -19,17 +19,36 @@ from graphmode_ascend.plugin import AscendOptions
 # -- Ascend: which update path -------------------------------------------------
 
 
+# Real torch_npu version strings (Ascend/pytorch version.txt / setup.py at the
+# release tags named) and whether that build's NPUGraph.update records the
+# functional FIA call (its graphs.py / handler registry at the tag).
 @pytest.mark.parametrize(
     "version, expected",
     [
-        ("2.8.0.post1", True),
-        ("2.8.0.post2", True),
-        ("2.9.0", True),
-        ("2.8.0.post1+git4b2c", True),
-        ("2.8.0", False),
-        ("2.7.1.post11", False),
-        ("2.1.0.post17", False),
+        ("2.1.0.post16", False),  # v7.1.0.2-pytorch2.1.0
+        ("2.1.0.post17", True),  # v7.2.0-pytorch2.1.0
+        ("2.1.0.post18", True),  # branch v2.1.0-7.2.0
+        ("2.5.1.post3", False),  # v7.1.0.2-pytorch2.5.1 (the line never got the fix)
+        ("2.6.0", False),  # v7.1.0-pytorch2.6.0
+        ("2.6.0.post2", False),  # v7.1.0.2-pytorch2.6.0
+        ("2.6.0.post3", True),  # v7.2.0-pytorch2.6.0
+        ("2.6.0.post4", True),  # v7.2.0.1-pytorch2.6.0
+        ("2.6.0.post6", True),  # v7.3.1-pytorch2.6.0
+        ("2.7.1", False),  # v7.2.RC1.alpha002-pytorch2.7.1 lacks it (v7.2.0's has it: ambiguous)
+        ("2.7.1.post1", True),  # v7.2.0.1-pytorch2.7.1
+        ("2.7.1.post3", True),  # v7.3.1-pytorch2.7.1
+        ("2.7.1.post6", True),  # branch v2.7.1-26.0.0 (handler registry)
+        ("2.7.1.post10", True),  # branch v2.7.1-26.1.0
+        ("2.8.0", False),  # v7.2.RC1.alpha002-pytorch2.8.0 lacks it (ambiguous, as 2.7.1)
         ("2.8.0rc1", False),
+        ("2.8.0.post1", True),  # v7.2.0.1-pytorch2.8.0
+        ("2.8.0.post5", True),  # branch v2.8.0-26.0.0
+        ("2.8.0.post1+git4b2c", True),
+        ("2.9.0", True),  # v7.2.RC1.alpha003-pytorch2.9.0, v7.3.0-pytorch2.9.0
+        ("2.9.0.post7", True),  # v26.2.0-beta.1-pytorch2.9.0
+        ("2.10.0.post5", True),  # v26.2.0-beta.1-pytorch2.10.0
+        ("2.12.0", True),  # v26.1.0-pytorch2.12.0
+        ("2.13.0", True),  # v26.2.0-0day-pytorch2.13.0
         ("unknown", False),
         ("", False),
     ],
@@ -42,6 +61,7 @@ def test_update_path_resolution(monkeypatch):
     monkeypatch.delenv("GRAPHMODE_ASCEND_UPDATE_PATH", raising=False)
     assert resolve_update_path("auto", "2.9.0") == "graph_update"
     assert resolve_update_path("auto", "2.7.1") == "task_group"
+    assert resolve_update_path("auto", "2.6.0.post4") == "graph_update"
     assert resolve_update_path("auto", "nonsense") == "task_group"
     assert resolve_update_path("auto", None) == "graph_update"  # the emulator mirrors the current API
     assert resolve_update_path("task_group", "2.9.0") == "task_group"

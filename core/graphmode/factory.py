@@ -101,9 +101,9 @@ def build_graph_runner(
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
+    model_config = getattr(model, "config", None)
     if num_layers is None:
-        config = getattr(model, "config", None)
-        num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "num_layers", None)
+        num_layers = getattr(model_config, "num_hidden_layers", None) or getattr(model_config, "num_layers", None)
     config = RunnerConfig(
         max_batches=max_batches,
         max_blocks_per_seq=max_blocks_per_seq,
@@ -112,6 +112,7 @@ def build_graph_runner(
         execute_mode=execute_mode or chosen.info.execute_mode,
         capture_batch_sizes=tuple(capture_batch_sizes) if capture_batch_sizes is not None else None,
         num_layers=num_layers,
+        head_dim=_head_dim(model_config),
         vendor_options=vendor_options,
         step_inputs=tuple(step_inputs),
         compile=compile,
@@ -122,3 +123,15 @@ def build_graph_runner(
         max_q_len=max_q_len,
     )
     return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)
+
+
+def _head_dim(model_config: Any) -> int | None:
+    """The attention head size a model config states (``head_dim``, else
+    ``hidden_size // num_attention_heads``), or None."""
+    head_dim = getattr(model_config, "head_dim", None)
+    if isinstance(head_dim, int):
+        return head_dim
+    hidden, heads = getattr(model_config, "hidden_size", None), getattr(model_config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None

@@ -32,7 +32,9 @@ class GraphMeta:
         sequence may own; a step's block table may be narrower, never wider.
     block_size: tokens per KV-cache block.
     device: where the device buffers live.
-    is_decoding: graphs are captured for decode steps.
+    is_decoding: graphs are captured for decode steps (full graphs); False
+        in the meta piecewise graphs pass to ``graphmode_make_graph`` and
+        ``graphmode_capture_error``, whose ``capture_sizes`` are token sizes.
     vocab_size: the model's vocabulary size, when the plugin needs it.
     input_buffers: name -> fixed tensor the captured graphs read every replay.
         Right after ``graphmode_make_buffers`` they hold their padding values.
@@ -47,7 +49,7 @@ class GraphMeta:
     q_len_padding: q_len -> name -> the padding of each ``q_len_scaled``
         buffer at that q_len, for q_len 2..max_q_len (q_len 1 is
         ``padding_buffers``); see :func:`graphmode.buffers.q_len_paddings`.
-    capture_sizes: the runner's buckets.
+    capture_sizes: the runner's buckets (token buckets for piecewise graphs).
     vendor_options: the vendor's options object (``spec.options``), checked.
     vendor_state: what a plugin keeps at run time across a runner's graphs
         (Ascend: the graphs alive, for its advice); never settings.

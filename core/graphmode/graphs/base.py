@@ -50,6 +50,13 @@ class DeviceGraph(abc.ABC):
         """Write a description of the captured work to ``path``."""
         raise NotImplementedError(f"{type(self).__name__} has no debug dump")
 
+    def enable_debug_mode(self) -> None:
+        """Keep what :meth:`debug_dump` needs from the next capture: call it
+        before :meth:`capture_begin`. torch's CUDA, MLU and accelerator
+        graphs write a dump only when asked so before capture; a graph that
+        needs no asking (the emulator's, torch_npu's) does nothing here."""
+        return None
+
     @contextlib.contextmanager
     def capture(self, pool: Any = None) -> Iterator[None]:
         """``with graph.capture(pool): forward()`` records ``forward``.

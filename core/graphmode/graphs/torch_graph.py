@@ -17,7 +17,14 @@ import torch
 from graphmode.errors import CaptureError
 from graphmode.graphs.base import DeviceGraph
 
-__all__ = ["AcceleratorGraph", "TorchGraph", "accelerator_graph_available", "make_device_graph"]
+__all__ = [
+    "AcceleratorGraph",
+    "TorchGraph",
+    "accelerator_graph_available",
+    "any_stream_capturing",
+    "make_device_graph",
+    "stream_capturing",
+]
 
 _capture_streams: dict[torch.device, Any] = {}
 
@@ -29,6 +36,36 @@ def _capture_stream(device: torch.device, make: Any) -> Any:
     if device not in _capture_streams:
         _capture_streams[device] = make()
     return _capture_streams[device]
+
+
+def stream_capturing(device_type: str) -> bool:
+    """Whether a graph capture is under way on the current stream of
+    ``device_type``'s runtime, asked of that runtime: its device module's
+    ``is_current_stream_capturing`` (``torch.cuda``'s for cuda, and so for
+    MACA and PPU; ``torch.npu``'s from torch_npu, ``torch.mlu``'s from
+    torch_mlu). Each runtime sees only its own streams. False where torch has
+    no such module (its extension not imported), the module has no such
+    function, or no device of the type is available."""
+    module: Any = getattr(torch, device_type, None)
+    check = getattr(module, "is_current_stream_capturing", None)
+    if check is None or not module.is_available():
+        return False
+    return bool(check())
+
+
+#: Device types whose runtimes are asked by :func:`any_stream_capturing`,
+#: besides the out-of-tree backend's (``torch._C._get_privateuse1_backend_name()``,
+#: which torch_npu renames to "npu").
+CAPTURE_DEVICE_TYPES = ("cuda", "npu", "mlu", "xpu")
+
+
+def any_stream_capturing() -> bool:
+    """Whether any loaded device runtime is capturing on its current stream
+    (:func:`stream_capturing` of each type in :data:`CAPTURE_DEVICE_TYPES`
+    and of the out-of-tree backend). The CPU emulator's capture is not a
+    stream capture: ask ``graphmode.emulator.current_session()`` for it."""
+    types = dict.fromkeys((*CAPTURE_DEVICE_TYPES, torch._C._get_privateuse1_backend_name()))
+    return any(stream_capturing(device_type) for device_type in types)
 
 
 def _device_module(device: torch.device) -> Any:
@@ -105,6 +142,14 @@ class TorchGraph(DeviceGraph):
 
     def debug_dump(self, path: str) -> None:
         self.graph.debug_dump(path)
+
+    def enable_debug_mode(self) -> None:
+        """The graph class's ``enable_debug_mode()`` where it has one
+        (``torch.cuda.CUDAGraph``, ``torch.mlu.MLUGraph``,
+        ``torch.accelerator.Graph``; torch_npu's ``NPUGraph`` dumps without)."""
+        enable = getattr(self.graph, "enable_debug_mode", None)
+        if enable is not None:
+            enable()
 
 
 class AcceleratorGraph(TorchGraph):

@@ -313,12 +313,13 @@ def host_break(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _capturing() -> bool:
-    """Whether a device graph (or the emulator) is capturing in this thread."""
+    """Whether a device graph (or the emulator) is capturing in this thread:
+    each device runtime is asked about its own streams (torch.cuda sees no
+    NPU or MLU capture)."""
     from graphmode.emulator import current_session
+    from graphmode.graphs.torch_graph import any_stream_capturing
 
-    if current_session() is not None:
-        return True
-    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return current_session() is not None or any_stream_capturing()
 
 
 def _name(fn: Callable[..., Any]) -> str:

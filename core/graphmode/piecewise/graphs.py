@@ -11,6 +11,7 @@ warm-up's. The graphs share the runner's memory pool with its full graphs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -153,7 +154,10 @@ class PiecewiseGraphs:
                 )
             raise
         self._outputs.prepare(warm_output, bucket)
-        hook, meta = runner.vendor.hook, runner.graph_meta()
+        # Plugins tell piecewise graphs from full ones (make_graph, capture
+        # advice) by is_decoding False; their capture sizes are token sizes.
+        hook = runner.vendor.hook
+        meta = dataclasses.replace(runner.graph_meta(), is_decoding=False, capture_sizes=tuple(self.sizes))
         forward = CaptureForward(warm_up.views, lambda: hook.graphmode_make_graph(meta=meta), runner._pool)
         try:
             with intercepted(self.ops, forward), forward:

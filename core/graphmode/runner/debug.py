@@ -10,6 +10,11 @@ eager kernel might fault, or might not). With ``debug=True`` (or
 host in one copy (one synchronisation) and refuses such values, naming the
 row, the value, the limit and the fix.
 
+Device graphs are captured with their runtime's debug mode on
+(``DeviceGraph.enable_debug_mode``), so that ``debug_dump`` works on them;
+with ``$GRAPHMODE_DEBUG_DUMP`` set to a directory, each capture writes its
+dump there.
+
 It also compares, before every replay, the address of every tensor the
 graph captured by reference (KV-cache tensors, extra inputs, the model's
 parameters and buffers) with its address at capture, as vLLM's CUDA-graph
@@ -19,6 +24,8 @@ debug mode does: a tensor whose memory moved (``param.data = new``,
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +36,9 @@ from graphmode.context import StepInputs
 from graphmode.errors import InputError
 from graphmode.runner.validate import cache_geometry
 
-__all__ = ["StepChecker"]
+__all__ = ["ENV_DEBUG_DUMP", "StepChecker"]
+
+ENV_DEBUG_DUMP = "GRAPHMODE_DEBUG_DUMP"
 
 
 @dataclass
@@ -152,6 +161,19 @@ class StepChecker:
         """Remember where every tensor a graph (named "bucket 8" or "bucket 8,
         q_len 2") captured by reference lives."""
         self._addresses[graph] = self._current(cache_tensors, extras)
+
+    def dump(self, graph: Any, bucket: int, q_len: int) -> None:
+        """The device graph's debug dump of a new capture, written to
+        ``$GRAPHMODE_DEBUG_DUMP/bucket<bucket>-q<q_len>.dump`` when that
+        directory is set (CUDA: a DOT file; the emulator: its operators)."""
+        folder = os.environ.get(ENV_DEBUG_DUMP)
+        if not folder:
+            return
+        os.makedirs(folder, exist_ok=True)
+        try:
+            graph.debug_dump(os.path.join(folder, f"bucket{bucket}-q{q_len}.dump"))
+        except NotImplementedError as error:
+            warnings.warn(f"${ENV_DEBUG_DUMP}: {error}; no dump of bucket {bucket}", stacklevel=2)
 
     def check_addresses(self, graph: str, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
         """Refuse a replay when a captured tensor's memory moved since capture."""

@@ -337,6 +337,8 @@ class GraphRunner:
             self.stats.compile_seconds += time.perf_counter() - started
         self._outputs.prepare(warm_output, tokens)
         graph = hook.graphmode_make_graph(meta=meta)
+        if self._debug is not None:
+            graph.enable_debug_mode()  # before capture, or CUDA and MLU graphs keep nothing to dump
         if self._ranks is not None:
             self._ranks.barrier()
         try:
@@ -362,6 +364,7 @@ class GraphRunner:
         )
         if self._debug is not None:
             self._debug.record(captured.name, captured.cache_tensors, captured.extras)
+            self._debug.dump(graph, bucket, q_len)
         self.stats.captures += 1
         if warmup:  # an inert step: no served tokens
             self.stats.warmup_captures += 1

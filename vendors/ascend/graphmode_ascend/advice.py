@@ -4,7 +4,10 @@ graphmode captures every size asked for, as vllm-ascend does since it removed
 its stream-budget trimming (``update_aclgraph_sizes``, PR 9962, June 2026). A
 device that runs out of streams fails the capture with error 207008; that
 failure becomes advice saying how many graphs were captured out of how many
-were asked for, and what to set. The signature is matched as vllm-ascend
+were asked for, and what to set. In piecewise modes the setting is
+``capture_token_sizes`` and each token size costs one graph per piece, about
+layers + 1 (SGLang #12287; vllm-ascend's old budget formula counted the same),
+not one graph per size. The signature is matched as vllm-ascend
 matches it (``vllm_ascend/compilation/acl_graph.py``): torch_npu prints the
 code with the text of ``NPUErrorCodes.h``, "Stream resources are insufficient".
 """
@@ -44,13 +47,18 @@ def _spread(sizes: Sequence[int], count: int) -> list[int]:
 
 
 def capture_advice(
-    error: BaseException, bucket: int, captured: int, asked: Sequence[int]
+    error: BaseException, bucket: int, captured: int, asked: Sequence[int], pieces: int | None = None
 ) -> CaptureError | None:
     """Advice for a capture failure with a known Ascend signature, or None.
 
     ``captured``: how many graphs are captured and alive; ``asked``: every
-    capture size, ascending."""
+    capture size, ascending. ``pieces``: None when a full graph of batch
+    bucket ``bucket`` failed; when a piecewise graph of token bucket
+    ``bucket`` failed, how many of the ``captured`` graphs are pieces of
+    piecewise graphs, and ``asked`` is the token sizes."""
     if is_stream_error(error):
+        if pieces is not None:
+            return _piecewise_stream_advice(bucket, captured, asked, pieces)
         fits = captured
         if fits:
             fewer = (
@@ -73,3 +81,24 @@ def capture_advice(
             "capture fewer sizes (capture_batch_sizes)"
         )
     return None
+
+
+def _piecewise_stream_advice(bucket: int, captured: int, asked: Sequence[int], pieces: int) -> CaptureError:
+    """Piecewise graphs: one graph per piece of every token size."""
+    if captured:
+        fewer = (
+            f"pass capture_token_sizes with at most {captured} / (layers + 1) sizes (it has {len(asked)}: "
+            f"{list(asked)}), keeping the largest, or use execute_mode='graph' (one graph per batch size)"
+        )
+    else:
+        fewer = "no graph fits: free the streams other processes hold on this NPU"
+    return CaptureError(
+        f"capturing the piecewise graph of token bucket {bucket} ran out of NPU streams (error 207008, "
+        f"\"Stream resources are insufficient\") after {captured} graphs were captured ({pieces} of them "
+        "pieces of piecewise graphs). In piecewise modes every token size is captured as one graph per "
+        "piece, about layers + 1 graphs (the pieces between attention calls), so the "
+        f"{len(asked)} token sizes asked for need about {len(asked)} x (layers + 1) graphs; each graph holds "
+        "NPU streams until it is freed, and the device has a fixed number. Capture fewer token sizes: "
+        f"{fewer}; HCCL_OP_EXPANSION_MODE=AIV frees the streams HCCL takes; execute_mode='eager' captures "
+        "nothing"
+    )

@@ -4,7 +4,9 @@ FIA takes the kv lengths as host values, which a captured graph freezes.
 Before every replay the new lengths are pushed into each captured attention
 task:
 
-- torch_npu >= 2.8.0.post1 ("graph_update"): capture with
+- torch_npu with ``NPUGraph.update`` recording the functional FIA call
+  (2.8.0.post1, 2.7.1.post1, 2.6.0.post3, 2.1.0.post17, 2.9.0 and later in
+  their lines: :data:`GRAPH_UPDATE_SINCE`) ("graph_update"): capture with
   ``auto_dispatch_capture``; torch_npu records every FIA call and
   ``graph.update(cpu_update_input=[{"actual_seq_lengths_kv": ...}])``
   re-issues it with the new lengths inside a task update;
@@ -52,17 +54,38 @@ from graphmode_ascend import emulated_npu
 
 __all__ = ["GRAPH_UPDATE_SINCE", "UPDATE_PATHS", "AscendGraph", "AttentionCapture", "resolve_update_path", "uses_graph_update"]
 
-GRAPH_UPDATE_SINCE = Version("2.8.0.post1")
+# Per torch_npu release line (major, minor), the first build whose
+# NPUGraph.update records the functional FIA call: the fix (Ascend/pytorch
+# ee80bff67, 2025-09-12) was cherry-picked into each line and first shipped
+# in that line's 7.2.0 release (tags v7.2.RC1.alpha003-pytorch* and
+# v7.2.0-pytorch*). "2.7.1" and "2.8.0" name builds both before (7.1 and
+# 7.2 alphas 1 and 2) and after it, so those lines start at their .post1;
+# 2.9.0 shipped only after it. Lines newer than the last listed have it from
+# their first build (on 26.x in the handler registry); older lines (2.2 to
+# 2.5) never got it.
+GRAPH_UPDATE_SINCE = {
+    (2, 1): Version("2.1.0.post17"),
+    (2, 6): Version("2.6.0.post3"),
+    (2, 7): Version("2.7.1.post1"),
+    (2, 8): Version("2.8.0.post1"),
+    (2, 9): Version("2.9.0"),
+}
 UPDATE_PATHS = ("auto", "graph_update", "task_group")
 ENV_UPDATE_PATH = "GRAPHMODE_ASCEND_UPDATE_PATH"
 
 
 def uses_graph_update(torch_npu_version: str) -> bool:
-    """Whether this torch_npu has ``NPUGraph.update``; unparsable means old."""
+    """Whether this torch_npu's ``NPUGraph.update`` re-issues the functional
+    FIA call (:data:`GRAPH_UPDATE_SINCE`); unparsable means old."""
     try:
-        return Version(torch_npu_version) >= GRAPH_UPDATE_SINCE
+        version = Version(torch_npu_version)
     except InvalidVersion:
         return False
+    line = (version.major, version.minor)
+    if line > max(GRAPH_UPDATE_SINCE):
+        return True
+    since = GRAPH_UPDATE_SINCE.get(line)
+    return since is not None and version >= since
 
 
 def resolve_update_path(requested: str | None, torch_npu_version: str | None) -> str:
@@ -313,6 +336,7 @@ class AscendGraph(DeviceGraph):
             self.runtime = emulated_npu
             self.inner = self.npu_graph = emulated_npu.NPUGraph()
         self.captured = captured if captured is not None else weakref.WeakSet()
+        self.piece = False  # a piece of a piecewise graph (the plugin sets it)
         self._open: contextlib.ExitStack | None = None
         self._capture: AttentionCapture | None = None
         self._records_before = 0
@@ -356,10 +380,10 @@ class AscendGraph(DeviceGraph):
             self.inner.reset()
             raise CaptureError(
                 f"torch_npu recorded {recorded} of the {seen} npu_fused_infer_attention_score calls "
-                "captured, so graph.update would leave {seen - recorded} of them with their "
+                f"captured, so graph.update would leave {seen - recorded} of them with their "
                 "capture-time kv lengths. torch_npu records the functional (.default) form since its "
-                f"September 2025 fix ({GRAPH_UPDATE_SINCE} and later): upgrade torch_npu, or set "
-                "vendor_options={'update_path': 'task_group'}"
+                "September 2025 fix (2.1.0.post17, 2.6.0.post3, 2.7.1.post1, 2.8.0.post1, 2.9.0 and later "
+                "in each line): upgrade torch_npu, or set vendor_options={'update_path': 'task_group'}"
             )
 
     def push_kv_lengths(self, lengths: list[int]) -> None:
@@ -388,6 +412,9 @@ class AscendGraph(DeviceGraph):
 
     def debug_dump(self, path: str) -> None:
         self.inner.debug_dump(path)
+
+    def enable_debug_mode(self) -> None:
+        self.inner.enable_debug_mode()
 
 
 _update_streams: dict[int, Any] = {}

@@ -26,7 +26,54 @@ from graphmode.context import AttnMetadata
 from graphmode.model.ops import ReferenceAttentionOps, attend, owned_positions
 from graphmode_ascend.emulated_npu import register_updatable
 
-__all__ = ["AscendAttentionOps", "fused_infer_attention_score", "fused_infer_attention_score_out"]
+__all__ = [
+    "AscendAttentionOps",
+    "fused_infer_attention_score",
+    "fused_infer_attention_score_out",
+    "tnd_limit_violations",
+]
+
+# FIA in TND layout, as op-plugin documents its constraints (head size 128,
+# or 192 for query and key with 128 for value, without rope; paged blocks a
+# multiple of 16 tokens, at most 1024; at most 4096 sequences), and
+# vllm-ascend's "TND layout's limit of 16" query tokens per sequence
+# (vllm_ascend/attention/attention_v1.py).
+TND_HEAD_DIMS = (128,)
+TND_BLOCK_MULTIPLE = 16
+TND_MAX_BLOCK_SIZE = 1024
+TND_MAX_BATCH = 4096
+TND_MAX_Q_LEN = 16
+
+
+def tnd_limit_violations(*, max_q_len: int, block_size: int, max_batches: int, head_dim: int | None) -> list[str]:
+    """What keeps FIA in TND layout from running decode steps of up to
+    ``max_q_len`` tokens per sequence, each with its value, the limit and
+    the fix; empty when nothing does. ``head_dim`` None: not checked (unknown,
+    or the emulator's stand-in, which takes any head size)."""
+    problems = []
+    if max_q_len > TND_MAX_Q_LEN:
+        problems.append(
+            f"max_q_len={max_q_len}: FIA in TND layout takes at most {TND_MAX_Q_LEN} new tokens per sequence "
+            f"(vllm-ascend's TND limit); build the runner with max_q_len <= {TND_MAX_Q_LEN}"
+        )
+    if block_size % TND_BLOCK_MULTIPLE or block_size > TND_MAX_BLOCK_SIZE:
+        problems.append(
+            f"block_size={block_size}: FIA in TND layout takes paged KV blocks of a multiple of "
+            f"{TND_BLOCK_MULTIPLE} tokens, at most {TND_MAX_BLOCK_SIZE}; allocate the KV cache with such a "
+            "block size (128, say)"
+        )
+    if max_batches > TND_MAX_BATCH:
+        problems.append(
+            f"max_batches={max_batches}: FIA in TND layout takes at most {TND_MAX_BATCH} sequences; build the "
+            f"runner with max_batches <= {TND_MAX_BATCH}"
+        )
+    if head_dim is not None and head_dim not in TND_HEAD_DIMS:
+        problems.append(
+            f"head_dim={head_dim}: FIA in TND layout takes heads of 128 (or 192 for query and key with 128 "
+            "for value) without rope; this model's decode steps of several tokens per sequence cannot run "
+            "on FIA: build the runner with max_q_len=1"
+        )
+    return problems
 
 
 def _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads, num_key_value_heads, scale, block_size,

@@ -42,7 +42,7 @@ from graphmode.plugins import probe_runtime
 from graphmode.spec import BLOCKS, ROW_INDEX, ROW_NUMBER, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import UPDATE_PATHS, AscendGraph, resolve_update_path
-from graphmode_ascend.ops import AscendAttentionOps
+from graphmode_ascend.ops import AscendAttentionOps, tnd_limit_violations
 
 # Options of earlier releases, which fed the stream-budget trimming.
 REMOVED_OPTIONS = ("stream_budget", "comm_groups")
@@ -51,7 +51,8 @@ REMOVED_OPTIONS = ("stream_budget", "comm_groups")
 @dataclass(frozen=True)
 class AscendOptions:
     """update_path: how kv lengths reach a captured graph: "graph_update"
-    (torch_npu >= 2.8.0.post1), "task_group", or "auto" (by the installed
+    (torch_npu 2.8.0.post1, 2.7.1.post1, 2.6.0.post3 or later in its line),
+    "task_group", or "auto" (by the installed
     torch_npu; ``$GRAPHMODE_ASCEND_UPDATE_PATH`` overrides). The runner holds
     the resolved path.
 
@@ -98,7 +99,7 @@ ASCEND_SPEC = GraphSpec(
     capture_sizes=three_stage_sizes,
     max_q_len=None,  # FIA in TND layout on the graph_update path; check_config refuses task_group
     options=AscendOptions,
-    # Both paths run in the field (torch_npu before and since 2.8.0.post1):
+    # Both paths run in the field (torch_npu before and since the .default fix):
     # the conformance suite runs every test under each.
     option_variants=({"update_path": "graph_update"}, {"update_path": "task_group"}),
 )
@@ -140,11 +141,25 @@ def graphmode_check_config(config: RunnerConfig) -> None:
     if config.max_q_len > 1 and path != "graph_update":
         raise ConfigError(
             f"max_q_len={config.max_q_len} with Ascend update_path={path!r}: decode graphs of several tokens "
-            "per sequence run only on the 'graph_update' path (torch_npu >= 2.8.0.post1), as upstream dlinfer "
+            "per sequence run only on the 'graph_update' path (torch_npu 2.8.0.post1, 2.7.1.post1, 2.6.0.post3 or "
+            "later in its line), as upstream dlinfer "
             "allows them (its task-group path re-issues a one-query-per-sequence kernel). Set "
-            "vendor_options={'update_path': 'graph_update'} with torch_npu >= 2.8.0.post1, or build the "
+            "vendor_options={'update_path': 'graph_update'} with such a torch_npu, or build the "
             "runner with max_q_len=1 (longer decode steps then run eagerly)"
         )
+    if config.max_q_len > 1:
+        # The emulator's FIA stand-in takes any head size (the tiny CPU models
+        # have 16); the other limits hold everywhere.
+        head_dim = config.head_dim if config.device.type == "npu" else None
+        problems = tnd_limit_violations(
+            max_q_len=config.max_q_len, block_size=config.block_size, max_batches=config.max_batches,
+            head_dim=head_dim,
+        )
+        if problems:
+            raise ConfigError(
+                f"max_q_len={config.max_q_len} with Ascend: decode graphs of several tokens per sequence call "
+                f"FIA in TND layout, whose limits this runner exceeds: {'; '.join(problems)}"
+            )
     config.vendor_options = dataclasses.replace(options, update_path=path)
 
 
@@ -155,7 +170,9 @@ def graphmode_make_graph(meta: GraphMeta) -> AscendGraph | None:
     # The graphs captured and alive, for the advice on stream exhaustion; in
     # vendor_state, which every graph's GraphMeta shares.
     captured = meta.vendor_state.setdefault("captured_graphs", weakref.WeakSet())
-    return AscendGraph(meta.device, meta.vendor_options.update_path, captured)
+    graph = AscendGraph(meta.device, meta.vendor_options.update_path, captured)
+    graph.piece = not meta.is_decoding  # a piece of a piecewise graph
+    return graph
 
 
 @hookimpl
@@ -165,8 +182,10 @@ def graphmode_update_graph_params(graph: AscendGraph, meta: GraphMeta, batch_siz
 
 @hookimpl
 def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int):
-    captured = meta.vendor_state.get("captured_graphs", ())
-    return capture_advice(error, bucket, len(captured), list(meta.capture_sizes))
+    captured = list(meta.vendor_state.get("captured_graphs", ()))
+    # Piecewise graphs come with is_decoding False and their token sizes.
+    pieces = None if meta.is_decoding else sum(graph.piece for graph in captured)
+    return capture_advice(error, bucket, len(captured), list(meta.capture_sizes), pieces)
 
 
 @hookimpl

@@ -2,7 +2,9 @@
 default), MLU buffers and the -1 maxima its kernels need in graphs.
 
 Its declarations differ from the CUDA default in:
-- ``kv_start_indices``: one int32 slot per token, -1 for padding;
+- ``kv_start_indices``: one int32 slot per token, -1 for padding: (max_batches,)
+  as dlinfer's, since decode graphs take one token per sequence;
+- ``max_q_len`` 1: the MLU decode kernel takes one query per sequence;
 - ``max_q_seq_len`` and ``max_kv_seq_len`` are -1 in graph contexts (the
   kernel derives the maxima from the length tensors);
 - block size 16 only; the KV cache (its ops' layout) is
@@ -31,9 +33,12 @@ CAMB_SPEC = CUDA_SPEC.with_buffers(
     block_sizes=(BLOCK_SIZE,),
     max_q_seq_len="dynamic",
     max_kv_seq_len="dynamic",
-    # Several causal queries per sequence in a decode graph: the reference contract
-    # takes them (not checked on an MLU).
-    max_q_len=None,
+    # torch_mlu_ops' decode kernel takes one query per sequence; verify and
+    # MTP steps run eagerly (a runner asking for more is refused at start-up).
+    max_q_len=1,
+    max_q_len_reason=(
+        "the MLU decode kernel, torch_mlu_ops' single_query_cached_kv_attn, takes one query per sequence"
+    ),
 )
 
 
