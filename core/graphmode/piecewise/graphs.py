@@ -24,6 +24,7 @@ from graphmode.piecewise import PIECEWISE_MODES
 from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
+from graphmode.runner.cache_checks import CacheMemory
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.staging import to_device
 
@@ -46,6 +47,9 @@ class PiecewiseGraph:
     cache_tensors: list[Any]
     flatten_cache: Callable[[Any], list[Any]]
     extras: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.memory = CacheMemory(self.cache_tensors)  # their data pointers, checked at every replay
 
 
 class PiecewiseGraphs:
@@ -272,6 +276,7 @@ def _check_same_objects(graph: PiecewiseGraph, inputs: StepInputs) -> None:
             "captured: its attention calls would keep reading and writing the old cache. Call "
             "runner.reset() after reallocating or replacing any KV-cache tensor"
         )
+    graph.memory.check(f"token bucket {graph.bucket} (piecewise)")
     for name in inputs.extras.keys() | graph.extras.keys():
         if inputs.extras.get(name) is not graph.extras.get(name):
             raise InputError(

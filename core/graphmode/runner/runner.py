@@ -46,7 +46,9 @@ from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
+from graphmode.runner.cache_checks import CacheFit, CacheMemory, check_warmup_cache
 from graphmode.runner.debug import StepChecker
+from graphmode.runner.guard import busy, one_at_a_time
 from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.setup import capture_sizes, configure
@@ -73,6 +75,9 @@ class CapturedGraph:
     flatten_cache: Callable[[Any], list[Any]]
     in_warmup: bool = False  # captured by warmup(), with the extras given to it
     q_len: int = 1  # new tokens per sequence
+
+    def __post_init__(self) -> None:
+        self.memory = CacheMemory(self.cache_tensors)  # their data pointers, checked at every replay
 
     @property
     def name(self) -> str:
@@ -109,7 +114,8 @@ class GraphRunner:
         self._graphs: dict[tuple[int, int], CapturedGraph] = {}  # by (bucket, q_len)
         self._pool: Any = None
         self.stats = RunnerStats()
-        self._busy = threading.Lock()
+        self._busy = threading.RLock()  # one step at a time (graphmode.runner.guard)
+        self._cache_fit = CacheFit(model, config.block_size)
         self._outputs = SharedOutputs(config.max_tokens)
         # What warm-ups and captures run: the model, or its compiled forward.
         self._compiled = config.compile and config.execute_mode == "graph"
@@ -204,11 +210,7 @@ class GraphRunner:
         # view of its graph's output until the next step. A second thread would
         # overwrite both mid-step, so it is refused rather than queued.
         if not self._busy.acquire(blocking=False):
-            raise InputError(
-                "GraphRunner called while another call is running (from another thread): a "
-                "runner's buffers and outputs belong to one step at a time. Call it from one "
-                "thread, or serialise the calls and copy each result before the next call"
-            )
+            raise busy("GraphRunner")
         try:
             # Always in inference mode: buffers made in it can only be written in it.
             if torch.is_inference_mode_enabled():
@@ -220,6 +222,7 @@ class GraphRunner:
 
     def _step(self, inputs: StepInputs) -> Any:
         batch, on_host = check_inputs(inputs, self.config)
+        self._cache_fit(inputs.past_key_values)
         q_len = uniform_q_len(inputs.attn_metadata, batch, inputs.num_tokens)
         reason = self._eager_reason(inputs, batch, q_len)
         if self.piecewise is not None and self.piecewise.takes(reason):
@@ -368,6 +371,7 @@ class GraphRunner:
         warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})
         return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch * q_len)
 
+    @one_at_a_time("runner.graph_meta()")
     @torch.inference_mode()
     def graph_meta(self) -> GraphMeta:
         """The GraphMeta holding the input buffers every bucket shares, made
@@ -395,6 +399,7 @@ class GraphRunner:
 
     # -- whole-runner operations ------------------------------------------
 
+    @one_at_a_time("runner.warmup()")
     def warmup(
         self, past_key_values: Any, *, progress: bool = True, q_lens: Sequence[int] | None = None, **extras: Any
     ) -> None:
@@ -415,6 +420,7 @@ class GraphRunner:
                 f"warmup(q_lens={list(wanted)}): {bad} outside 1..max_q_len={limit}; pass query lengths the "
                 "runner graphs, or build it with a larger max_q_len"
             )
+        check_warmup_cache(self, past_key_values)
         full = self.config.execute_mode != "piecewise"
         todo = [
             (b, q) for q in sorted(set(wanted), reverse=True) for b in reversed(self.capture_sizes)
@@ -468,6 +474,7 @@ class GraphRunner:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
+    @one_at_a_time("runner.reset()")
     def reset(self) -> None:
         """Drop every graph, their captured parameters and the memory pool.
         The next decode step of each bucket captures again (after a weight
@@ -507,6 +514,7 @@ class GraphRunner:
             raise InputError(f"batch size {batch_size} is outside 1..max_batches={self.config.max_batches}")
         return self._bucket_of[batch_size]
 
+    @one_at_a_time("runner.graph()")
     def graph(self, bucket: int, q_len: int = 1) -> CapturedGraph | None:
         """The captured graph of a bucket and query length, if captured."""
         return self._graphs.get((bucket, q_len))
@@ -571,6 +579,7 @@ def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
             "reading and writing the old cache. Call runner.reset() after reallocating or "
             "replacing any KV-cache tensor"
         )
+    captured.memory.check(captured.name)
     # Declared step inputs have buffers; every other extra is frozen by the graph.
     given = {n: v for n, v in inputs.extras.items() if n not in captured.meta.spec.names} if inputs.extras else {}
     if given or captured.extras:
