@@ -1,6 +1,7 @@
-"""Checks of the KV cache an engine passes: that it fits the model (where
-the cache first meets the runner), and that a graph's cache tensors still
-have the memory they were captured with (before every replay).
+"""Checks of what a graph captured by reference, before every replay (the
+same KV-cache tensor objects, with the memory they had at capture; the
+same extra inputs), and of the KV cache where it first meets the runner
+(that it fits the model; that warmup() gets the graphs' cache).
 
 Host facts only: shapes, dtypes, the Python objects and their data pointers.
 """
@@ -13,10 +14,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from graphmode.context import StepInputs
 from graphmode.errors import InputError
 from graphmode.runner.validate import cache_geometry, check_cache_layout
 
-__all__ = ["CacheFit", "CacheMemory", "check_warmup_cache"]
+__all__ = ["CacheFit", "CacheMemory", "check_same_objects", "check_warmup_cache"]
 
 
 class CacheMemory:
@@ -49,6 +51,51 @@ class CacheMemory:
 
 _data_ptr = torch.Tensor.data_ptr
 _UNSEEN = object()
+
+
+def check_same_objects(captured: Any, inputs: StepInputs) -> None:
+    """A graph reads what it captured: a new KV cache (or a cache tensor
+    replaced inside the same container) or a changed extra input without a
+    buffer would be silently ignored, so refuse it."""
+    now, then = captured.flatten_cache(inputs.past_key_values), captured.cache_tensors
+    if len(now) != len(then) or not all(map(operator.is_, now, then)):
+        changed = next((i for i, (a, b) in enumerate(zip(now, then)) if a is not b), min(len(now), len(then)))
+        raise InputError(
+            f"past_key_values are not the tensors the graph of {captured.name} captured "
+            f"(tensor {changed} of {len(then)} differs; {len(now)} given): the graph would keep "
+            "reading and writing the old cache. Call runner.reset() after reallocating or "
+            "replacing any KV-cache tensor"
+        )
+    captured.memory.check(captured.name)
+    # Declared step inputs have buffers; every other extra is frozen by the graph.
+    given = {n: v for n, v in inputs.extras.items() if n not in captured.meta.spec.names} if inputs.extras else {}
+    if given or captured.extras:
+        if given.keys() != captured.extras.keys():
+            _refuse_other_extras(captured, sorted(given))
+        for name, value in captured.extras.items():
+            if given[name] is not value:
+                raise InputError(
+                    f"extra model input {name!r} is not the object the graph of "
+                    f"{captured.name} captured; graphs freeze extra inputs that have no buffer. "
+                    "Keep it fixed, or declare it as a step input (build_graph_runner(step_inputs="
+                    "[BufferSpec(...)]), docs/engines.md) so that every step's value is copied in"
+                )
+
+
+def _refuse_other_extras(captured: Any, given: list[str]) -> None:
+    """A step passing other undeclared extra inputs (by name) than the graph captured."""
+    then = sorted(captured.extras)
+    if captured.in_warmup:
+        fix = (
+            "runner.warmup() captures with the extras given to it: pass the ones the steps pass, "
+            "runner.warmup(past_key_values, " + ", ".join(f"{n}=..." for n in given) + ")"
+        )
+    else:
+        fix = "pass the same extra inputs at every decode step, or call runner.reset() to capture again"
+    raise InputError(
+        f"this step passes extra model inputs {given}, but the graph of {captured.name} was captured "
+        f"with {then}{' (by warmup())' if captured.in_warmup else ''}: graphs freeze extra inputs. {fix}"
+    )
 
 
 class CacheFit:

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import operator
 import sys
 import threading
 import time
@@ -46,7 +45,7 @@ from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
-from graphmode.runner.cache_checks import CacheFit, CacheMemory, check_warmup_cache
+from graphmode.runner.cache_checks import CacheFit, CacheMemory, check_same_objects, check_warmup_cache
 from graphmode.runner.debug import StepChecker
 from graphmode.runner.guard import busy, one_at_a_time
 from graphmode.runner.host_reads import replay_guard
@@ -286,7 +285,7 @@ class GraphRunner:
         self._staging_decided = True
 
     def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int) -> Any:
-        _check_same_objects(captured, inputs)
+        check_same_objects(captured, inputs)
         if self._debug is not None:
             self._debug.check_addresses(captured.name, captured.cache_tensors, captured.extras)
         meta, bucket, staging, q_len = captured.meta, captured.bucket, self.staging, captured.q_len
@@ -564,51 +563,6 @@ def _leaves(past_key_values: Any) -> list[Any]:
 
 
 _SEQUENCES = (list, tuple)
-
-
-def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
-    """A graph reads what it captured: a new KV cache (or a cache tensor
-    replaced inside the same container) or a changed extra input without a
-    buffer would be silently ignored, so refuse it."""
-    now, then = captured.flatten_cache(inputs.past_key_values), captured.cache_tensors
-    if len(now) != len(then) or not all(map(operator.is_, now, then)):
-        changed = next((i for i, (a, b) in enumerate(zip(now, then)) if a is not b), min(len(now), len(then)))
-        raise InputError(
-            f"past_key_values are not the tensors the graph of {captured.name} captured "
-            f"(tensor {changed} of {len(then)} differs; {len(now)} given): the graph would keep "
-            "reading and writing the old cache. Call runner.reset() after reallocating or "
-            "replacing any KV-cache tensor"
-        )
-    captured.memory.check(captured.name)
-    # Declared step inputs have buffers; every other extra is frozen by the graph.
-    given = {n: v for n, v in inputs.extras.items() if n not in captured.meta.spec.names} if inputs.extras else {}
-    if given or captured.extras:
-        if given.keys() != captured.extras.keys():
-            _refuse_other_extras(captured, sorted(given))
-        for name, value in captured.extras.items():
-            if given[name] is not value:
-                raise InputError(
-                    f"extra model input {name!r} is not the object the graph of "
-                    f"{captured.name} captured; graphs freeze extra inputs that have no buffer. "
-                    "Keep it fixed, or declare it as a step input (build_graph_runner(step_inputs="
-                    "[BufferSpec(...)]), docs/engines.md) so that every step's value is copied in"
-                )
-
-
-def _refuse_other_extras(captured: CapturedGraph, given: list[str]) -> None:
-    """A step passing other undeclared extra inputs (by name) than the graph captured."""
-    then = sorted(captured.extras)
-    if captured.in_warmup:
-        fix = (
-            "runner.warmup() captures with the extras given to it: pass the ones the steps pass, "
-            "runner.warmup(past_key_values, " + ", ".join(f"{n}=..." for n in given) + ")"
-        )
-    else:
-        fix = "pass the same extra inputs at every decode step, or call runner.reset() to capture again"
-    raise InputError(
-        f"this step passes extra model inputs {given}, but the graph of {captured.name} was captured "
-        f"with {then}{' (by warmup())' if captured.in_warmup else ''}: graphs freeze extra inputs. {fix}"
-    )
 
 
 def _model_attr(model: Any, name: str) -> Any:

@@ -201,7 +201,7 @@ def _check_step_inputs(inputs: StepInputs, config: RunnerConfig, batch: int, tok
         value = inputs.extras.get(spec.name)
         if value is None:
             continue  # the fill says so for a graph step; eager steps may leave it out
-        shape = tuple(sizes.get(d, d) for d in spec.shape)  # type: ignore[call-overload]
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
         if not isinstance(value, torch.Tensor):
             raise InputError(
                 f"step input {spec.name!r} is {_described(value)}; pass a torch.Tensor of shape {shape} "
