@@ -144,6 +144,19 @@ def test_a_host_maximum_that_is_not_an_int_is_named(mode, field, value, message)
         _run(setup, setup.engine.decode(seqs), **{field: value})
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"max_q_seq_len": 3}, r"max_q_seq_len=3, but 14 new tokens in 2 sequences need a longest query of at least 7"),
+    ({"max_kv_seq_len": 5}, r"max_kv_seq_len=5 is below max_q_seq_len=9: a sequence's KV length counts"),
+], ids=["q", "kv"])
+@pytest.mark.parametrize("mode", MODES)
+def test_host_maxima_a_prefill_cannot_have_are_refused(mode, changes, message):
+    # A varlen kernel sizes its work by them: too small a maximum reads part of the step, silently.
+    setup = _setup(mode=mode)
+    step = setup.engine.prefill([setup.engine.add(), setup.engine.add()], [5, 9])
+    with pytest.raises(InputError, match=message):
+        _run(setup, step, **changes)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_missing_kv_cache_is_named(mode):
     setup = _setup(mode=mode)

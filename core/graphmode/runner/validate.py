@@ -112,6 +112,8 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
         )
     if attn.is_decoding:
         _check_decode(attn, batch, tokens)
+    else:
+        _check_maxima(attn, batch, tokens)
     device = config.device
     # is_cpu and get_device() (an int) are cheaper than building a device.
     emulated, index = device.type == "cpu", device.index
@@ -279,6 +281,25 @@ def _check_decode(attn: AttnMetadata, batch: int, tokens: int) -> None:
             "(checked on the host: input_ids' length, the batch and max_q_seq_len; the device q_seqlens "
             "are read only in debug mode, GRAPHMODE_DEBUG=1). Pass is_decoding=False for a prefill "
             "or mixed step, or the step's real max_q_seq_len"
+        )
+
+
+def _check_maxima(attn: AttnMetadata, batch: int, tokens: int) -> None:
+    """Refuse host maxima that cannot hold (a varlen kernel sizes its work by
+    them: one too small reads part of the step): ``tokens`` new tokens in
+    ``batch`` sequences need a longest query of at least ``ceil(tokens /
+    batch)``, and a sequence's KV length includes its new tokens."""
+    q_max, kv_max = attn.max_q_seq_len, attn.max_kv_seq_len
+    if q_max >= 0 and tokens > batch * q_max:
+        raise InputError(
+            f"max_q_seq_len={q_max}, but {tokens} new tokens in {batch} sequences need a longest query of at "
+            f"least {-(-tokens // batch)}: pass the step's real max_q_seq_len (the largest q_seqlens), or -1"
+        )
+    if q_max >= 0 and 0 <= kv_max < q_max:
+        raise InputError(
+            f"max_kv_seq_len={kv_max} is below max_q_seq_len={q_max}: a sequence's KV length counts its "
+            "cached tokens plus this step's new ones. Pass the step's real max_kv_seq_len (the largest "
+            "kv_seqlens), or -1"
         )
 
 
