@@ -126,6 +126,11 @@ class CacheFit:
             self._check(past_key_values, leaves)
         self._last, self._last_leaves = past_key_values, leaves
 
+    def forget(self) -> None:
+        """Drop the last cache seen (``runner.reset()``): an engine
+        reallocating its cache frees the old one before making the new."""
+        self._last, self._last_leaves = _UNSEEN, []
+
     def _check(self, past_key_values: Any, leaves: list[Any]) -> None:
         check_cache_layout(self.model, leaves, self.block_size)
         expected = self._reference()

@@ -485,6 +485,7 @@ class GraphRunner:
         if self.piecewise is not None:
             self.piecewise.reset()
         self._pool = None
+        self._cache_fit.forget()
         self._outputs = SharedOutputs(self.config.max_tokens)
         module: Any = getattr(torch, self.config.device.type, None)
         if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
