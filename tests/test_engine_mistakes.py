@@ -273,3 +273,18 @@ def test_warmup_with_another_cache_than_the_graphs_captured_is_refused(mode):
             setup.runner.warmup(other, progress=False)
         setup.runner.reset()
         setup.runner.warmup(other, progress=False)
+
+
+def test_reset_lets_go_of_the_kv_cache():
+    # An engine reallocating its cache frees the old one first: the runner must not keep it alive.
+    import gc
+    import weakref
+
+    setup = _setup()
+    seqs = setup.prefill(2, [5, 9])
+    setup.decode(seqs)
+    old = weakref.ref(setup.graph_cache[0][0])
+    setup.runner.reset()
+    setup.graph_cache = None
+    gc.collect()
+    assert old() is None
