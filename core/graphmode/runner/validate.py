@@ -178,8 +178,7 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
 
 
 def _check_host_lengths(host: torch.Tensor, width: int, config: RunnerConfig) -> None:
-    """Refuse host kv lengths past the step's block table (a kernel would read
-    past it, or a device assertion fail blaming the graph contexts)."""
+    """Refuse host kv lengths past the step's table (PPU's device assertion blamed the graph contexts)."""
     capacity = width * config.block_size
     longest = int(host.max())
     if longest > capacity:
@@ -201,8 +200,8 @@ def _check_step_inputs(inputs: StepInputs, config: RunnerConfig, batch: int, tok
     device = config.device
     for spec in config.step_inputs:
         value = inputs.extras.get(spec.name)
-        if value is None:
-            continue  # the fill says so for a graph step; eager steps may leave it out
+        if value is None:  # the fill says so for a graph step; eager steps may leave it out
+            continue
         shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
         if not isinstance(value, torch.Tensor):
             raise InputError(
@@ -222,7 +221,6 @@ def _check_step_inputs(inputs: StepInputs, config: RunnerConfig, batch: int, tok
 
 
 def _declared(shape: tuple[int | str, ...]) -> str:
-    """A declared shape as the symbols read: (TOKENS,), (3, TOKENS)."""
     names = [d.upper() if isinstance(d, str) else str(d) for d in shape]
     return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
 
