@@ -31,7 +31,7 @@ import torch
 import graphmode
 from graphmode.bench.workload import Workload
 from graphmode.model import ModelConfig
-from graphmode.runner.runner import _check_same_objects
+from graphmode.runner.cache_checks import check_same_objects
 from graphmode.runner.validate import check_inputs
 
 
@@ -115,7 +115,7 @@ def main() -> None:
                 marks.append(("lock", time.perf_counter()))
                 check_inputs(step, runner.config)
                 marks.append(("check_inputs", time.perf_counter()))
-                _check_same_objects(captured, step)
+                check_same_objects(captured, step)
                 marks.append(("same objects", time.perf_counter()))
                 fill()
                 marks.append(("fill", time.perf_counter()))

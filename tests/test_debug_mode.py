@@ -128,15 +128,17 @@ def _moved_weight(setup):
 
 
 @pytest.mark.parametrize("move, message", [
-    (_moved_cache, r"past_key_values tensor 0 is at address 0x[0-9a-f]+, but the graph of bucket 4 captured it at"),
-    (_moved_weight, r"model parameter 'layers.1.down_proj.weight' is at address 0x[0-9a-f]+, but the graph of bucket 4"),
+    # The KV cache's pointers are compared without debug mode too (graphmode.runner.cache_checks).
+    (_moved_cache, r"past_key_values tensor 0 of 4 has new memory \(data_ptr 0x[0-9a-f]+, captured at 0x"),
+    (_moved_weight, r"debug mode: model parameter 'layers.1.down_proj.weight' is at address 0x[0-9a-f]+, but the "
+     r"graph of bucket 4"),
 ])
 def test_a_captured_tensor_whose_memory_moved_is_refused_at_replay(move, message):
     setup, seqs = _setup()
     setup.decode(seqs)
     with torch.inference_mode():
         move(setup)
-    with pytest.raises(InputError, match="debug mode: " + message + r".*call runner.reset\(\)"):
+    with pytest.raises(InputError, match=message + r".*call runner.reset\(\)"):
         setup.decode(seqs)
     setup.runner.reset()
     graph, eager = setup.decode(seqs)  # captured again on the new memory
@@ -283,3 +285,49 @@ def test_cuda_graphs_write_their_debug_dump_in_debug_mode(tmp_path, monkeypatch)
         torch.testing.assert_close(graph, eager, atol=1e-4, rtol=1e-4)
     dump = tmp_path / "bucket4-q1.dump"
     assert dump.read_text().startswith("digraph"), dump.read_text()[:200]
+
+
+VENDORS = ["cuda", "ascend", "camb", "maca", "ppu"]
+
+
+def _piecewise(vendor, mode):
+    return tiny_setup(vendor, capture_batch_sizes=[2, 4], cache_blocks=40, debug=True, execute_mode=mode,
+                      capture_token_sizes=[8, 16, 32])
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_debug_mode_checks_piecewise_steps_addresses(vendor, mode):
+    # A weight reload without reset: the piecewise graph replayed the old weights, silently.
+    setup = _piecewise(vendor, mode)
+    setup.prefill(2, [3, 4])  # captures token bucket 8
+    with torch.inference_mode():
+        _moved_weight(setup)
+    with pytest.raises(InputError, match=r"debug mode: model parameter 'layers.1.down_proj.weight' is at address "
+                       r"0x[0-9a-f]+, but the graph of token bucket 8 \(piecewise\) captured it at .*runner.reset"):
+        setup.prefill(2, [2, 5])
+    setup.runner.reset()
+    setup.prefill(2, [2, 5])  # captured again on the new weights
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_debug_mode_checks_piecewise_steps_values(vendor, mode):
+    # A block id past the cache in a piecewise step crashed with an IndexError.
+    setup = _piecewise(vendor, mode)
+    seqs = setup.prefill(2, [3, 4])
+    step = setup.engine.prefill(seqs, [2, 3])
+    for changes, message in (
+        ({"block_offsets": _table(step, 1, 5, 40)},
+         r"sequence 1's block table holds block id 40 \(column 5\), outside the cache's 40 blocks"),
+        ({"kv_start_indices": _slots(step, 0, int(step.attn_metadata.block_offsets[1, 0]) * 16 + 9)},
+         r"token 0 \(sequence 0\) writes slot \d+ \(block \d+\), outside the sequence's own blocks"),
+        ({"q_start_loc": torch.tensor([0, 1], dtype=torch.int32)},
+         r"sequence 1 has q_start_loc=1, but its tokens start at token 2"),
+    ):
+        with pytest.raises(InputError, match="debug mode: " + message):
+            _run(setup, step, **changes)
+    with torch.inference_mode():  # the right step passes and matches eager
+        graph = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata).clone()
+        eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)

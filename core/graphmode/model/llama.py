@@ -16,6 +16,7 @@ from torch import nn
 
 from graphmode.context import AttnMetadata
 from graphmode.deprecated import renamed_keywords
+from graphmode.errors import InputError
 from graphmode.model.config import ModelConfig
 from graphmode.model.ops import AttentionOps, KVCache
 
@@ -158,6 +159,11 @@ class LlamaModel(nn.Module):
         attn_metadata: AttnMetadata,
         **extras: Any,
     ) -> torch.Tensor:
+        if len(past_key_values) != len(self.layers):  # zip would skip the missing layers
+            raise InputError(
+                f"past_key_values has {len(past_key_values)} layers, but the model has {len(self.layers)}; "
+                "make the cache with model.make_kv_cache(num_blocks, block_size)"
+            )
         hidden, cos, sin = embed(self, input_ids, position_ids)
         for layer, kv_cache in zip(self.layers, past_key_values):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)

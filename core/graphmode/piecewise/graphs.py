@@ -25,6 +25,7 @@ from graphmode.piecewise import PIECEWISE_MODES
 from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
+from graphmode.runner.cache_checks import CacheMemory
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.staging import to_device
 
@@ -47,6 +48,14 @@ class PiecewiseGraph:
     cache_tensors: list[Any]
     flatten_cache: Callable[[Any], list[Any]]
     extras: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.memory = CacheMemory(self.cache_tensors)  # their data pointers, checked at every replay
+
+    @property
+    def name(self) -> str:
+        """How errors name it: "token bucket 8 (piecewise)"."""
+        return f"token bucket {self.bucket} (piecewise)"
 
 
 class PiecewiseGraphs:
@@ -106,12 +115,16 @@ class PiecewiseGraphs:
             stats.eager_steps["no_token_bucket"] += 1
             return runner.model(**inputs.as_kwargs())
         live = LiveStep(inputs.attn_metadata, tokens, bucket)
-        graph = self._graphs.get(bucket)
+        graph, debug = self._graphs.get(bucket), runner._debug
+        if debug is not None:  # the same checks as a full graph's steps (graphmode.runner.debug)
+            debug.check_step(inputs, inputs.attn_metadata.q_seqlens.shape[0], uniform=False)
         if graph is None:
             output = self._capture(inputs, live)
             stats.piecewise_captures += 1
         else:
             _check_same_objects(graph, inputs)
+            if debug is not None:
+                debug.check_addresses(graph.name, graph.cache_tensors, graph.extras)
             self._fill(inputs, bucket)
             graph.pieces.replay(live)
             output = graph.output
@@ -174,9 +187,11 @@ class PiecewiseGraphs:
             raise
         runner._pool = forward.pool  # one pool for every graph of the runner, full and piecewise
         flatten = _cache_flattener(static.past_key_values)
-        self._graphs[bucket] = PiecewiseGraph(
+        graph = self._graphs[bucket] = PiecewiseGraph(
             bucket, forward.pieces, output, flatten(static.past_key_values), flatten, dict(static.extras)
         )
+        if runner._debug is not None:
+            runner._debug.record(graph.name, graph.cache_tensors, graph.extras)
         return warm_output
 
     # -- whole-runner operations ------------------------------------------
@@ -276,6 +291,7 @@ def _check_same_objects(graph: PiecewiseGraph, inputs: StepInputs) -> None:
             "captured: its attention calls would keep reading and writing the old cache. Call "
             "runner.reset() after reallocating or replacing any KV-cache tensor"
         )
+    graph.memory.check(graph.name)
     for name in inputs.extras.keys() | graph.extras.keys():
         if inputs.extras.get(name) is not graph.extras.get(name):
             raise InputError(

@@ -64,29 +64,35 @@ class StepChecker:
 
     # -- values ---------------------------------------------------------------
 
-    def check_step(self, inputs: StepInputs, batch: int) -> None:
-        """Refuse a graph step (``q_len`` new tokens per sequence, proved on
-        the host from ``max_q_seq_len``) whose device values would make the
-        graph read or write the wrong cache entries."""
+    def check_step(self, inputs: StepInputs, batch: int, uniform: bool = True) -> None:
+        """Refuse a graph step whose device values would make the graph read
+        or write the wrong cache entries: a full graph's decode step
+        (``uniform``: ``q_len`` new tokens per sequence, proved on the host
+        from ``max_q_seq_len``), or any step a piecewise graph runs (prefill,
+        mixed, decode: each sequence's tokens from its ``q_seqlens``)."""
         step = _read(inputs, batch)
-        q_len = inputs.num_tokens // batch
+        tokens = inputs.num_tokens
         block_size = self.block_size
         width = step.table.shape[1]
         capacity = width * block_size
         cache_blocks = self._cache_blocks(inputs.past_key_values)
-        rows = torch.arange(batch)
-        _first(step.q_lens != q_len, lambda r: (
-            f"sequence {r} (row {r}) has q_seqlens={int(step.q_lens[r])}, but this graph decode step has "
-            f"{q_len} new token(s) per sequence ({inputs.num_tokens} tokens for {batch} sequences, "
-            f"max_q_seq_len={inputs.attn_metadata.max_q_seq_len}); pass the step's real q_seqlens and "
-            "max_q_seq_len (a step of unequal query lengths runs eagerly), or is_decoding=False"))
-        _first(step.q_starts != rows * q_len, lambda r: (
-            f"sequence {r} has q_start_loc={int(step.q_starts[r])}; in a decode step of {q_len} token(s) per "
-            f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
-            f"arange(batch) x {q_len}"))
-        _first(step.kv_lens < q_len, lambda r: (
-            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, below {q_len} (its new tokens): a decoding "
-            "sequence holds at least this step's tokens; pass its cached tokens plus this step's"))
+        if uniform:
+            self._check_uniform(inputs, step, batch)
+        else:
+            _first(step.q_lens < 0, lambda r: f"sequence {r} has q_seqlens={int(step.q_lens[r])}, below 0")
+            if int(step.q_lens.sum()) != tokens:
+                raise InputError(
+                    f"debug mode: q_seqlens {step.q_lens.tolist()} sum to {int(step.q_lens.sum())}, but the step "
+                    f"has {tokens} new tokens (input_ids' length); pass each sequence's new token count"
+                )
+            starts = step.q_lens.cumsum(0) - step.q_lens
+            _first(step.q_starts != starts, lambda r: (
+                f"sequence {r} has q_start_loc={int(step.q_starts[r])}, but its tokens start at token "
+                f"{int(starts[r])} (the earlier sequences' q_seqlens summed): q_start_loc must be the "
+                "exclusive cumulative sum of q_seqlens"))
+        _first(step.kv_lens < step.q_lens, lambda r: (
+            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, below {int(step.q_lens[r])} (its new tokens): "
+            "a sequence holds at least this step's tokens; pass its cached tokens plus this step's"))
         _first(step.kv_lens > capacity, lambda r: (
             f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
             f"can address ({width} blocks x block_size={block_size}); give it more blocks (a wider table)"))
@@ -108,11 +114,28 @@ class StepChecker:
         _first(reserved.any(1), lambda r: (
             f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
             f"kv_seqlens={int(step.kv_lens[r])}); block 0 is reserved for padding rows: never give it to a sequence"))
-        self._check_slots(step, owned, q_len)
+        self._check_slots(step, owned)
 
-    def _check_slots(self, step: _Step, owned: torch.Tensor, q_len: int) -> None:
+    def _check_uniform(self, inputs: StepInputs, step: _Step, batch: int) -> None:
+        """A full graph's decode step: every sequence has the graph's q_len
+        new tokens, starting at row x q_len."""
+        q_len = inputs.num_tokens // batch
+        rows = torch.arange(batch)
+        _first(step.q_lens != q_len, lambda r: (
+            f"sequence {r} (row {r}) has q_seqlens={int(step.q_lens[r])}, but this graph decode step has "
+            f"{q_len} new token(s) per sequence ({inputs.num_tokens} tokens for {batch} sequences, "
+            f"max_q_seq_len={inputs.attn_metadata.max_q_seq_len}); pass the step's real q_seqlens and "
+            "max_q_seq_len (a step of unequal query lengths runs eagerly), or is_decoding=False"))
+        _first(step.q_starts != rows * q_len, lambda r: (
+            f"sequence {r} has q_start_loc={int(step.q_starts[r])}; in a decode step of {q_len} token(s) per "
+            f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
+            f"arange(batch) x {q_len}"))
+
+    def _check_slots(self, step: _Step, owned: torch.Tensor) -> None:
         block_size, slots = self.block_size, step.slots
-        seq = torch.arange(slots.shape[0]) // q_len  # token t belongs to sequence t // q_len
+        # Token t belongs to sequence seq[t]; it is behind[t] tokens from its sequence's end.
+        seq = torch.repeat_interleave(torch.arange(step.q_lens.shape[0]), step.q_lens)
+        behind = (step.q_starts + step.q_lens)[seq] - torch.arange(slots.shape[0])
         table, owned = step.table[seq], owned[seq]  # per token
         writes = slots >= 0
         _first(slots < -1, lambda t: (
@@ -124,8 +147,7 @@ class StepChecker:
             f"token {t} (sequence {int(seq[t])}) writes slot {int(slots[t])} (block {int(block_of[t])}), outside "
             f"the sequence's own blocks {table[t][owned[t]].tolist()}: it would overwrite another "
             "sequence's (or the reserved block's) cache. Write the token to its sequence's slot"))
-        # The new tokens are the sequence's last q_len positions, in order.
-        behind = q_len - torch.arange(slots.shape[0]) % q_len  # 1 for a sequence's last new token
+        # The new tokens are the sequence's last q_seqlens positions, in order.
         position = step.kv_lens[seq] - behind
         column = position.clamp(min=0) // block_size
         expected = table.gather(1, column[:, None])[:, 0] * block_size + position % block_size

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +44,9 @@ from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
+from graphmode.runner.cache_checks import CacheFit, CacheMemory, check_same_objects, check_warmup_cache
 from graphmode.runner.debug import StepChecker
+from graphmode.runner.guard import busy, one_at_a_time
 from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.progress import CaptureProgress
@@ -73,6 +74,9 @@ class CapturedGraph:
     flatten_cache: Callable[[Any], list[Any]]
     in_warmup: bool = False  # captured by warmup(), with the extras given to it
     q_len: int = 1  # new tokens per sequence
+
+    def __post_init__(self) -> None:
+        self.memory = CacheMemory(self.cache_tensors)  # their data pointers, checked at every replay
 
     @property
     def name(self) -> str:
@@ -112,7 +116,8 @@ class GraphRunner:
         self._graphs: dict[tuple[int, int], CapturedGraph] = {}  # by (bucket, q_len)
         self._pool: Any = None
         self.stats = RunnerStats()
-        self._busy = threading.Lock()
+        self._busy = threading.RLock()  # one step at a time (graphmode.runner.guard)
+        self._cache_fit = CacheFit(model, config.block_size)
         self._outputs = SharedOutputs(config.max_tokens)
         # What warm-ups and captures run: the model, or its compiled forward.
         self._compiled = config.compile and config.execute_mode == "graph"
@@ -207,11 +212,7 @@ class GraphRunner:
         # view of its graph's output until the next step. A second thread would
         # overwrite both mid-step, so it is refused rather than queued.
         if not self._busy.acquire(blocking=False):
-            raise InputError(
-                "GraphRunner called while another call is running (from another thread): a "
-                "runner's buffers and outputs belong to one step at a time. Call it from one "
-                "thread, or serialise the calls and copy each result before the next call"
-            )
+            raise busy("GraphRunner")
         try:
             # Always in inference mode: buffers made in it can only be written in it.
             if torch.is_inference_mode_enabled():
@@ -223,6 +224,7 @@ class GraphRunner:
 
     def _step(self, inputs: StepInputs) -> Any:
         batch, on_host = check_inputs(inputs, self.config)
+        self._cache_fit(inputs.past_key_values)
         q_len = uniform_q_len(inputs.attn_metadata, batch, inputs.num_tokens)
         reason = self._eager_reason(inputs, batch, q_len)
         if self.piecewise is not None and self.piecewise.takes(reason):
@@ -286,7 +288,7 @@ class GraphRunner:
         self._staging_decided = True
 
     def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int) -> Any:
-        _check_same_objects(captured, inputs)
+        check_same_objects(captured, inputs)
         if self._debug is not None:
             self._debug.check_addresses(captured.name, captured.cache_tensors, captured.extras)
         meta, bucket, staging, q_len = captured.meta, captured.bucket, self.staging, captured.q_len
@@ -374,6 +376,7 @@ class GraphRunner:
         warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})
         return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch * q_len)
 
+    @one_at_a_time("runner.graph_meta()")
     @torch.inference_mode()
     def graph_meta(self) -> GraphMeta:
         """The GraphMeta holding the input buffers every bucket shares, made
@@ -401,6 +404,7 @@ class GraphRunner:
 
     # -- whole-runner operations ------------------------------------------
 
+    @one_at_a_time("runner.warmup()")
     def warmup(
         self, past_key_values: Any, *, progress: bool = True, q_lens: Sequence[int] | None = None, **extras: Any
     ) -> None:
@@ -421,6 +425,7 @@ class GraphRunner:
                 f"warmup(q_lens={list(wanted)}): {bad} outside 1..max_q_len={limit}; pass query lengths the "
                 "runner graphs, or build it with a larger max_q_len"
             )
+        check_warmup_cache(self, past_key_values)
         full = self.config.execute_mode != "piecewise"
         todo = [
             (b, q) for q in sorted(set(wanted), reverse=True) for b in reversed(self.capture_sizes)
@@ -467,6 +472,7 @@ class GraphRunner:
         # With host staging the step comes from the host, as an engine's steps do.
         return to_host(step, device) if self.staging is not None else step
 
+    @one_at_a_time("runner.reset()")
     def reset(self) -> None:
         """Drop every graph, their captured parameters and the memory pool.
         The next decode step of each bucket captures again (after a weight
@@ -478,6 +484,7 @@ class GraphRunner:
         if self.piecewise is not None:
             self.piecewise.reset()
         self._pool = None
+        self._cache_fit.forget()
         self._outputs = SharedOutputs(self.config.max_tokens)
         module: Any = getattr(torch, self.config.device.type, None)
         if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
@@ -506,6 +513,7 @@ class GraphRunner:
             raise InputError(f"batch size {batch_size} is outside 1..max_batches={self.config.max_batches}")
         return self._bucket_of[batch_size]
 
+    @one_at_a_time("runner.graph()")
     def graph(self, bucket: int, q_len: int = 1) -> CapturedGraph | None:
         """The captured graph of a bucket and query length, if captured."""
         return self._graphs.get((bucket, q_len))
@@ -555,50 +563,6 @@ def _leaves(past_key_values: Any) -> list[Any]:
 
 
 _SEQUENCES = (list, tuple)
-
-
-def _check_same_objects(captured: CapturedGraph, inputs: StepInputs) -> None:
-    """A graph reads what it captured: a new KV cache (or a cache tensor
-    replaced inside the same container) or a changed extra input without a
-    buffer would be silently ignored, so refuse it."""
-    now, then = captured.flatten_cache(inputs.past_key_values), captured.cache_tensors
-    if len(now) != len(then) or not all(map(operator.is_, now, then)):
-        changed = next((i for i, (a, b) in enumerate(zip(now, then)) if a is not b), min(len(now), len(then)))
-        raise InputError(
-            f"past_key_values are not the tensors the graph of {captured.name} captured "
-            f"(tensor {changed} of {len(then)} differs; {len(now)} given): the graph would keep "
-            "reading and writing the old cache. Call runner.reset() after reallocating or "
-            "replacing any KV-cache tensor"
-        )
-    # Declared step inputs have buffers; every other extra is frozen by the graph.
-    given = {n: v for n, v in inputs.extras.items() if n not in captured.meta.spec.names} if inputs.extras else {}
-    if given or captured.extras:
-        if given.keys() != captured.extras.keys():
-            _refuse_other_extras(captured, sorted(given))
-        for name, value in captured.extras.items():
-            if given[name] is not value:
-                raise InputError(
-                    f"extra model input {name!r} is not the object the graph of "
-                    f"{captured.name} captured; graphs freeze extra inputs that have no buffer. "
-                    "Keep it fixed, or declare it as a step input (build_graph_runner(step_inputs="
-                    "[BufferSpec(...)]), docs/engines.md) so that every step's value is copied in"
-                )
-
-
-def _refuse_other_extras(captured: CapturedGraph, given: list[str]) -> None:
-    """A step passing other undeclared extra inputs (by name) than the graph captured."""
-    then = sorted(captured.extras)
-    if captured.in_warmup:
-        fix = (
-            "runner.warmup() captures with the extras given to it: pass the ones the steps pass, "
-            "runner.warmup(past_key_values, " + ", ".join(f"{n}=..." for n in given) + ")"
-        )
-    else:
-        fix = "pass the same extra inputs at every decode step, or call runner.reset() to capture again"
-    raise InputError(
-        f"this step passes extra model inputs {given}, but the graph of {captured.name} was captured "
-        f"with {then}{' (by warmup())' if captured.in_warmup else ''}: graphs freeze extra inputs. {fix}"
-    )
 
 
 def _model_attr(model: Any, name: str) -> Any:

@@ -16,6 +16,7 @@ from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
+from graphmode.spec import BLOCKS, SEQUENCES, TOKENS
 
 __all__ = [
     "CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model_ops", "check_step",
@@ -70,7 +71,21 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
             f"batch size {batch} is above max_batches={config.max_batches}; build the "
             f"runner with max_batches >= {batch}, or schedule fewer sequences per step"
         )
+    for name in ("max_q_seq_len", "max_kv_seq_len"):
+        value = getattr(attn, name)
+        if not hasattr(type(value), "__index__"):
+            raise InputError(
+                f"attn_metadata.{name} is {_described(value)}; it must be an int: the step's largest "
+                f"{'query' if name == 'max_q_seq_len' else 'KV'} length, or -1 when unknown"
+            )
     width = attn.block_offsets.shape[-1]
+    if width == 0:
+        raise InputError(
+            f"attn_metadata.block_offsets has shape {tuple(attn.block_offsets.shape)}: no block column, so "
+            "no sequence has a block to read or write its tokens in (a graph would read garbage). Give each "
+            "sequence's blocks, at least ceil(max_kv_seq_len / block_size) = "
+            f"{max(1, -(-attn.max_kv_seq_len // config.block_size))} columns"
+        )
     if width > config.max_blocks_per_seq:
         raise InputError(
             f"attn_metadata.block_offsets is {width} blocks wide, above the runner's "
@@ -84,9 +99,22 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
             f"block table can address (max_blocks_per_seq={config.max_blocks_per_seq} x "
             f"block_size={config.block_size}); raise max_blocks_per_seq or shorten the sequence"
         )
+    if attn.max_kv_seq_len > width * config.block_size:
+        raise InputError(
+            f"max_kv_seq_len={attn.max_kv_seq_len} is above the {width * config.block_size} tokens the step's "
+            f"block table addresses ({width} blocks x block_size={config.block_size}): kernels would read "
+            "past it. Give the longest sequence enough blocks (a wider table), or pass its real length"
+        )
     tokens = _token_count(inputs)
+    if tokens == 0:
+        raise InputError(
+            f"a step of {batch} sequences and 0 new tokens: every scheduled sequence adds at least one token. "
+            "Leave sequences without new tokens out of the step, and do not call the runner for an empty one"
+        )
     if attn.is_decoding:
         _check_decode(attn, batch, tokens)
+    else:
+        _check_maxima(attn, batch, tokens)
     device = config.device
     # is_cpu and get_device() (an int) are cheaper than building a device.
     emulated, index = device.type == "cpu", device.index
@@ -143,7 +171,59 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
             f"attn_metadata.kv_seqlens_cpu has shape {tuple(host.shape)} on "
             f"{host.device}; it must be a ({batch},) host tensor or None"
         )
+    if host is not None and attn.max_kv_seq_len < 0:  # the length unknown: the host lengths say it
+        _check_host_lengths(host, width, config)
+    if config.step_inputs and inputs.extras:
+        _check_step_inputs(inputs, config, batch, tokens, width)
     return batch, bool(first_side and first_side[1])
+
+
+def _check_host_lengths(host: torch.Tensor, width: int, config: RunnerConfig) -> None:
+    """Refuse host kv lengths past the step's table (PPU's device assertion blamed the graph contexts)."""
+    capacity = width * config.block_size
+    longest = int(host.max())
+    if longest > capacity:
+        row = int(host.argmax())
+        raise InputError(
+            f"attn_metadata.kv_seqlens_cpu holds {longest} (sequence {row}), above the {capacity} tokens the "
+            f"step's block table addresses ({width} blocks x block_size={config.block_size}): the engine's "
+            "kv lengths are longer than its block tables. Give the sequence enough blocks (a wider table, "
+            f"up to max_blocks_per_seq={config.max_blocks_per_seq}), or pass its real length (kv_seqlens and kv_seqlens_cpu)"
+        )
+
+
+def _check_step_inputs(inputs: StepInputs, config: RunnerConfig, batch: int, tokens: int, width: int) -> None:
+    """The engine's declared step inputs (``step_inputs``) given at this
+    step: tensors of their declared shape on the runner's device or the
+    host. Checked here rather than in the fill: a (T, 1) value would fill a
+    (T,) buffer at capture, and the bucket would then refuse every right step."""
+    sizes = {TOKENS: tokens, SEQUENCES: batch, BLOCKS: width}
+    device = config.device
+    for spec in config.step_inputs:
+        value = inputs.extras.get(spec.name)
+        if value is None:  # the fill says so for a graph step; eager steps may leave it out
+            continue
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
+        if not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"step input {spec.name!r} is {_described(value)}; pass a torch.Tensor of shape {shape} "
+                f"(declared {_declared(spec.shape)}, dtype {spec.dtype})"
+            )
+        if value.device != device and value.device.type != "cpu":
+            raise InputError(
+                f"step input {spec.name!r} is on {value.device}, but the runner's device is {device}; move it "
+                f"with .to({str(device)!r}), or pass it as a host (CPU) tensor"
+            )
+        if tuple(value.shape) != shape:
+            raise InputError(
+                f"step input {spec.name!r} has shape {tuple(value.shape)}; declared {_declared(spec.shape)}, "
+                f"this step of {batch} sequences and {tokens} tokens needs {shape}"
+            )
+
+
+def _declared(shape: tuple[int | str, ...]) -> str:
+    names = [d.upper() if isinstance(d, str) else str(d) for d in shape]
+    return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
 
 
 def _described(value: object) -> str:
@@ -200,6 +280,25 @@ def _check_decode(attn: AttnMetadata, batch: int, tokens: int) -> None:
             "(checked on the host: input_ids' length, the batch and max_q_seq_len; the device q_seqlens "
             "are read only in debug mode, GRAPHMODE_DEBUG=1). Pass is_decoding=False for a prefill "
             "or mixed step, or the step's real max_q_seq_len"
+        )
+
+
+def _check_maxima(attn: AttnMetadata, batch: int, tokens: int) -> None:
+    """Refuse host maxima that cannot hold (a varlen kernel sizes its work by
+    them: one too small reads part of the step): ``tokens`` new tokens in
+    ``batch`` sequences need a longest query of at least ``ceil(tokens /
+    batch)``, and a sequence's KV length includes its new tokens."""
+    q_max, kv_max = attn.max_q_seq_len, attn.max_kv_seq_len
+    if q_max >= 0 and tokens > batch * q_max:
+        raise InputError(
+            f"max_q_seq_len={q_max}, but {tokens} new tokens in {batch} sequences need a longest query of at "
+            f"least {-(-tokens // batch)}: pass the step's real max_q_seq_len (the largest q_seqlens), or -1"
+        )
+    if q_max >= 0 and 0 <= kv_max < q_max:
+        raise InputError(
+            f"max_kv_seq_len={kv_max} is below max_q_seq_len={q_max}: a sequence's KV length counts its "
+            "cached tokens plus this step's new ones. Pass the step's real max_kv_seq_len (the largest "
+            "kv_seqlens), or -1"
         )
 
 

@@ -1,0 +1,290 @@
+"""Engine mistakes that graph mode alone used to let through silently, or
+answer with a raw error from inside (issues 21 and 22): each is now refused
+at the door with the value, the limit and the fix, on every shipped vendor
+and in every execute mode where it applies."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from setups import tiny_setup
+
+from graphmode import InputError
+from graphmode.model import ModelConfig, build_reference_model
+from graphmode.spec import TOKENS, BufferSpec
+
+VENDORS = ["cuda", "ascend", "camb", "maca", "ppu"]
+MODES = ["graph", "piecewise", "full_and_piecewise"]
+
+
+def _setup(vendor="cuda", mode="graph", **options):
+    return tiny_setup(vendor, capture_batch_sizes=[1, 2, 4], execute_mode=mode, capture_token_sizes=[4, 8, 16],
+                      **options)
+
+
+def _run(setup, step, cache=None, **changes):
+    with torch.inference_mode():
+        return setup.runner(step.input_ids, step.position_ids, setup.graph_cache if cache is None else cache,
+                            step.attn_metadata.replace(**changes))
+
+
+# -- one step at a time ---------------------------------------------------------
+
+
+class _Gate(torch.nn.Module):
+    """The model, paused inside its forward until released."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def forward(self, *args, **kwargs):
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the gate"
+        return self.model(*args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["reset", "warmup"])
+def test_reset_or_warmup_from_another_thread_during_a_step_is_refused(mode, method):
+    # A reset under a running step left 2 to 30 of 30 steps wrong, or "a replay of a graph that is empty".
+    setup = _setup(mode=mode)
+    gate = _Gate(setup.model)
+    setup.runner.model = gate
+    if setup.runner.piecewise is not None:
+        setup.runner.piecewise.runner = setup.runner
+    step = setup.engine.prefill([setup.engine.add()], [20])  # eager in graph mode, above the token buckets
+    first = threading.Thread(target=lambda: _run(setup, step))
+    first.start()
+    assert gate.entered.wait(10)
+    try:
+        call = {"reset": setup.runner.reset, "warmup": lambda: setup.runner.warmup(setup.graph_cache, progress=False)}
+        with pytest.raises(InputError, match=rf"runner.{method}\(\) called while another call is running"):
+            call[method]()
+    finally:
+        gate.release.set()
+        first.join()
+    setup.runner.reset()  # free again
+
+
+# -- the KV cache's memory ------------------------------------------------------
+
+
+def _set(tensor):
+    tensor.set_(tensor.clone())
+
+
+def _data(tensor):
+    tensor.data = tensor.data.clone()
+
+
+@pytest.mark.parametrize("vendor, mode, move", [
+    *[pytest.param(vendor, mode, _set, id=f"set_-{vendor}-{mode}") for vendor in VENDORS for mode in MODES],
+    *[pytest.param("cuda", mode, _data, id=f"data-cuda-{mode}") for mode in MODES],
+])
+def test_a_kv_tensor_given_new_memory_in_place_is_refused_without_debug_mode(vendor, mode, move):
+    # The same tensor object over new memory: a device graph keeps the old address.
+    setup = _setup(vendor, mode)
+    seqs = setup.prefill(2, [5, 9])
+    setup.decode(seqs)  # captures the decode graph (piecewise: token bucket 4)
+    with torch.inference_mode():
+        move(setup.graph_cache[1][0])
+    with pytest.raises(InputError, match=r"past_key_values tensor 2 of \d+ has new memory \(data_ptr 0x[0-9a-f]+, "
+                       r"captured at 0x[0-9a-f]+\).*call runner.reset\(\) after reallocating"):
+        setup.decode(seqs)
+    setup.runner.reset()
+    graph, eager = setup.decode(seqs)  # captured again on the new memory
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+
+
+# -- block tables and lengths ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_a_block_table_of_width_zero_is_refused(vendor, mode):
+    setup = _setup(vendor, mode)
+    seqs = setup.prefill(2, [5, 9])
+    step = setup.engine.decode(seqs)
+    with pytest.raises(InputError, match=r"attn_metadata.block_offsets has shape \(2, 0\): no block column.*"
+                       r"at least ceil\(max_kv_seq_len / block_size\) = 1"):
+        _run(setup, step, block_offsets=step.attn_metadata.block_offsets[:, :0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_kv_lengths_past_the_block_table_are_refused_from_host_facts(vendor, mode):
+    # PPU failed a device assertion blaming the graph contexts, others read past the table.
+    setup = _setup(vendor, mode)
+    seqs = setup.prefill(2, [5, 9])
+    setup.decode(seqs)
+    step = setup.engine.decode(seqs)
+    long = torch.tensor([6, 200], dtype=torch.int32)
+    with pytest.raises(InputError, match=r"attn_metadata.kv_seqlens_cpu holds 200 \(sequence 1\), above the 128 "
+                       r"tokens the step's block table addresses \(8 blocks x block_size=16\).*engine's kv lengths"):
+        _run(setup, step, kv_seqlens=long, kv_seqlens_cpu=long, max_kv_seq_len=-1)
+    with pytest.raises(InputError, match=r"max_kv_seq_len=100 is above the 64 tokens the step's block table "
+                       r"addresses \(4 blocks x block_size=16\)"):
+        _run(setup, step, block_offsets=step.attn_metadata.block_offsets[:, :4], max_kv_seq_len=100)
+    assert setup.runner.stats.replays == 0
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_kv_seq_len", None, r"attn_metadata.max_kv_seq_len is None; it must be an int"),
+    ("max_q_seq_len", 1.0, r"attn_metadata.max_q_seq_len is a float; it must be an int"),
+])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_host_maximum_that_is_not_an_int_is_named(mode, field, value, message):
+    setup = _setup(mode=mode)
+    seqs = setup.prefill(2, [5, 9])
+    with pytest.raises(InputError, match=message):
+        _run(setup, setup.engine.decode(seqs), **{field: value})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"max_q_seq_len": 3}, r"max_q_seq_len=3, but 14 new tokens in 2 sequences need a longest query of at least 7"),
+    ({"max_kv_seq_len": 5}, r"max_kv_seq_len=5 is below max_q_seq_len=9: a sequence's KV length counts"),
+], ids=["q", "kv"])
+@pytest.mark.parametrize("mode", MODES)
+def test_host_maxima_a_prefill_cannot_have_are_refused(mode, changes, message):
+    # A varlen kernel sizes its work by them: too small a maximum reads part of the step, silently.
+    setup = _setup(mode=mode)
+    step = setup.engine.prefill([setup.engine.add(), setup.engine.add()], [5, 9])
+    with pytest.raises(InputError, match=message):
+        _run(setup, step, **changes)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_missing_kv_cache_is_named(mode):
+    setup = _setup(mode=mode)
+    step = setup.engine.prefill([setup.engine.add()], [5])
+    with pytest.raises(InputError, match=r"past_key_values is None; pass the KV cache"):
+        with torch.inference_mode():
+            setup.runner(step.input_ids, step.position_ids, None, step.attn_metadata)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_without_tokens_is_refused(mode):
+    setup = _setup(mode=mode)
+    seqs = setup.prefill(2, [5, 9])
+    step = setup.engine.prefill(seqs, [0, 0])
+    with pytest.raises(InputError, match=r"a step of 2 sequences and 0 new tokens: every scheduled sequence "
+                       r"adds at least one token"):
+        _run(setup, step)
+
+
+# -- engine-declared step inputs ---------------------------------------------------
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self.ops = model, model.config, model.ops
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata, token_scale):
+        return self.inner(input_ids, position_ids, past_key_values, attn_metadata) * token_scale[None, :, None]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad, message", [
+    (lambda n: torch.ones(n, 1), r"step input 'token_scale' has shape \(2, 1\); declared \(TOKENS,\), this step "
+     r"of 2 sequences and 2 tokens needs \(2,\)"),
+    (lambda n: [1.0] * n, r"step input 'token_scale' is a list; pass a torch.Tensor of shape \(2,\)"),
+    (lambda n: torch.ones(n, device="meta"), r"step input 'token_scale' is on meta, but the runner's device is cpu"),
+], ids=["column", "list", "device"])
+def test_a_declared_step_input_of_the_wrong_shape_type_or_device_is_refused_at_the_door(mode, bad, message):
+    import graphmode
+
+    setup = _setup(mode=mode)
+    scaled = _Scaled(setup.model)
+    runner = graphmode.build_graph_runner(
+        scaled, max_batches=16, num_blocks=8, block_size=16, device="cpu", capture_batch_sizes=[1, 2, 4],
+        execute_mode=mode, capture_token_sizes=[4, 8, 16],
+        step_inputs=[BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)],
+    )
+    seqs = setup.prefill(2, [5, 9])
+    step = setup.engine.decode(seqs)
+    with torch.inference_mode():
+        with pytest.raises(InputError, match=message):
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=bad(2))
+        if mode != "graph":
+            return  # piecewise graphs do not pad declared step inputs to their token bucket (yet)
+        scale = torch.full((2,), 2.0)  # then the right shape runs (a (T, 1) capture refused them all before)
+        graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=scale)
+        eager = scaled(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, token_scale=scale)
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert runner.stats.replays + runner.stats.captures == 1
+
+
+# -- the KV cache against the model (issue 21) --------------------------------------
+
+
+def _fewer_layers(setup):
+    return setup.graph_cache[:-1]
+
+
+def _other_head_dim(setup):
+    config = setup.model.config
+    ops = setup.model.ops
+    return ops.make_kv_cache(config.num_hidden_layers, 40, 16, config.num_key_value_heads, config.head_dim // 2,
+                             config.dtype, torch.device("cpu"))
+
+
+def _half(setup):
+    return [(k.half(), v.half()) for k, v in setup.graph_cache]
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+@pytest.mark.parametrize("make, message", [
+    (_fewer_layers, r"past_key_values has 1 layers, but the model has 2: the missing layers would be skipped"),
+    (_other_head_dim, r"KV-cache tensor 0 has shape \(.*\), but the model's make_kv_cache gives \(.*\) "
+     r"\(blocks aside: dimension \d is the block count\).*Make the cache with model.make_kv_cache"),
+    (_half, r"KV-cache tensor 0 has dtype torch.float16, but the model's make_kv_cache gives torch.float32.*"
+     r"make_kv_cache"),
+], ids=["fewer_layers", "head_dim", "dtype"])
+def test_a_kv_cache_that_does_not_fit_the_model_is_refused_at_the_first_step(vendor, make, message):
+    setup = tiny_setup(vendor)
+    cache = make(setup)
+    step = setup.engine.prefill([setup.engine.add()], [5])  # eager: the cache meets the runner here first
+    with pytest.raises(InputError, match=message):
+        _run(setup, step, cache=cache)
+
+
+def test_the_reference_model_refuses_a_cache_with_fewer_layers_eagerly():
+    model = build_reference_model(ModelConfig.tiny(), "cuda", "cpu")
+    setup = tiny_setup()
+    step = setup.engine.prefill([setup.engine.add()], [5])
+    with pytest.raises(InputError, match=r"past_key_values has 1 layers, but the model has 2"):
+        with torch.inference_mode():
+            model(step.input_ids, step.position_ids, model.make_kv_cache(40, 16)[:1], step.attn_metadata)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_warmup_with_another_cache_than_the_graphs_captured_is_refused(mode):
+    setup = _setup(mode=mode)
+    with torch.inference_mode():
+        setup.runner.warmup(setup.graph_cache, progress=False)
+        other = setup.model.make_kv_cache(40, 16)
+        with pytest.raises(InputError, match=r"warmup\(\) with another KV cache than the .*graphs captured.*"
+                           r"call runner.reset\(\) first"):
+            setup.runner.warmup(other, progress=False)
+        setup.runner.reset()
+        setup.runner.warmup(other, progress=False)
+
+
+def test_reset_lets_go_of_the_kv_cache():
+    # An engine reallocating its cache frees the old one first: the runner must not keep it alive.
+    import gc
+    import weakref
+
+    setup = _setup()
+    seqs = setup.prefill(2, [5, 9])
+    setup.decode(seqs)
+    old = weakref.ref(setup.graph_cache[0][0])
+    setup.runner.reset()
+    setup.graph_cache = None
+    gc.collect()
+    assert old() is None
