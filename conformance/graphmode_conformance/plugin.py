@@ -159,7 +159,8 @@ class _State:
             target = self.get_target()
         except graphmode.GraphModeError as error:
             return [f"graphmode: no vendor under test: {error}"]
-        return [f"graphmode: {line}" for line in describe(target, sizes_from_options(config))]
+        variant = config.getoption("--graphmode-variant")
+        return [f"graphmode: {line}" for line in describe(target, sizes_from_options(config), variant)]
 
     def pytest_collection_modifyitems(self, config, items):
         for item in items:
