@@ -20,6 +20,7 @@ decoding, only fewer steps.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -154,7 +155,19 @@ def serve(runner, kv_cache, batch: PagedBatch, requests: list[Request], *, max_b
     return steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Serve as the command line says; graphmode's own errors (a bad model
+    directory, sizes it refuses) are one line on stderr and exit status 2."""
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (graphmode.ConfigError, graphmode.InputError) as error:
+        print(f"serve_hf.py: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a local Hugging Face model directory")
@@ -169,8 +182,10 @@ def main() -> None:
     parser.add_argument("--speculate", type=int, default=0, metavar="K", help="verify up to K drafted tokens")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="run every step eagerly, for comparison")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     model = load_model(args.model or random_config(args.random_config), device, dtype, vendor=args.vendor)
@@ -204,4 +219,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_flatten
+
+from graphmode.context import StepInputs
+from graphmode.runner.debug import StepChecker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from setups import tiny_setup  # noqa: E402
@@ -36,11 +40,18 @@ def main() -> None:
             step = setup.engine.decode(seqs)
             setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)  # captures
             step = setup.engine.decode(seqs)
-            checker, captured = setup.runner._debug, setup.runner.graph(batch)
-            assert checker is not None and captured is not None
-            values = median_ms(lambda: checker.check_step(step, batch))
-            addresses = median_ms(lambda: checker.check_addresses(batch, captured.cache_tensors, captured.extras))
-        count = len(checker._addresses[batch])
+            captured = setup.runner.graph(batch)
+            assert captured is not None
+            # A checker as the runner keeps one in debug mode, recording the graph as its capture does.
+            checker = StepChecker(setup.model, setup.runner.config.block_size)
+            checker.record(captured.name, captured.cache_tensors, captured.extras)
+            inputs = StepInputs(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+            values = median_ms(lambda: checker.check_step(inputs, batch))
+            addresses = median_ms(lambda: checker.check_addresses(captured.name, captured.cache_tensors, captured.extras))
+        # The tensors check_addresses compares: the cache's, the extras' and the model's parameters and buffers.
+        leaves = tree_flatten((captured.cache_tensors, captured.extras))[0]
+        count = (sum(isinstance(t, torch.Tensor) for t in leaves) + len(list(setup.model.named_parameters()))
+                 + len(list(setup.model.named_buffers())))
         print(f"batch {batch:3d}: check_step {values:.3f} ms, check_addresses {addresses:.3f} ms ({count} tensors)")
 
 

@@ -2,7 +2,8 @@
 
 Times the runner's replay steps (tiny reference model, built-in and Ascend
 vendors) with the guard the runner uses on the CPU and with no guard, and
-prints the medians and their difference.
+prints the medians and their difference (a difference that noise made
+negative is printed as not measurable, with the steps' spread).
 
     python scripts/replay_guard_cost.py --steps 300
 """
@@ -16,12 +17,13 @@ import time
 import torch
 
 import graphmode
+from graphmode.bench.measure import difference_text, spread
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.runner.host_reads import NoGuard, replay_guard
 
 
-def median_step_us(vendor: str, guarded: bool, steps: int, batch: int) -> float:
+def step_times_us(vendor: str, guarded: bool, steps: int, batch: int) -> list[float]:
     config = ModelConfig.tiny()
     model = build_reference_model(config, vendor, "cpu")
     engine = ReferenceEngine(16 * 64 + 1, 16, "cpu", vocab_size=config.vocab_size, table_width=64, seed=7)
@@ -38,8 +40,8 @@ def median_step_us(vendor: str, guarded: bool, steps: int, batch: int) -> float:
             started = time.perf_counter()
             runner(step.input_ids, step.position_ids, cache, step.attn_metadata)
             if index:  # the first decode step captures
-                samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1e6
+                samples.append((time.perf_counter() - started) * 1e6)
+    return samples
 
 
 def main() -> None:
@@ -49,9 +51,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     for vendor in ("cuda", "ascend"):
-        off = median_step_us(vendor, False, args.steps, args.batch)
-        on = median_step_us(vendor, True, args.steps, args.batch)
-        print(f"{vendor:7s} median step: no guard {off:8.1f} us, guard {on:8.1f} us, difference {on - off:+7.1f} us")
+        off_times = step_times_us(vendor, False, args.steps, args.batch)
+        on_times = step_times_us(vendor, True, args.steps, args.batch)
+        off, on = statistics.median(off_times), statistics.median(on_times)
+        cost = difference_text(on - off, max(spread(off_times), spread(on_times)))
+        print(f"{vendor:7s} median step: no guard {off:8.1f} us, guard {on:8.1f} us, guard cost {cost}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ checked here: the figures come from a GPU (docs/performance.md)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from graphmode.bench.cases import parse_cases
+from graphmode.bench.cli import print_costs
 from graphmode.cli.main import main
 
 CASES = "1x8,4x8,mix16+4,decode4"
@@ -126,6 +128,29 @@ def test_a_named_vendor_that_cannot_run_the_bench_model_is_one_clear_error():
         main(["bench", "--device", "cpu", "--vendors", "cuda,ppu", "--batches", "1"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default device is then cuda: the bench model, minutes")
+def test_a_vendor_with_a_fixed_capture_list_has_its_batches_above_it_counted_as_eager(monkeypatch, capsys, tmp_path):
+    """The padding-waste summary (after every timing) covers the timed
+    vendors only, and a vendor whose largest graph is below 256 (here a
+    FixedSizes list ending at 32) has the batches above it counted as
+    eager, not refused: the run ends with its table and its JSON."""
+    from test_plugins import FakeDistribution
+
+    dists = [FakeDistribution("graphmode-fixed", {"fixed": "plugins.fixed_capture_list:plugin"})]
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: dists)
+    monkeypatch.delenv("GRAPHMODE_PLUGINS", raising=False)
+    timing = ("--batches", "1", "--steps", "1", "--warmup", "1", "--modes", "graphmode")
+    out, results = run_bench(capsys, tmp_path, *timing)
+    assert list(results["latency_ms"]) == ["graphmode[cuda]", "graphmode[fixed]"]
+    fixed = results["padding_waste"]["fixed"]
+    assert (fixed["graphs"], fixed["graphed"], fixed["eager"]) == (6, 32, 224)
+    assert results["padding_waste"]["cuda"]["eager"] == 0
+    assert "fixed      6 graphs: mean " in out
+    assert " over 1..32; batches 33..256 (224) run eagerly (above its largest graph, 32)" in out
+    out, results = run_bench(capsys, tmp_path, *timing, "--vendors", "cuda")
+    assert list(results["padding_waste"]) == ["cuda"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
 @pytest.mark.parametrize("workload", [[], ["--workload", "prefill"], ["--workload", "offload"], ["--tp", "2"]],
                          ids=["decode", "prefill", "offload", "tp"])
@@ -140,3 +165,15 @@ def test_every_workload_on_a_missing_device_is_one_clear_error(workload):
 def test_a_device_torch_does_not_know_is_one_clear_error():
     with pytest.raises(SystemExit, match="graphmode bench: --device 'npu' is not a device torch .* knows"):
         main(["bench", "--device", "npu"])
+
+
+def test_a_host_cost_that_noise_made_negative_is_printed_as_not_measurable(capsys):
+    """Host cost is a runner call's median minus a graph launch's: on a
+    loaded machine it can come out negative, which is no cost at all."""
+    host = {1: {"runner_call_us": 100.0, "graph_launch_us": 1139.1, "host_cost_us": -1039.1, "noise_us": 812.5},
+            2: {"runner_call_us": 150.0, "graph_launch_us": 100.0, "host_cost_us": 50.0, "noise_us": 3.0}}
+    print_costs({"host": host, "padding_waste": {}})
+    out = capsys.readouterr().out
+    assert ("    1 not measurable (noise: came out -1039.1 us, timings scatter by 812.5 us) "
+            "(call 100.0, launch 1139.1)") in out
+    assert "    2    50.0 us (call 150.0, launch 100.0)" in out

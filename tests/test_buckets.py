@@ -180,8 +180,8 @@ class PastTheLargestGraph:
     "sizes, message",
     [
         (graded_sizes, r"returned \[1, 2, .*, 64\], which goes past the vendor's largest graph, 32 "
-                       r"\(GraphSpec.max_capture_size\); fix the plugin's graphmode_capture_sizes \(start from "
-                       r"spec.capture_list"),
+                       r"\(the last size of GraphSpec.capture_sizes=FixedSizes\(\(1, 2, 4, 8, 16, 32\)\)\); "
+                       r"fix the plugin's graphmode_capture_sizes \(start from spec.capture_list"),
         (lambda m: [1, 3, 32], r"has sizes \[3\] outside its fixed list \[1, 2, 4, 8, 16, 32\] \(GraphSpec.capture_sizes\)"),
     ],
     ids=["past the largest", "not in the list"],

@@ -122,3 +122,13 @@ def test_kv_cache_made_elsewhere_is_refused():
     batch = serve_hf.PagedBatch(9, BLOCK_SIZE, 2, torch.device("cpu"))
     with pytest.raises(InputError, match="make_kv_cache"):
         model(past_key_values=kv_cache, **batch.step([serve_hf.Request([1], 1)], [[1]], is_decoding=False))
+
+
+def test_the_example_prints_graphmode_errors_in_one_line(tmp_path, capsys):
+    """``serve_hf.py --model DIR`` with no model there: the ConfigError's
+    message on stderr and exit status 2, not a traceback."""
+    missing = tmp_path / "no-such-dir"
+    assert serve_hf.main(["--model", str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"serve_hf.py: {str(missing)!r} is not a model directory (no config.json); pass a "
+                            "local HF model directory\n")

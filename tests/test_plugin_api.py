@@ -1,7 +1,7 @@
 """The plugin API is what docs/hooks.md ("What a plugin may import") lists:
 every listed name imports from the module it is listed under, every
-graphmode name the shipped vendors and the walkthrough plugin import is
-listed, and every deprecated name still works, as before, with a
+graphmode name the shipped vendors, the test plugins and the code of
+docs/writing-a-plugin.md import is listed, and every deprecated name still works, as before, with a
 DeprecationWarning naming its replacement."""
 
 from __future__ import annotations
@@ -66,21 +66,42 @@ def test_every_documented_name_imports_from_its_module_without_a_warning(module)
     assert not missing, f"docs/hooks.md lists {missing} under {module}, which has no such names"
 
 
-def _graphmode_imports(path: Path) -> set[tuple[str, str]]:
+def _graphmode_imports(source: str) -> set[tuple[str, str]]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "graphmode":
             found.update((node.module, alias.name) for alias in node.names)
     return found
 
 
-def test_every_graphmode_name_the_shipped_plugins_import_is_documented():
-    sources = [*sorted(ROOT.glob("vendors/*/graphmode_*/*.py")), ROOT / "tests" / "plugins" / "walkthrough.py"]
-    assert len(sources) > 10
+def _doc_imports(path: Path) -> set[tuple[str, str]]:
+    """The graphmode names a doc's Python code blocks import, and its inline
+    code that is an import (`from graphmode.buckets import FixedSizes`)."""
+    text = path.read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+    inline = re.findall(r"`(from graphmode[\w.]* import [^`]+)`", text)
+    return set().union(*(_graphmode_imports(code) for code in [*blocks, *inline]))
+
+
+def _undocumented(used: set[tuple[str, str]]) -> list[str]:
     listed = documented()
-    used = set().union(*(_graphmode_imports(path) for path in sources))
-    undocumented = sorted(f"{module}.{name}" for module, name in used if name not in listed.get(module, []))
+    return sorted(f"{module}.{name}" for module, name in used if name not in listed.get(module, []))
+
+
+def test_every_graphmode_name_the_shipped_and_test_plugins_import_is_documented():
+    sources = [*sorted(ROOT.glob("vendors/*/graphmode_*/*.py")), *sorted((ROOT / "tests" / "plugins").glob("*.py"))]
+    assert len(sources) > 20
+    used = set().union(*(_graphmode_imports(path.read_text()) for path in sources))
+    assert ("graphmode.buckets", "FixedSizes") in used  # tests/plugins/fixed_capture_list.py
+    undocumented = _undocumented(used)
     assert not undocumented, f"plugins import {undocumented}, which docs/hooks.md does not list"
+
+
+def test_every_graphmode_name_writing_a_plugin_imports_is_documented():
+    used = _doc_imports(ROOT / "docs" / "writing-a-plugin.md")
+    assert {("graphmode.spec", "GraphSpec"), ("graphmode.buckets", "FixedSizes")} <= used
+    undocumented = _undocumented(used)
+    assert not undocumented, f"docs/writing-a-plugin.md imports {undocumented}, which docs/hooks.md does not list"
 
 
 # -- deprecated names -----------------------------------------------------------

@@ -10,8 +10,9 @@ from setups import tiny_setup
 
 import graphmode
 from graphmode import CaptureError, ConfigError
-from graphmode.buckets import three_stage_sizes
+from graphmode.buckets import FixedSizes, three_stage_sizes
 from graphmode.runner.setup import default_capture_sizes
+from graphmode.spec import CUDA_SPEC, GraphSpec
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import AscendGraph, resolve_update_path, uses_graph_update
 from graphmode_ascend.plugin import AscendOptions
@@ -271,7 +272,26 @@ def test_graphmode_vendors_shows_a_vendors_largest_graph(capsys):
     from graphmode.cli.vendors import _describe
 
     _describe(graphmode.load_vendor("fixed", plugin=plugin), 256)
-    assert (
+    assert (  # the declaration it made: a fixed list, no max_capture_size
         "capture list for max_batches=256: 6 graphs [1, 2, 4, 8, 16, 32]; largest graph 32 "
-        "(GraphSpec.max_capture_size); batches 33..256 run eagerly"
+        "(the last size of GraphSpec.capture_sizes=FixedSizes((1, 2, 4, 8, 16, 32))); batches 33..256 run eagerly"
     ) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec, named", [
+    (lambda: CUDA_SPEC.replace(max_capture_size=24), "largest graph 24 (GraphSpec.max_capture_size); batches 25..256"),
+    (lambda: CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2, 4, 8, 16, 32)), max_capture_size=16),
+     "largest graph 16 (GraphSpec.max_capture_size); batches 17..256"),
+], ids=["max_capture_size", "a fixed list capped lower"])
+def test_graphmode_vendors_names_a_declared_max_capture_size(capsys, spec, named):
+    from graphmode.cli.vendors import _describe
+
+    class Capped:
+        __version__ = "0.1.0"
+
+        @graphmode.hookimpl
+        def graphmode_graph_spec(self) -> GraphSpec:
+            return spec()
+
+    _describe(graphmode.load_vendor("capped", plugin=Capped()), 256)
+    assert named in capsys.readouterr().out

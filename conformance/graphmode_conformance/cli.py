@@ -147,10 +147,8 @@ def run(args: argparse.Namespace) -> int:
     runs = []
     for index, ((vendor, device), target) in enumerate(zip(plan, resolved, strict=True), start=1):
         print(f"== vendor {index}/{len(plan)}: {target.vendor.name} on {target.device} ==", flush=True)
-        for line in describe(target, sizes):
+        for line in describe(target, sizes, args.variant):
             print(f"   {line}", flush=True)
-        if args.variant:
-            print(f"   only the option variant {args.variant} (--variant)", flush=True)
         if device is None and target.device.type == "cpu" and not target.vendor.info.detected:
             info = target.vendor.info
             print(f"   device cpu: {info.name} is not detected here ({info.reason}), so its graphs run on the "

@@ -159,7 +159,8 @@ class _State:
             target = self.get_target()
         except graphmode.GraphModeError as error:
             return [f"graphmode: no vendor under test: {error}"]
-        return [f"graphmode: {line}" for line in describe(target, sizes_from_options(config))]
+        variant = config.getoption("--graphmode-variant")
+        return [f"graphmode: {line}" for line in describe(target, sizes_from_options(config), variant)]
 
     def pytest_collection_modifyitems(self, config, items):
         for item in items:
@@ -201,7 +202,8 @@ class _State:
         target = self.target
         data = {
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "header": describe(target, sizes_from_options(self.config)) if target else [],
+            "header": describe(target, sizes_from_options(self.config), self.config.getoption("--graphmode-variant"))
+            if target else [],
             "vendor": target.vendor.name if target else None,
             "device": str(target.device) if target else None,
             "exit_status": int(exitstatus),
@@ -210,9 +212,10 @@ class _State:
         Path(path).write_text(json.dumps(data, indent=1))
 
 
-def describe(target: Target, sizes: Sizes | None = None) -> list[str]:
+def describe(target: Target, sizes: Sizes | None = None, variant: str | None = None) -> list[str]:
     """What is under test: vendor, device, versions, the sizes and capture
-    list used, the option variants, the environment."""
+    list used, the option variants that run (only ``variant`` when one is
+    chosen, ``--variant``), the environment."""
     info = target.vendor.info
     device = target.device
     if device.type == "cpu":
@@ -245,6 +248,7 @@ def describe(target: Target, sizes: Sizes | None = None) -> list[str]:
         f"device {device} ({device_name}); torch {torch.__version__}; graphmode {version}",
         size_line,
         f"capture list at max_batches={sizes.max_batches}: {capture}",
+        f"option variants (GraphSpec.option_variants): only {variant} (--variant)" if variant else
         "option variants (GraphSpec.option_variants), each test under every one: "
         + (", ".join(variant_id(v) for v in variants) if variants else "none (the vendor's defaults)"),
         f"environment: {env or 'no graphmode-related variables set'}",

@@ -27,6 +27,7 @@ __all__ = [
     "declared_max_capture_size",
     "graded_sizes",
     "largest_graph",
+    "largest_graph_declaration",
     "next_power_of_2",
     "padding_waste",
     "parse_sizes",
@@ -147,6 +148,15 @@ def declared_max_capture_size(policy: Policy, max_capture_size: int | None) -> i
             )
         return last if largest is None else largest
     return largest
+
+
+def largest_graph_declaration(policy: Policy, max_capture_size: int | None) -> str:
+    """The declaration that sets a GraphSpec's largest graph, as messages
+    name it: a ``FixedSizes`` list's last size (``max_capture_size`` is then
+    derived from it), else ``GraphSpec.max_capture_size``."""
+    if isinstance(policy, FixedSizes) and max_capture_size == policy.sizes[-1]:
+        return f"the last size of GraphSpec.capture_sizes=FixedSizes({policy.sizes})"
+    return "GraphSpec.max_capture_size"
 
 
 def largest_graph(policy: Policy, max_capture_size: int | None, max_batches: int) -> int:

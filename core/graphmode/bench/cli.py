@@ -22,7 +22,7 @@ import torch
 import graphmode
 from graphmode.bench.common import DEFAULT_BATCHES, MODES, chosen_modes, median_step
 from graphmode.bench.floor import bandwidth, step_bytes
-from graphmode.bench.measure import machine, release
+from graphmode.bench.measure import difference_text, machine, release, spread
 from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
 from graphmode.bench.offload import run_offload
 from graphmode.bench.prefill import run_prefill
@@ -33,6 +33,8 @@ from graphmode.model import ModelConfig
 from graphmode.plugins import installed_vendor_names, load_vendor
 from graphmode.plugins.info import device_available
 from graphmode.runner.setup import default_capture_sizes
+
+WASTE_UP_TO = 256  # the padding-waste summary's batch sizes: 1..256
 
 
 def host_cost(runner: graphmode.GraphRunner, steps: list, device: torch.device) -> dict[str, float]:
@@ -56,7 +58,8 @@ def host_cost(runner: graphmode.GraphRunner, steps: list, device: torch.device) 
         graph.replay()
         launches.append(time.perf_counter() - started)
     call, launch = statistics.median(calls), statistics.median(launches)
-    return {"runner_call_us": call * 1e6, "graph_launch_us": launch * 1e6, "host_cost_us": (call - launch) * 1e6}
+    return {"runner_call_us": call * 1e6, "graph_launch_us": launch * 1e6, "host_cost_us": (call - launch) * 1e6,
+            "noise_us": max(spread(calls), spread(launches)) * 1e6}
 
 
 def capture_cost(workload: Workload, buckets: list[int] | None) -> dict[str, float]:
@@ -83,19 +86,30 @@ def capture_cost(workload: Workload, buckets: list[int] | None) -> dict[str, flo
     return result
 
 
-def vendor_padding_waste(max_batches: int) -> dict[str, dict[str, Any]]:
-    """Each installed vendor's default capture list and its padding waste
-    over batch sizes 1..max (see graphmode.buckets.padding_waste)."""
-    waste = {}
-    for name in installed_vendor_names():
-        vendor = load_vendor(name)
-        sizes = default_capture_sizes(vendor, max_batches)
+def vendor_padding_waste(names: list[str], max_batches: int) -> dict[str, dict[str, Any]]:
+    """The padding waste of each named vendor's default capture list over
+    batch sizes 1..max_batches (see graphmode.buckets.padding_waste). A
+    vendor whose largest graph is below max_batches (a fixed capture list,
+    a declared ``max_capture_size``) runs the batches above it eagerly:
+    those are counted as eager, and the waste is over the batches its
+    graphs hold (1..graphed). A vendor whose list cannot be taken is
+    reported as failed, not fatal: the timings are already measured."""
+    waste: dict[str, dict[str, Any]] = {}
+    for name in names:
+        try:
+            vendor = load_vendor(name)
+            sizes = default_capture_sizes(vendor, max_batches)
+            graphed = min(max(sizes), max_batches)
 
-        def bucket_of(batch: int, hook: Any = vendor.hook, sizes: tuple[int, ...] = sizes) -> int | None:
-            return hook.graphmode_compatible_size(batch_size=batch, capture_sizes=sizes)
+            def bucket_of(batch: int, hook: Any = vendor.hook, sizes: tuple[int, ...] = sizes) -> int | None:
+                return hook.graphmode_compatible_size(batch_size=batch, capture_sizes=sizes)
 
-        result = padding_waste(sizes, max_batches, bucket_of)
-        waste[name] = {"graphs": result.graphs, "mean": result.mean, "worst": result.worst}
+            result = padding_waste(sizes, graphed, bucket_of)
+        except Exception as error:  # reported in the summary and the JSON
+            waste[name] = {"failed": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
+            continue
+        waste[name] = {"graphs": result.graphs, "mean": result.mean, "worst": result.worst,
+                       "graphed": graphed, "eager": max_batches - graphed}
     return waste
 
 
@@ -197,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"capture: {results['capture']}", flush=True)
 
     modes: list[Any] = [Eager(workload.model)] if "eager" in wanted else []
+    vendors: list[str] = []
     if "graphmode" in wanted:
         vendors, skipped = bench_vendors(args.vendors, workload.model, device)
         for line in skipped:
@@ -246,11 +261,11 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(mode, (GraphmodeRunner, HandWrittenGraph)):
             del mode  # release graphs before the next mode captures
         release(device)
-    results["padding_waste"] = vendor_padding_waste(256)
-    print_table(results)
-    if args.json:
+    results["padding_waste"] = vendor_padding_waste(vendors, WASTE_UP_TO)
+    if args.json:  # before the table: a summary that fails to print loses no measurement
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1, default=str)
+    print_table(results)
     if args.plot:
         plot(results, args.plot)
     return 0
@@ -318,7 +333,8 @@ def print_costs(results: dict[str, Any]) -> None:
     if results["host"]:
         print("\ngraphmode host cost per step (runner call minus graph launch, us)")
         for batch, cost in results["host"].items():
-            print(f"{batch:5d} {cost['host_cost_us']:7.1f} us (call {cost['runner_call_us']:.1f}, launch {cost['graph_launch_us']:.1f})")
+            host = difference_text(cost["host_cost_us"], cost["noise_us"])
+            print(f"{batch:5d} {host:>10s} (call {cost['runner_call_us']:.1f}, launch {cost['graph_launch_us']:.1f})")
     if "capture" in results:
         every, alone = results["capture"]["all_buckets"], results["capture"]["largest_alone"]
         ratio = every["graph_memory_bytes"] / max(alone["graph_memory_bytes"], 1)
@@ -333,9 +349,26 @@ def print_costs(results: dict[str, Any]) -> None:
         print("\ncompile time (s, outside the timed steps)")
         for mode, seconds in results["compile_s"].items():
             print(f"  {mode:36s} {seconds:7.1f}")
-    print("\npadding waste over batch sizes 1..256: mean over n of (bucket(n) - n) / bucket(n)")
-    for vendor, waste in results["padding_waste"].items():
-        print(f"  {vendor:8s} {waste['graphs']:3d} graphs: mean {waste['mean']:.1%}, worst {waste['worst']:.1%}")
+    print_waste(results["padding_waste"])
+
+
+def print_waste(wastes: dict[str, dict[str, Any]]) -> None:
+    """The timed vendors' padding waste over 1..WASTE_UP_TO; batches above
+    a vendor's largest graph run eagerly, and are counted as such."""
+    if not wastes:
+        return
+    print(f"\npadding waste over batch sizes 1..{WASTE_UP_TO}: mean over n of (bucket(n) - n) / bucket(n), "
+          "for the batches a graph holds (those above a vendor's largest graph run eagerly, unpadded)")
+    for vendor, waste in wastes.items():
+        if "failed" in waste:
+            print(f"  {vendor:8s} failed: {waste['failed']}")
+            continue
+        line = f"  {vendor:8s} {waste['graphs']:3d} graphs: mean {waste['mean']:.1%}, worst {waste['worst']:.1%}"
+        if waste["eager"]:
+            graphed = waste["graphed"]
+            line += (f" over 1..{graphed}; batches {graphed + 1}..{WASTE_UP_TO} ({waste['eager']}) run eagerly "
+                     f"(above its largest graph, {graphed})")
+        print(line)
 
 
 def plot(results: dict[str, Any], path: str) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from graphmode.bench.modes import Compiled, _sync
 
-__all__ = ["Measured", "machine", "measure", "release"]
+__all__ = ["Measured", "difference_text", "machine", "measure", "release", "spread"]
 
 
 @dataclass
@@ -63,6 +63,25 @@ def measure(mode: Any, steps: list, warmup: int, rows: torch.Tensor, device: tor
     except Exception as error:  # reported in the table and the JSON, the other modes go on
         release(device)
         return Measured(error=f"{type(error).__name__}: {error}".splitlines()[0][:300])
+
+
+def spread(samples: list[float]) -> float:
+    """How far timings of one thing scatter: their interquartile range (0
+    for fewer than two)."""
+    if len(samples) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(samples, n=4)
+    return high - low
+
+
+def difference_text(difference: float, noise: float, unit: str = "us") -> str:
+    """A cost measured as the difference of two timings (``difference``, in
+    ``unit``), as printed: the figure, or where noise made it negative,
+    "not measurable (noise: ...)" rather than a negative cost. ``noise``:
+    the timings' spread in ``unit``, e.g. the larger :func:`spread`."""
+    if difference < 0:
+        return f"not measurable (noise: came out {difference:+.1f} {unit}, timings scatter by {noise:.1f} {unit})"
+    return f"{difference:.1f} {unit}"
 
 
 def release(device: torch.device) -> None:

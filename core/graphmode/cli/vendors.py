@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from graphmode.buckets import largest_graph_declaration
 from graphmode.errors import GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, ENV_VENDOR, Vendor, select_vendor, vendor_statuses
 from graphmode.runner.setup import default_capture_sizes
@@ -66,7 +67,8 @@ def _describe(vendor: Vendor, max_batches: int) -> None:
     sizes = list(default_capture_sizes(vendor, max_batches))
     largest = ""
     if spec.max_capture_size is not None:
-        largest = f"; largest graph {spec.max_capture_size} (GraphSpec.max_capture_size)"
+        declared = largest_graph_declaration(spec.capture_sizes, spec.max_capture_size)
+        largest = f"; largest graph {spec.max_capture_size} ({declared})"
     if sizes[-1] < max_batches:
         largest += f"; batches {sizes[-1] + 1}..{max_batches} run eagerly"
     print(f"  capture list for max_batches={max_batches}: {len(sizes)} graphs {sizes}{largest}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from graphmode.buckets import FixedSizes
+from graphmode.buckets import FixedSizes, largest_graph_declaration
 from graphmode.config import RunnerConfig
 from graphmode.errors import ConfigError
 from graphmode.plugins import Vendor
@@ -71,7 +71,8 @@ def capture_sizes(vendor: Vendor, config: RunnerConfig, spec: GraphSpec) -> tupl
     elif config.capture_batch_sizes is not None and not set(sizes) <= set(config.capture_batch_sizes):
         problem = f"adds sizes to the user's list {list(config.capture_batch_sizes)}"
     elif spec.max_capture_size is not None and sizes[-1] > spec.max_capture_size:
-        problem = f"goes past the vendor's largest graph, {spec.max_capture_size} (GraphSpec.max_capture_size)"
+        declared = largest_graph_declaration(spec.capture_sizes, spec.max_capture_size)
+        problem = f"goes past the vendor's largest graph, {spec.max_capture_size} ({declared})"
     elif fixed is not None and not set(sizes) <= set(fixed):
         problem = f"has sizes {sorted(set(sizes) - set(fixed))} outside its fixed list {list(fixed)} (GraphSpec.capture_sizes)"
     if problem:
