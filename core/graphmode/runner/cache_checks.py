@@ -26,43 +26,38 @@ class CacheMemory:
 
     The identity check (the same tensor objects) cannot see memory given to
     the same object (``k.set_(other)``, ``k.data = other``), but a device
-    graph keeps reading and writing the old address. One call per replay
-    compares every pointer: PyTorch's own batched comparison where the build
-    has it (CUDA builds: CUDA graph trees check their static inputs with it),
-    else ``data_ptr()`` per tensor. On an H100 host at 24 layers (48
-    tensors) the per-tensor loop took 6.0 us a step; ``scripts/kv_pointer_cost.py``
-    measures both."""
+    graph keeps reading and writing the old address. One list of pointers
+    is compared per replay, read with ``const_data_ptr`` (no copy-on-write
+    materialisation, and about a third cheaper than ``data_ptr``);
+    ``scripts/kv_pointer_cost.py`` measures it (docs/architecture.md, Errors)."""
 
     def __init__(self, tensors: list[Any]) -> None:
         self.tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
         self.pointers = list(map(_data_ptr, self.tensors))
-        self._every = list(range(len(self.tensors)))
 
     def unchanged(self) -> bool:
         """Whether every cache tensor still has its memory of capture time."""
-        if _pointers_equal is not None:
-            return bool(_pointers_equal(self.tensors, self.pointers, self._every))
         return list(map(_data_ptr, self.tensors)) == self.pointers
 
     def check(self, graph: str) -> None:
         """Refuse a replay of ``graph`` (as errors name it) when a cache
         tensor's memory moved since capture."""
-        if self.unchanged():
+        if list(map(_data_ptr, self.tensors)) == self.pointers:  # unchanged(), inlined: every replay
             return
-        index = next(i for i, (t, p) in enumerate(zip(self.tensors, self.pointers)) if t.data_ptr() != p)
+        index = next(i for i, (t, p) in enumerate(zip(self.tensors, self.pointers)) if _data_ptr(t) != p)
         raise InputError(
             f"past_key_values tensor {index} of {len(self.tensors)} has new memory (data_ptr "
-            f"{self.tensors[index].data_ptr():#x}, captured at {self.pointers[index]:#x}) under the same "
+            f"{_data_ptr(self.tensors[index]):#x}, captured at {self.pointers[index]:#x}) under the same "
             f"tensor object (tensor.set_(...), tensor.data = ...): the graph of {graph} would keep reading and "
             "writing the old memory. Change the cache in place (.copy_()), or call runner.reset() after "
             "reallocating the cache"
         )
 
 
-_data_ptr = torch.Tensor.data_ptr
-# (tensors, pointers, indices) -> whether each tensors[i].data_ptr() == pointers[i]:
-# one C++ call (CUDA builds of torch; absent from CPU builds).
-_pointers_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+# const_data_ptr reads the address without materialising a copy-on-write
+# tensor; torch builds without it (none in the supported range, 2.5+, that we
+# know of) fall back to data_ptr.
+_data_ptr = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
 _UNSEEN = object()
 
 
