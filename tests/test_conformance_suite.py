@@ -194,6 +194,18 @@ def test_a_vendor_with_a_fixed_capture_list_passes_and_its_header_says_so(tmp_pa
     assert ran["test_batches_above_the_largest_graph_run_eagerly"] == "passed"
 
 
+def test_a_host_lengths_vendor_with_the_default_capture_policy_passes(tmp_path):
+    """Zeta (tests/plugins/zeta.py, an outsider's plugin: host kv lengths
+    pushed before every replay) on the default graded capture list: the
+    replay test picks its batches inside one bucket of that list, so it
+    replays as often on graded sizes as on powers of two."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:plugin")
+    assert status == 0, failures(report)
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_new_host_values_reach_every_replay"] == "passed"
+    assert "capture list at max_batches=48: [1, 2, 3, 4, 5, 6, 7, 8, 10, 12," in "\n".join(report["runs"][0]["header"])
+
+
 def test_graphmode_conformance_passes_for_every_installed_vendor_on_the_emulator(tmp_path, capfd):
     # --device cpu: every vendor on the emulator on any machine (on a GPU machine the
     # bare command tests the detected vendor on its device instead).

@@ -98,10 +98,36 @@ class ParameterUpdateTests(ConformanceFixtures):
             )
         if not updates_graph_params:
             pytest.skip("the vendor pushes no host values into graphs")
-        seqs = harness.start(6, [1, 5, 9, 13, 17, 21])
-        for batch in (6, 6, 5, 6, 4, 6, 6):
+        batches = _batches_of_one_bucket(harness.runner.capture_sizes)
+        bucket = harness.runner.bucket_of(batches[0])
+        seqs = harness.start(batches[0], [1 + 4 * i for i in range(batches[0])])
+        for batch in batches:
             harness.step(seqs[:batch])
-        assert harness.runner.stats.replays >= 5
+        stats = harness.runner.stats
+        if stats.replays < len(batches) - 1:
+            raise ConformanceFailure(
+                f"[parameter updates] vendor {vendor.name} on {harness.device}{harness.variant}: the batches "
+                f"{list(batches)}, all in bucket {bucket} of the capture list {harness.runner.capture_sizes}, should "
+                f"capture once and replay {len(batches) - 1} times, so that new host values reach replays; the runner "
+                f"reports {stats.summary()}"
+            )
+
+
+def _batches_of_one_bucket(capture_sizes: list[int]) -> tuple[int, ...]:
+    """Seven decode batches that all run in one bucket of ``capture_sizes``:
+    the bucket, and batches below it down to the capture size before it
+    (shrinks and regrowths), so every step after the first replays the
+    bucket's graph whatever the vendor's capture policy. The smallest bucket
+    with two smaller batches of its own, else one, else none (the bucket's
+    own batch every step)."""
+    sizes = sorted(capture_sizes)
+    below = dict(zip(sizes, [0, *sizes]))
+    for room in (2, 1, 0):
+        bucket = next((size for size in sizes if size - below[size] > room), None)
+        if bucket is not None:
+            smaller, smallest = bucket - min(1, room), bucket - room
+            return (bucket, bucket, smaller, bucket, smallest, bucket, bucket)
+    raise ConformanceFailure(f"[parameter updates] the capture list {capture_sizes} is empty: no graph to replay")
 
 
 class CapabilityTests(ConformanceFixtures):
