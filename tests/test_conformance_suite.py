@@ -206,6 +206,21 @@ def test_a_host_lengths_vendor_with_the_default_capture_policy_passes(tmp_path):
     assert "capture list at max_batches=48: [1, 2, 3, 4, 5, 6, 7, 8, 10, 12," in "\n".join(report["runs"][0]["header"])
 
 
+def test_stale_pushed_padding_is_caught_on_a_graded_list_and_named_by_the_host_buffer(tmp_path):
+    """Zeta pushing only the live rows of its host lengths (trial 22's slip):
+    caught inside a bucket of the graded list (not only on powers of two),
+    the diagnosis naming the host buffer it pushes from, not the device
+    buffer kv_seqlens that holds the same values."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:pushed_live_rows_only",
+                               "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "[pushed host values] vendor zeta on cpu, batch 19, bucket 20 (replay)" in message, message
+    assert "rows 0..18 are this step's zeta_kv_lens" in message, message
+    assert "must push every row up to the bucket from its host buffer (meta.input_buffers['zeta_kv_lens'][:bucket]" \
+        in message, message
+
+
 def test_graphmode_conformance_passes_for_every_installed_vendor_on_the_emulator(tmp_path, capfd):
     # --device cpu: every vendor on the emulator on any machine (on a GPU machine the
     # bare command tests the detected vendor on its device instead).

@@ -8,6 +8,7 @@ import torch
 
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
+from graphmode_conformance.sizes import bucket_with_smaller_batches
 
 __all__ = ["CapabilityTests", "KVCacheIntegrityTests", "LifecycleTests", "ParameterUpdateTests"]
 
@@ -98,9 +99,11 @@ class ParameterUpdateTests(ConformanceFixtures):
             )
         if not updates_graph_params:
             pytest.skip("the vendor pushes no host values into graphs")
-        batches = _batches_of_one_bucket(harness.runner.capture_sizes)
-        bucket = harness.runner.bucket_of(batches[0])
-        seqs = harness.start(batches[0], [1 + 4 * i for i in range(batches[0])])
+        # Seven steps in one bucket (shrinks and regrowths): one capture, six replays.
+        bucket, smaller = bucket_with_smaller_batches(harness.runner.capture_sizes, 2)
+        least = [*smaller, bucket][-1]
+        batches = (bucket, bucket, [*smaller, bucket][0], bucket, least, bucket, bucket)
+        seqs = harness.start(bucket, [1 + 4 * i for i in range(bucket)])
         for batch in batches:
             harness.step(seqs[:batch])
         stats = harness.runner.stats
@@ -111,23 +114,6 @@ class ParameterUpdateTests(ConformanceFixtures):
                 f"capture once and replay {len(batches) - 1} times, so that new host values reach replays; the runner "
                 f"reports {stats.summary()}"
             )
-
-
-def _batches_of_one_bucket(capture_sizes: list[int]) -> tuple[int, ...]:
-    """Seven decode batches that all run in one bucket of ``capture_sizes``:
-    the bucket, and batches below it down to the capture size before it
-    (shrinks and regrowths), so every step after the first replays the
-    bucket's graph whatever the vendor's capture policy. The smallest bucket
-    with two smaller batches of its own, else one, else none (the bucket's
-    own batch every step)."""
-    sizes = sorted(capture_sizes)
-    below = dict(zip(sizes, [0, *sizes]))
-    for room in (2, 1, 0):
-        bucket = next((size for size in sizes if size - below[size] > room), None)
-        if bucket is not None:
-            smaller, smallest = bucket - min(1, room), bucket - room
-            return (bucket, bucket, smaller, bucket, smallest, bucket, bucket)
-    raise ConformanceFailure(f"[parameter updates] the capture list {capture_sizes} is empty: no graph to replay")
 
 
 class CapabilityTests(ConformanceFixtures):

@@ -14,6 +14,7 @@ updatable call (docs/emulator.md, "An updatable operator").
 from __future__ import annotations
 
 import sys
+import types
 
 import torch
 
@@ -159,3 +160,37 @@ def graphmode_update_graph_params(graph, meta, batch_size, bucket):
     # Every row of the bucket, padding rows included (their declared padding, 1).
     lens = meta.input_buffers[HOST_LENS][:bucket].tolist()  # host buffer: no device sync
     graph.update_kv_lens([int(x) for x in lens])
+
+
+# ---------------------------------------------------------------- its slips
+# The outsider's planted slips (trial 22), each the plugin with one hook
+# changed, for the checks that catch them.
+def _with(name: str, **changes):
+    slipped = types.SimpleNamespace(__name__=name, __version__=__version__)
+    for attr in dir(plugin):
+        if attr.startswith("graphmode_"):
+            setattr(slipped, attr, getattr(plugin, attr))
+    for attr, function in changes.items():
+        setattr(slipped, attr, function)
+    return slipped
+
+
+@hookimpl
+def _push_live_rows_only(graph, meta, batch_size, bucket):
+    live = [int(x) for x in meta.input_buffers[HOST_LENS][:batch_size].tolist()]
+    for call in graph.calls:  # only the live rows change; keep the rest of the call's list
+        previous = call.steps[0].kwargs["kv_lens"]
+        call.update(kv_lens=live + list(previous[batch_size:]))
+
+
+@hookimpl
+def _host_lengths_padded_with_minus_one():
+    # "-1 writes nothing" copied from the slot buffer onto a length buffer.
+    return ZETA_SPEC.with_buffers(
+        BufferSpec(HOST_LENS, torch.int32, padding=-1, host=True, source="attn_metadata.kv_seqlens_cpu"),
+    )
+
+
+pushed_live_rows_only = _with("zeta_pushed_live_rows_only", graphmode_update_graph_params=_push_live_rows_only)
+lengths_padded_with_minus_one = _with("zeta_lengths_padded_with_minus_one",
+                                      graphmode_graph_spec=_host_lengths_padded_with_minus_one)
