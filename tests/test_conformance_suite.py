@@ -4,12 +4,16 @@ vendor while passing on the correct originals those vary."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 from broken_plugins import BROKEN, OPTIONS, ORIGINALS
 
+from graphmode.spec import BLOCKS, CUDA_SPEC, SEQUENCES, TOKENS, BufferSpec
 from graphmode_conformance import cli
+from graphmode_conformance.hooks import _copies_padded_unlike_their_source
 
 pytestmark = pytest.mark.slow
 
@@ -219,6 +223,38 @@ def test_stale_pushed_padding_is_caught_on_a_graded_list_and_named_by_the_host_b
     assert "rows 0..18 are this step's zeta_kv_lens" in message, message
     assert "must push every row up to the bucket from its host buffer (meta.input_buffers['zeta_kv_lens'][:bucket]" \
         in message, message
+
+
+def test_a_host_length_buffer_padded_with_minus_one_is_refused_by_its_declaration(tmp_path):
+    """Zeta's host kv lengths declared with padding=-1 (trial 22's slip, "-1
+    writes nothing" copied from the slot buffer): the emulator's kernel masks
+    padding rows, so outputs stay right; the declaration check refuses it."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:lengths_padded_with_minus_one",
+                               "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "[padding] vendor zeta: the declared padding is not neutral: buffer zeta_kv_lens (source " \
+        "attn_metadata.kv_seqlens_cpu) padding -1: it holds lengths" in message, message
+    assert "padding rows read the reserved block 0 with length 1; declare padding=1 (0..16)" in message, message
+    assert "graphmode_graph_spec" in message, message
+
+
+@pytest.mark.parametrize("declared, expected", [
+    (BufferSpec("slots_copy", torch.int32, shape=(TOKENS,), padding=0, source="attn_metadata.kv_start_indices"),
+     "buffer slots_copy (source attn_metadata.kv_start_indices) padding 0: it holds KV slots"),
+    (BufferSpec("table_copy", torch.int32, shape=(SEQUENCES, BLOCKS), padding=-1, source="attn_metadata.block_offsets"),
+     "buffer table_copy (source attn_metadata.block_offsets) padding -1: it holds block-table entries"),
+    (BufferSpec("q_lens", torch.int32, padding=-1, host=True, source="attn_metadata.q_seqlens"),
+     "buffer q_lens (source attn_metadata.q_seqlens) padding -1: it holds lengths"),
+    (BufferSpec("kv_lens", torch.int32, padding=17, host=True, source="attn_metadata.kv_seqlens_cpu"),
+     "padding 17: it holds lengths, and every padding row would hand the kernel a length of 17 (more than the "
+     "reserved block's 16 tokens"),
+])
+def test_every_copy_of_a_slot_table_or_length_field_pads_like_it(declared, expected):
+    problems = _copies_padded_unlike_their_source(CUDA_SPEC.with_buffers(declared), 16)
+    assert len(problems) == 1 and expected in problems[0], problems
+    neutral = dataclasses.replace(declared, padding={"slots_copy": -1, "table_copy": 0}.get(declared.name, 1))
+    assert _copies_padded_unlike_their_source(CUDA_SPEC.with_buffers(neutral), 16) == []
 
 
 def test_graphmode_conformance_passes_for_every_installed_vendor_on_the_emulator(tmp_path, capfd):
