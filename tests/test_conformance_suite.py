@@ -135,6 +135,13 @@ DIAGNOSES = {
         "padding rows left stale, pushed for the live rows only",
         "Hook: graphmode_update_graph_params must push every row up to the bucket",
     ),
+    "graphs_kept_in_a_registry": (
+        "[graph lifetime] vendor ascend on cpu, vendor_options {'update_path': 'graph_update'}: after runner.reset(), "
+        "3 of 3 graphs the runner held are still alive after gc.collect(): the graphmode_ascend.graph.AscendGraph of "
+        "bucket 8 (held by broken_plugins._ALL_GRAPHS)",
+        "Something outside the runner keeps the graphs graphmode_make_graph returned",
+        "device memory grows with every reset or reload though outputs are right",
+    ),
 }
 
 
