@@ -381,6 +381,21 @@ def _push_live_rows_only(graph, meta, batch_size, bucket):
     graph.push_kv_lengths(pushed[:bucket])
 
 
+# 29. Every graph graphmode_make_graph returned kept in a module-level
+#     registry ("so the runtime's update stream can find every graph", trial
+#     22): the graphs, and the memory they captured, outlive runner.reset()
+#     and the runner itself; device memory grows with every reload while
+#     every output is right.
+_ALL_GRAPHS: list = []
+
+
+@hookimpl
+def _graphs_kept_in_a_registry(meta):
+    graph = ascend.graphmode_make_graph(meta)
+    _ALL_GRAPHS.append(graph)
+    return graph
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -411,6 +426,8 @@ BROKEN = {
     "host_copy_in_fill": variant(ascend, "host_copy_in_fill", graphmode_fill_buffers=_device_lengths_into_host_buffer),
     "dist_backend_from_string": variant(maca, "dist_backend_from_string", graphmode_dist_backend=_dist_backend_from_string),
     "pushed_padding_stale": variant(ascend, "pushed_padding_stale", graphmode_update_graph_params=_push_live_rows_only),
+    "graphs_kept_in_a_registry": variant(
+        ascend, "graphs_kept_in_a_registry", graphmode_make_graph=_graphs_kept_in_a_registry),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

@@ -4,12 +4,16 @@ vendor while passing on the correct originals those vary."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 from broken_plugins import BROKEN, OPTIONS, ORIGINALS
 
+from graphmode.spec import BLOCKS, CUDA_SPEC, SEQUENCES, TOKENS, BufferSpec
 from graphmode_conformance import cli
+from graphmode_conformance.hooks import _copies_padded_unlike_their_source
 
 pytestmark = pytest.mark.slow
 
@@ -131,6 +135,13 @@ DIAGNOSES = {
         "padding rows left stale, pushed for the live rows only",
         "Hook: graphmode_update_graph_params must push every row up to the bucket",
     ),
+    "graphs_kept_in_a_registry": (
+        "[graph lifetime] vendor ascend on cpu, vendor_options {'update_path': 'graph_update'}: after runner.reset(), "
+        "3 of 3 graphs the runner held are still alive after gc.collect(): the graphmode_ascend.graph.AscendGraph of "
+        "bucket 8 (held by broken_plugins._ALL_GRAPHS)",
+        "Something outside the runner keeps the graphs graphmode_make_graph returned",
+        "device memory grows with every reset or reload though outputs are right",
+    ),
 }
 
 
@@ -192,6 +203,65 @@ def test_a_vendor_with_a_fixed_capture_list_passes_and_its_header_says_so(tmp_pa
     assert "capture list at max_batches=48: [1, 2, 4, 8, 16, 32] (the vendor's policy); batches 33..48 run eagerly" in header
     ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
     assert ran["test_batches_above_the_largest_graph_run_eagerly"] == "passed"
+
+
+def test_a_host_lengths_vendor_with_the_default_capture_policy_passes(tmp_path):
+    """Zeta (tests/plugins/zeta.py, an outsider's plugin: host kv lengths
+    pushed before every replay) on the default graded capture list: the
+    replay test picks its batches inside one bucket of that list, so it
+    replays as often on graded sizes as on powers of two."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:plugin")
+    assert status == 0, failures(report)
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_new_host_values_reach_every_replay"] == "passed"
+    assert "capture list at max_batches=48: [1, 2, 3, 4, 5, 6, 7, 8, 10, 12," in "\n".join(report["runs"][0]["header"])
+
+
+def test_stale_pushed_padding_is_caught_on_a_graded_list_and_named_by_the_host_buffer(tmp_path):
+    """Zeta pushing only the live rows of its host lengths (trial 22's slip):
+    caught inside a bucket of the graded list (not only on powers of two),
+    the diagnosis naming the host buffer it pushes from, not the device
+    buffer kv_seqlens that holds the same values."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:pushed_live_rows_only",
+                               "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "[pushed host values] vendor zeta on cpu, batch 19, bucket 20 (replay)" in message, message
+    assert "rows 0..18 are this step's zeta_kv_lens" in message, message
+    assert "must push every row up to the bucket from its host buffer (meta.input_buffers['zeta_kv_lens'][:bucket]" \
+        in message, message
+
+
+def test_a_host_length_buffer_padded_with_minus_one_is_refused_by_its_declaration(tmp_path):
+    """Zeta's host kv lengths declared with padding=-1 (trial 22's slip, "-1
+    writes nothing" copied from the slot buffer): the emulator's kernel masks
+    padding rows, so outputs stay right; the declaration check refuses it."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:lengths_padded_with_minus_one",
+                               "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "[padding] vendor zeta: the declared padding is not neutral: buffer zeta_kv_lens (source " \
+        "attn_metadata.kv_seqlens_cpu) padding -1: it holds lengths" in message, message
+    assert "padding rows read the reserved block 0 with length 1; declare padding=1 (0..16)" in message, message
+    assert "graphmode_graph_spec" in message, message
+
+
+@pytest.mark.parametrize("declared, expected", [
+    (BufferSpec("slots_copy", torch.int32, shape=(TOKENS,), padding=0, source="attn_metadata.kv_start_indices"),
+     "buffer slots_copy (source attn_metadata.kv_start_indices) padding 0: it holds KV slots"),
+    (BufferSpec("table_copy", torch.int32, shape=(SEQUENCES, BLOCKS), padding=-1, source="attn_metadata.block_offsets"),
+     "buffer table_copy (source attn_metadata.block_offsets) padding -1: it holds block-table entries"),
+    (BufferSpec("q_lens", torch.int32, padding=-1, host=True, source="attn_metadata.q_seqlens"),
+     "buffer q_lens (source attn_metadata.q_seqlens) padding -1: it holds lengths"),
+    (BufferSpec("kv_lens", torch.int32, padding=17, host=True, source="attn_metadata.kv_seqlens_cpu"),
+     "padding 17: it holds lengths, and every padding row would hand the kernel a length of 17 (more than the "
+     "reserved block's 16 tokens"),
+])
+def test_every_copy_of_a_slot_table_or_length_field_pads_like_it(declared, expected):
+    problems = _copies_padded_unlike_their_source(CUDA_SPEC.with_buffers(declared), 16)
+    assert len(problems) == 1 and expected in problems[0], problems
+    neutral = dataclasses.replace(declared, padding={"slots_copy": -1, "table_copy": 0}.get(declared.name, 1))
+    assert _copies_padded_unlike_their_source(CUDA_SPEC.with_buffers(neutral), 16) == []
 
 
 def test_graphmode_conformance_passes_for_every_installed_vendor_on_the_emulator(tmp_path, capfd):

@@ -61,6 +61,46 @@ def _padded_batch(harness: Harness, start: int = 1) -> int | None:
     return next((b for b in range(start, harness.sizes.max_batches + 1) if runner.bucket_of(b) not in (None, b)), None)
 
 
+# Step fields whose values are lengths; a buffer copying one pads with a length.
+_KV_LENGTHS = ("kv_seqlens", "kv_seqlens_cpu")
+_LENGTHS = (*_KV_LENGTHS, "q_seqlens", "q_seqlens_cpu")
+_CORE = ("kv_start_indices", "block_offsets", "kv_seqlens")  # checked by name above
+
+
+def _copies_padded_unlike_their_source(spec, block_size: int) -> list[str]:
+    """Problems of every other declared buffer whose live rows come from a
+    slot, block-table or length field of the step (a host copy of the kv
+    lengths, say): its padding must be what that field's own buffer pads
+    with, whatever its name."""
+    problems = []
+    for buffer in spec.buffers:
+        fields = {path.rsplit(".", 1)[-1] for path in buffer.sources}
+        if buffer.name in _CORE or not fields:
+            continue
+        pad, what = buffer.padding, f"buffer {buffer.name} (source {', '.join(buffer.sources)})"
+        if "kv_start_indices" in fields and pad != -1:
+            problems.append(f"{what} padding {pad!r}: it holds KV slots, and a padding slot {pad!r} writes into the "
+                            "cache (a live block, or the reserved block 0); declare padding=-1 (no KV write)")
+        elif "block_offsets" in fields and pad != 0:
+            problems.append(f"{what} padding {pad!r}: it holds block-table entries, and padding rows must read the "
+                            "reserved block 0, nothing else; declare padding=0")
+        elif fields & set(_LENGTHS) or any(field.endswith(("seqlens", "seqlens_cpu")) for field in fields):
+            kv = bool(fields & set(_KV_LENGTHS))
+            number = isinstance(pad, (int, float))
+            if number and pad < 0:
+                harm = "unsigned 0xFFFFFFFF, or a loop bound: out-of-range reads"
+            elif number and kv and pad > block_size:
+                harm = f"more than the reserved block's {block_size} tokens: out-of-range reads"
+            else:
+                continue
+            problems.append(
+                f"{what} padding {pad!r}: it holds lengths, and every padding row would hand the kernel a length of "
+                f"{pad!r} ({harm}). -1 is the slot buffer's padding (no KV write), not a length's: padding rows read "
+                f"the reserved block 0 with length 1; declare padding=1 ({f'0..{block_size}' if kv else '>= 0'})"
+            )
+    return problems
+
+
 class HookContractTests(ConformanceFixtures):
     def test_vendor_describes_itself(self, vendor):
         info = vendor.info
@@ -179,6 +219,7 @@ class HookContractTests(ConformanceFixtures):
         ids = spec.buffer("input_ids").padding
         if not isinstance(ids, int) or not 0 <= ids < harness.model.config.vocab_size:
             problems.append(f"input_ids padding {ids!r} outside the vocabulary")
+        problems += _copies_padded_unlike_their_source(spec, block_size)
         if problems:
             raise ConformanceFailure(
                 f"[padding] vendor {vendor.name}: the declared padding is not neutral: " + "; ".join(problems)

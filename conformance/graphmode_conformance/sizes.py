@@ -12,7 +12,7 @@ import torch
 
 from graphmode.errors import ConfigError
 
-__all__ = ["DTYPES", "SIZE_OPTIONS", "Sizes", "parse_capture_sizes", "sizes_from_options", "vendor_capture_sizes"]
+__all__ = ["DTYPES", "SIZE_OPTIONS", "Sizes", "bucket_with_smaller_batches", "parse_capture_sizes", "sizes_from_options", "vendor_capture_sizes"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BLOCK_SIZE = 16
@@ -142,3 +142,18 @@ def vendor_capture_sizes(vendor: Any, sizes: Sizes, max_batches: int | None = No
     given = resolved.capture_sizes if max_batches is None else None
     config = RunnerConfig(top, resolved.table_width, resolved.block, torch.device("cpu"), capture_batch_sizes=given)
     return capture_sizes(vendor, config, configure(vendor, config))
+
+
+def bucket_with_smaller_batches(capture_sizes: list[int], wanted: int) -> tuple[int, list[int]]:
+    """A bucket of ``capture_sizes`` and up to ``wanted`` smaller batches that
+    run in it (largest first): the smallest bucket with ``wanted`` of them,
+    else with fewer, else the smallest bucket and none. Tests that shrink a
+    batch inside one bucket pick it here, so that they replay one graph on
+    any capture policy (powers of two, graded, fixed)."""
+    sizes = sorted(capture_sizes)
+    below = dict(zip(sizes, [0, *sizes]))
+    for room in range(wanted, -1, -1):
+        bucket = next((size for size in sizes if size - below[size] > room), None)
+        if bucket is not None:
+            return bucket, list(range(bucket - 1, bucket - 1 - room, -1))
+    raise ConfigError(f"the capture list {capture_sizes} is empty: no graph to replay")

@@ -22,6 +22,7 @@ import torch
 from graphmode.emulator import EmulatedGraph
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import Harness
+from graphmode_conformance.sizes import bucket_with_smaller_batches
 from graphmode_conformance.structure import ConformanceFailure
 
 __all__ = ["UnseenByOutputsTests", "check_pushed_host_values"]
@@ -56,11 +57,16 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
     if graph is None:
         return
     meta = runner.graph_meta()
+    # Host buffers first: a host list is pushed from a host buffer (a device
+    # one would cost a host sync per step), so a host buffer holding the
+    # same rows as a device one is the one the vendor pushed.
+    declared = sorted(meta.spec.buffers, key=lambda spec: not spec.host)
     rows = {
         spec.name: (meta.input_buffers[spec.name].detach().cpu()[:bucket].tolist(), spec.padding)
-        for spec in meta.spec.buffers
+        for spec in declared
         if not spec.per_token and meta.input_buffers[spec.name].dim() == 1
     }
+    host = {spec.name for spec in declared if spec.host}
     for op, argument, values in graph.host_arguments():
         if len(values) != bucket:
             continue
@@ -73,6 +79,11 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
             continue
         name, (held, padding) = next(iter(matching.items()))
         previous = state.get((op, argument))
+        fix = (f"push every row up to the bucket from its host buffer (meta.input_buffers[{name!r}][:bucket], "
+               "host memory: no device sync)" if name in host else
+               f"push every row up to the bucket from a host buffer holding {name}'s values (declare one: "
+               f"BufferSpec(host=True) with a host source such as attn_metadata.kv_seqlens_cpu), never from the "
+               f"device buffer {name} (.tolist() of device memory waits for the device at every step)")
         stale = ""
         if previous is not None and previous[1][batch:] == values[batch:]:
             stale = (f" They are what was pushed for the previous step (batch {previous[0]}): padding rows left "
@@ -84,8 +95,7 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
             f"{values[batch:]}, not what buffer {name} holds there ({held[batch:]}, its declared padding "
             f"{padding!r}).{stale} A device kernel reads every row of the bucket: one that trusts these values "
             f"reads that many tokens for each padding row, past the reserved block (an out-of-range read), "
-            f"although the emulator's outputs are right. Hook: graphmode_update_graph_params must push every row "
-            f"up to the bucket (meta.input_buffers[{name!r}][:bucket])"
+            f"although the emulator's outputs are right. Hook: graphmode_update_graph_params must {fix}"
         )
 
 
@@ -121,13 +131,12 @@ class UnseenByOutputsTests(ConformanceFixtures):
         if harness.device.type != "cpu":
             pytest.skip("what a graph's kernels read is inspected on the emulator's records")
         runner = harness.runner
-        top = min(8, harness.sizes.max_batches)
-        bucket = runner.bucket_of(top)
-        smaller = sorted((b for b in range(1, top) if runner.bucket_of(b) == bucket), reverse=True)
-        if bucket is None or not smaller:
-            pytest.skip(f"bucket {bucket} of batch {top} holds no smaller batch")
+        bucket, smaller = bucket_with_smaller_batches(runner.capture_sizes, 3)
+        if not smaller:
+            pytest.skip(f"no bucket of the capture list {runner.capture_sizes} holds a smaller batch: no padding rows")
         longest = harness.sizes.table_width * harness.sizes.block // 2
-        lengths = [longest - 3 * i for i in range(bucket)]  # long, distinct: not the padding, not row numbers
+        gap = max(1, min(3, (longest - 2) // bucket))
+        lengths = [longest - gap * i for i in range(bucket)]  # long, distinct: not the padding, not row numbers
         seqs = harness.start(bucket, lengths)
         state: dict = {}
         for batch in (bucket, bucket, *smaller, bucket, smaller[-1]):
