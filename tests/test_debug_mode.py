@@ -274,7 +274,6 @@ def test_torch_graph_enables_debug_mode_only_where_the_class_has_one():
     _HostTorchGraph(torch.device("cpu", 0), object()).enable_debug_mode()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def _cuda_graph_dumps(path) -> bool:
     """Whether a plain torch.cuda.CUDAGraph, captured after enable_debug_mode(),
     writes its debug dump on this build (torch 2.11 on an H100 wrote nothing,
@@ -290,6 +289,7 @@ def _cuda_graph_dumps(path) -> bool:
     return path.exists()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_write_their_debug_dump_in_debug_mode(tmp_path, monkeypatch):
     """torch.cuda.CUDAGraph writes a DOT file only after enable_debug_mode():
     where a plain graph writes one, the runner's graphs do too."""
