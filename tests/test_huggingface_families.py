@@ -97,7 +97,7 @@ def test_family_decodes_hf_greedy_tokens(family):
     model.hf_model.load_state_dict(reference.state_dict())
     cache_blocks = MAX_BATCH * WIDTH + 1
     kv_cache = model.make_kv_cache(cache_blocks, BLOCK_SIZE)
-    runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, num_blocks=WIDTH, block_size=BLOCK_SIZE)
+    runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
     batch = serve_hf.PagedBatch(cache_blocks, BLOCK_SIZE, WIDTH, torch.device("cpu"))
     served = requests()
     steps = serve_hf.serve(runner, kv_cache, batch, served, max_batch=MAX_BATCH)
@@ -146,9 +146,9 @@ def test_family_the_adapter_cannot_run_is_refused_at_load(family):
 def test_sliding_window_shorter_than_the_table_is_refused_when_the_runner_is_built(family, fields, mode):
     model = load_model(config(family, **fields))
     with pytest.raises(ConfigError, match=r"has a sliding window of 16 tokens \(config.sliding_window\), but the "
-                       r"block table can address 32 tokens \(num_blocks 8 x block_size 4\).* Raise the window, "
-                       r"lower the table width \(num_blocks \* block_size <= 16\), or use a model without"):
-        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, num_blocks=WIDTH, block_size=BLOCK_SIZE,
+                       r"block table can address 32 tokens \(max_blocks_per_seq 8 x block_size 4\).* Raise the window, "
+                       r"lower the table width \(max_blocks_per_seq \* block_size <= 16\), or use a model without"):
+        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
                                      execute_mode=mode)
     # A table within the window is served.
-    graphmode.build_graph_runner(model, max_batches=MAX_BATCH, num_blocks=4, block_size=BLOCK_SIZE, execute_mode=mode)
+    graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=4, block_size=BLOCK_SIZE, execute_mode=mode)
