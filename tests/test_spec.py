@@ -195,7 +195,8 @@ def test_a_missing_or_misshapen_declared_input_is_refused_naming_it():
     with torch.inference_mode():
         with pytest.raises(InputError, match="step input 'token_scale' .* is missing"):
             runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
-        with pytest.raises(InputError, match=r"step input 'token_scale' has shape \(5,\); its buffer takes \(3,\)"):
+        with pytest.raises(InputError, match=r"step input 'token_scale' has shape \(5,\); declared \(TOKENS,\), this step of 3 "
+                           r"sequences and 3 tokens needs \(3,\)"):
             runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=torch.ones(5))
 
 
