@@ -164,6 +164,21 @@ def test_a_new_kv_cache_needs_a_reset():
         setup.runner(step.input_ids, step.position_ids, same_tensors, step.attn_metadata)
 
 
+def test_new_tensor_objects_over_the_captured_memory_replay():
+    # A graph reads addresses: views of the captured cache tensors (new Python
+    # objects, the same memory and layout) are read right, so they replay.
+    setup = tiny_setup()
+    seqs = setup.prefill(2)
+    setup.decode(seqs)
+    views = [(k.view(k.shape), v.view(v.shape)) for k, v in setup.graph_cache]
+    step = setup.engine.decode(seqs)
+    with torch.inference_mode():
+        graph = setup.runner(step.input_ids, step.position_ids, views, step.attn_metadata)
+        eager = setup.model(step.input_ids, step.position_ids, views, step.attn_metadata)
+    torch.testing.assert_close(graph, eager)
+    assert setup.runner.stats.replays == 1
+
+
 def test_extra_inputs_are_frozen_and_checked():
     class WithExtra(torch.nn.Module):
         def __init__(self, model):

@@ -25,7 +25,7 @@ from graphmode.piecewise import PIECEWISE_MODES
 from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
-from graphmode.runner.cache_checks import CacheMemory
+from graphmode.runner.cache_checks import CacheMemory, cache_flattener
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.staging import to_device
 
@@ -50,7 +50,7 @@ class PiecewiseGraph:
     extras: dict[str, Any]
 
     def __post_init__(self) -> None:
-        self.memory = CacheMemory(self.cache_tensors)  # their data pointers, checked at every replay
+        self.memory = CacheMemory(self.cache_tensors, self.flatten_cache)  # their data pointers, checked at every replay
 
     @property
     def name(self) -> str:
@@ -186,7 +186,7 @@ class PiecewiseGraphs:
                 )
             raise
         runner._pool = forward.pool  # one pool for every graph of the runner, full and piecewise
-        flatten = _cache_flattener(static.past_key_values)
+        flatten = cache_flattener(static.past_key_values)
         graph = self._graphs[bucket] = PiecewiseGraph(
             bucket, forward.pieces, output, flatten(static.past_key_values), flatten, dict(static.extras)
         )
@@ -275,23 +275,10 @@ def _live_columns(output: Any, tokens: int) -> Any:
     return tree_map(cut, output)
 
 
-def _cache_flattener(past_key_values: Any) -> Callable[[Any], list[Any]]:
-    from graphmode.runner.runner import cache_flattener
-
-    return cache_flattener(past_key_values)
-
-
 def _check_same_objects(graph: PiecewiseGraph, inputs: StepInputs) -> None:
     """The break points hold the KV-cache tensors and the segments the extra
     inputs they captured: refuse others rather than ignore them."""
-    now, then = graph.flatten_cache(inputs.past_key_values), graph.cache_tensors
-    if len(now) != len(then) or any(a is not b for a, b in zip(now, then)):
-        raise InputError(
-            f"past_key_values are not the tensors the piecewise graph of token bucket {graph.bucket} "
-            "captured: its attention calls would keep reading and writing the old cache. Call "
-            "runner.reset() after reallocating or replacing any KV-cache tensor"
-        )
-    graph.memory.check(graph.name)
+    graph.memory.check(inputs.past_key_values, graph.name)
     for name in inputs.extras.keys() | graph.extras.keys():
         if inputs.extras.get(name) is not graph.extras.get(name):
             raise InputError(

@@ -8,7 +8,9 @@ Host facts only: shapes, dtypes, the Python objects and their data pointers.
 
 from __future__ import annotations
 
+import itertools
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,40 +20,63 @@ from graphmode.context import StepInputs
 from graphmode.errors import InputError
 from graphmode.runner.validate import cache_geometry, check_cache_layout
 
-__all__ = ["CacheFit", "CacheMemory", "check_same_objects", "check_warmup_cache"]
+__all__ = ["CacheFit", "CacheMemory", "cache_flattener", "check_same_objects", "check_warmup_cache"]
 
 
 class CacheMemory:
-    """The data pointers of a graph's KV-cache tensors at capture.
+    """The KV-cache tensors a graph captured, by the memory they had then.
 
-    The identity check (the same tensor objects) cannot see memory given to
-    the same object (``k.set_(other)``, ``k.data = other``), but a device
-    graph keeps reading and writing the old address. One list of pointers
-    is compared per replay, read with ``const_data_ptr`` (no copy-on-write
-    materialisation, and about a third cheaper than ``data_ptr``);
+    A device graph reads and writes the addresses it captured, so the
+    criterion is the address, not the Python object: another cache, a
+    tensor replaced in the container, or memory given to the same object
+    (``k.set_(other)``, ``k.data = other``) all move an address. One list
+    of data pointers, read with ``const_data_ptr`` (no copy-on-write
+    materialisation), is compared per replay; a new tensor object over the
+    captured memory passes (the graph reads it right), and ``CacheFit``
+    checks the shape of every new tensor object that reaches the runner.
     ``scripts/kv_pointer_cost.py`` measures it (docs/architecture.md, Errors)."""
 
-    def __init__(self, tensors: list[Any]) -> None:
-        self.tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-        self.pointers = list(map(_data_ptr, self.tensors))
+    def __init__(self, leaves: list[Any], flatten: Callable[[Any], list[Any]]) -> None:
+        self.leaves, self.flatten = leaves, flatten
+        self.pointers = [_data_ptr(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+        # A list of (key, value) pairs is read without flattening it first.
+        self._pointers_of = _chained_pointers if flatten is _chained else _flattened_pointers(flatten)
 
-    def unchanged(self) -> bool:
-        """Whether every cache tensor still has its memory of capture time."""
-        return list(map(_data_ptr, self.tensors)) == self.pointers
+    def check(self, past_key_values: Any, graph: str) -> None:
+        """Refuse a replay of ``graph`` (as errors name it) on a cache whose
+        tensors are not at the addresses it captured."""
+        try:
+            if self._pointers_of(past_key_values) == self.pointers:
+                return
+        except TypeError:  # not a list of pairs, or a leaf that is not a tensor: see below
+            pass
+        now, then = self.flatten(past_key_values), self.leaves
+        for index, (given, captured, pointer) in enumerate(zip(now, then, self.pointers)):
+            if not isinstance(captured, torch.Tensor):
+                same = given is captured
+            else:
+                same = isinstance(given, torch.Tensor) and _data_ptr(given) == pointer
+            if same:
+                continue
+            if given is captured:
+                raise InputError(
+                    f"past_key_values tensor {index} of {len(then)} has new memory (data_ptr "
+                    f"{_data_ptr(given):#x}, captured at {pointer:#x}) under the same tensor object "
+                    f"(tensor.set_(...), tensor.data = ...): the graph of {graph} would keep reading and "
+                    "writing the old memory. Change the cache in place (.copy_()), or call runner.reset() "
+                    "after reallocating the cache"
+                )
+            _refuse_other_cache(graph, f"tensor {index} of {len(then)} differs", len(now))
+        if len(now) != len(then):
+            _refuse_other_cache(graph, f"{len(then)} tensors captured", len(now))
 
-    def check(self, graph: str) -> None:
-        """Refuse a replay of ``graph`` (as errors name it) when a cache
-        tensor's memory moved since capture."""
-        if list(map(_data_ptr, self.tensors)) == self.pointers:  # unchanged(), inlined: every replay
-            return
-        index = next(i for i, (t, p) in enumerate(zip(self.tensors, self.pointers)) if _data_ptr(t) != p)
-        raise InputError(
-            f"past_key_values tensor {index} of {len(self.tensors)} has new memory (data_ptr "
-            f"{_data_ptr(self.tensors[index]):#x}, captured at {self.pointers[index]:#x}) under the same "
-            f"tensor object (tensor.set_(...), tensor.data = ...): the graph of {graph} would keep reading and "
-            "writing the old memory. Change the cache in place (.copy_()), or call runner.reset() after "
-            "reallocating the cache"
-        )
+
+def _refuse_other_cache(graph: str, which: str, given: int) -> None:
+    raise InputError(
+        f"past_key_values are not the tensors the graph of {graph} captured ({which}; {given} given): "
+        "the graph would keep reading and writing the old cache. Call runner.reset() after reallocating "
+        "or replacing any KV-cache tensor"
+    )
 
 
 # const_data_ptr reads the address without materialising a copy-on-write
@@ -61,20 +86,43 @@ _data_ptr = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
 _UNSEEN = object()
 
 
+def cache_flattener(past_key_values: Any) -> Callable[[Any], list[Any]]:
+    """How to list a KV cache's tensors in order, chosen once at capture: the
+    usual list of (key, value) pairs is chained, a fraction of the cost of a
+    general tree flatten. A later cache of another layout then lists other
+    objects (or fails to chain), and is refused all the same."""
+    if type(past_key_values) in _SEQUENCES and all(type(layer) in _SEQUENCES for layer in past_key_values):
+        return _chained
+    return _tree_leaves
+
+
+def _chained(past_key_values: Any) -> list[Any]:
+    try:
+        return list(itertools.chain.from_iterable(past_key_values))
+    except TypeError:  # not a sequence of sequences any more
+        return [past_key_values]
+
+
+def _tree_leaves(past_key_values: Any) -> list[Any]:
+    return tree_flatten(past_key_values)[0]
+
+
+def _chained_pointers(past_key_values: Any) -> list[int]:
+    return list(map(_data_ptr, itertools.chain.from_iterable(past_key_values)))
+
+
+def _flattened_pointers(flatten: Callable[[Any], list[Any]]) -> Callable[[Any], list[int]]:
+    return lambda past_key_values: list(map(_data_ptr, flatten(past_key_values)))
+
+
+_SEQUENCES = (list, tuple)
+
+
 def check_same_objects(captured: Any, inputs: StepInputs) -> None:
-    """A graph reads what it captured: a new KV cache (or a cache tensor
-    replaced inside the same container) or a changed extra input without a
-    buffer would be silently ignored, so refuse it."""
-    now, then = captured.flatten_cache(inputs.past_key_values), captured.cache_tensors
-    if len(now) != len(then) or not all(map(operator.is_, now, then)):
-        changed = next((i for i, (a, b) in enumerate(zip(now, then)) if a is not b), min(len(now), len(then)))
-        raise InputError(
-            f"past_key_values are not the tensors the graph of {captured.name} captured "
-            f"(tensor {changed} of {len(then)} differs; {len(now)} given): the graph would keep "
-            "reading and writing the old cache. Call runner.reset() after reallocating or "
-            "replacing any KV-cache tensor"
-        )
-    captured.memory.check(captured.name)
+    """A graph reads what it captured: a KV cache at other addresses, or a
+    changed extra input without a buffer, would be silently ignored, so
+    refuse it."""
+    captured.memory.check(inputs.past_key_values, captured.name)
     # Declared step inputs have buffers; every other extra is frozen by the graph.
     given = {n: v for n, v in inputs.extras.items() if n not in captured.meta.spec.names} if inputs.extras else {}
     if given or captured.extras:

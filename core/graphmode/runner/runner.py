@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +34,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from graphmode import buffers
 from graphmode.config import RunnerConfig
@@ -44,7 +42,13 @@ from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
-from graphmode.runner.cache_checks import CacheFit, CacheMemory, check_same_objects, check_warmup_cache
+from graphmode.runner.cache_checks import (
+    CacheFit,
+    CacheMemory,
+    cache_flattener,
+    check_same_objects,
+    check_warmup_cache,
+)
 from graphmode.runner.debug import StepChecker
 from graphmode.runner.guard import busy, one_at_a_time
 from graphmode.runner.host_reads import replay_guard
@@ -76,7 +80,7 @@ class CapturedGraph:
     q_len: int = 1  # new tokens per sequence
 
     def __post_init__(self) -> None:
-        self.memory = CacheMemory(self.cache_tensors)  # their data pointers, checked at every replay
+        self.memory = CacheMemory(self.cache_tensors, self.flatten_cache)  # their data pointers, checked at every replay
 
     @property
     def name(self) -> str:
@@ -539,30 +543,6 @@ def _rank_sync(process_group: Any, check_ranks: str) -> Any:
     if dist.get_world_size(process_group) == 1:
         return None
     return RankSync(process_group, check_replays=check_ranks == "always")
-
-
-def cache_flattener(past_key_values: Any) -> Callable[[Any], list[Any]]:
-    """How to list a KV cache's tensors in order, chosen once at capture: the
-    usual list of (key, value) pairs is chained, a fraction of the cost of a
-    general tree flatten. A later cache of another layout then lists other
-    objects (or fails to chain), and is refused all the same."""
-    if type(past_key_values) in _SEQUENCES and all(type(layer) in _SEQUENCES for layer in past_key_values):
-        return _chained
-    return _leaves
-
-
-def _chained(past_key_values: Any) -> list[Any]:
-    try:
-        return list(itertools.chain.from_iterable(past_key_values))
-    except TypeError:  # not a sequence of sequences any more
-        return [past_key_values]
-
-
-def _leaves(past_key_values: Any) -> list[Any]:
-    return tree_flatten(past_key_values)[0]
-
-
-_SEQUENCES = (list, tuple)
 
 
 def _model_attr(model: Any, name: str) -> Any:
