@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 import graphmode  # noqa: E402
 from graphmode.errors import ConfigError  # noqa: E402
-from graphmode.integrations.huggingface import load_model  # noqa: E402
+from graphmode.integrations.huggingface import HuggingFaceModel, load_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import serve_hf  # noqa: E402
@@ -58,10 +58,10 @@ RUNS = {
     "qwen3_moe": dict(GQA, **MOE, num_experts=4, head_dim=16),
 }
 #: What transformers 4.x does differently (CI runs 4.56.0 on torch 2.5):
-#: families refused at load there, and one that fails at capture.
+#: families refused at load there, and families whose MoE routing calls
+#: nonzero there (graph modes refused when the runner is built).
 REFUSED_BEFORE_V5 = {"gptj", "codegen", "gpt_bigcode", "qwen2_moe", "gpt2"}
-_NONZERO = "its MoE routing calls nonzero in 4.x (a data-dependent shape: the capture refuses it, naming the line)"
-RUNS_FROM_V5 = {"mixtral": _NONZERO, "qwen3_moe": _NONZERO}
+NONZERO_BEFORE_V5 = {"mixtral", "qwen3_moe"}
 
 
 def config(family: str, **fields):
@@ -78,9 +78,14 @@ def requests() -> list[serve_hf.Request]:
 def test_family_decodes_hf_greedy_tokens(family):
     if not hasattr(transformers, "AutoConfig") or family not in transformers.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
-    if not V5 and family in RUNS_FROM_V5:
-        pytest.skip(f"{family} on transformers {transformers.__version__}: {RUNS_FROM_V5[family]}")
     settings = config(family, **RUNS[family])
+    if not V5 and family in NONZERO_BEFORE_V5:
+        model = load_model(settings)
+        with pytest.raises(ConfigError, match=rf"'{family}' cannot run in execute_mode='graph' \(transformers 4\.\S+\): "
+                           r"its forward calls aten.nonzero.default at \S+modeling_\w+\.py:\d+ in forward, whose "
+                           r"output size depends on tensor values.*execute_mode='eager'"):
+            graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
+        return
     if not V5 and family in REFUSED_BEFORE_V5:
         with pytest.raises(ConfigError, match=f"'{family}' is not supported"):
             load_model(settings)
@@ -152,3 +157,25 @@ def test_sliding_window_shorter_than_the_table_is_refused_when_the_runner_is_bui
                                      execute_mode=mode)
     # A table within the window is served.
     graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=4, block_size=BLOCK_SIZE, execute_mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["graph", "piecewise", "full_and_piecewise"])
+def test_a_forward_no_graph_can_capture_is_refused_when_the_runner_is_built(mode):
+    # Any model whose forward sizes a result from tensor values (a router
+    # picking tokens with nonzero, say): graph modes are refused before any
+    # step, naming the operator and the line; eager mode serves it.
+    hf_model = load_model(config("llama", **GQA)).hf_model
+
+    def route(module, args):
+        torch.nonzero(args[0][..., 0] > 0)
+
+    hf_model.model.layers[1].mlp.register_forward_pre_hook(route)
+    model = HuggingFaceModel(hf_model, graphmode.load_vendor("cuda").attention_ops(None))
+    with pytest.raises(ConfigError, match=rf"'llama' cannot run in execute_mode='{mode}' .*: its forward calls "
+                       r"aten.nonzero.default at \S+test_huggingface_families.py:\d+ in route, whose output size "
+                       r"depends on tensor values, so no device graph can capture it. Build the runner with "
+                       r"execute_mode='eager'"):
+        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
+                                     execute_mode=mode)
+    graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
+                                 execute_mode="eager")

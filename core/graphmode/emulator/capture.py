@@ -42,7 +42,16 @@ from graphmode.errors import CaptureError
 if TYPE_CHECKING:
     from graphmode.emulator.graph import EmulatedGraph
 
-__all__ = ["HOST_READS", "CaptureSession", "call_site", "current_session", "named_arguments", "reads_host"]
+__all__ = [
+    "HOST_READS",
+    "CaptureSession",
+    "ValueSizedOps",
+    "call_site",
+    "current_session",
+    "named_arguments",
+    "reads_host",
+    "value_sized",
+]
 
 aten = torch.ops.aten
 _local = threading.local()
@@ -306,12 +315,40 @@ class _Recorder(TorchDispatchMode):
             if is_host(args[0]):
                 return func(*args, **kwargs)
             raise session.refuse(f"{func} (.item())", "a device-to-host read")
-        if func in _DATA_DEPENDENT:
-            raise session.refuse(str(func), "its output size depends on tensor values")
-        indices = args[1] if len(args) > 1 else kwargs.get("indices")
-        if func in _BOOL_INDEXED and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(indices)):
-            raise session.refuse(f"{func} with a boolean mask", "its output size depends on tensor values")
+        sized = value_sized(func, args, kwargs)
+        if sized is not None:
+            raise session.refuse(sized, "its output size depends on tensor values")
         return session.graph.record_call(session, func, args, kwargs)
+
+
+def value_sized(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """``func`` as errors name it if its output size depends on tensor
+    values (which no device graph can capture, on any device), else None."""
+    if func in _DATA_DEPENDENT:
+        return str(func)
+    indices = args[1] if len(args) > 1 else kwargs.get("indices")
+    if func in _BOOL_INDEXED and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(indices)):
+        return f"{func} with a boolean mask"
+    return None
+
+
+class ValueSizedOps(TorchDispatchMode):
+    """Records, without refusing, the first operator run under it whose output
+    size depends on tensor values, and where it was called (``found``: the
+    operator and ``file:line in function``): a forward a graph's capture
+    would refuse, known before any capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: tuple[str, str] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found is None:
+            sized = value_sized(func, args, kwargs)
+            if sized is not None:
+                self.found = (sized, call_site())
+        return func(*args, **kwargs)
 
 
 class HostReadGuard(TorchFunctionMode):

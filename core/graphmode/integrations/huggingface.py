@@ -219,8 +219,10 @@ class HuggingFaceModel(nn.Module):
     def check_runner(self, config: Any) -> None:
         """Refuse, when a runner is built for this model, a block table that
         can address more tokens than a layer's sliding window (the paged
-        kernels attend to the whole sequence)."""
+        kernels attend to the whole sequence), and graph modes for a forward
+        no graph can capture (the probe saw a value-sized operator)."""
         self.support.check_table(config.max_blocks_per_seq, config.block_size)
+        self.support.check_graphs(config.execute_mode)
 
     @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
     def make_kv_cache(

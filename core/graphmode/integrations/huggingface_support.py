@@ -16,7 +16,10 @@ Two checks, both before the model serves a step:
   one head size. It also reads each layer's sliding window (the keyword the
   layer passes, or the module's ``sliding_window``, which some families set
   and apply through the mask only), which the runner's table capacity must
-  not exceed (:meth:`Probe.check_table`).
+  not exceed (:meth:`Probe.check_table`), and the first operator whose
+  output size depends on tensor values (``nonzero`` in the MoE routing of
+  transformers 4.x's Mixtral and Qwen3-MoE), for which graph modes are
+  refused when a runner is built (:meth:`Probe.check_graphs`).
 
 Messages name the family, the layer or parameter by name and shape (never
 tensor values), the reason and the fix.
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from graphmode.emulator.capture import ValueSizedOps
 from graphmode.errors import ConfigError
 
 #: What every refusal of a family ends with.
@@ -146,6 +150,7 @@ class Probe:
     calls: list[Call] = field(default_factory=list)
 
     config_window: int | None = None
+    value_sized: tuple[str, str] | None = None  # an operator no graph can capture, and where it was called
 
     @property
     def window(self) -> tuple[int, str] | None:
@@ -240,6 +245,20 @@ class Probe:
     def head_dim(self) -> int:
         return self.calls[0].key[3]
 
+    def check_graphs(self, execute_mode: str) -> None:
+        """Refuse graph modes for a forward that runs an operator whose output
+        size depends on tensor values (MoE routing with ``nonzero``, say):
+        every capture would fail on it."""
+        if self.value_sized is None or execute_mode == "eager":
+            return
+        what, where = self.value_sized
+        raise ConfigError(
+            f"{self.family!r} cannot run in execute_mode={execute_mode!r} (transformers {_version()}): its forward "
+            f"calls {what} at {where}, whose output size depends on tensor values, so no device graph can "
+            "capture it. Build the runner with execute_mode='eager', or use a transformers version whose model "
+            f"avoids the operator; {SUPPORTED}"
+        )
+
     def check_table(self, max_blocks_per_seq: int, block_size: int) -> None:
         """Refuse a block table that can address more tokens than a layer's
         sliding window: the paged kernels attend to the whole sequence."""
@@ -288,7 +307,7 @@ def probe(hf_model: Any) -> Probe:
                  config_window=config_window(config))
     device = next(hf_model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with _probing(seen), torch.no_grad():
+    with _probing(seen), torch.no_grad(), ValueSizedOps() as sized:
         try:
             hf_model(input_ids=ids, position_ids=ids, use_cache=False, graphmode_step=seen)
         except TypeError as error:
@@ -298,5 +317,6 @@ def probe(hf_model: Any) -> Probe:
                 f"{family!r} is not supported: {type(hf_model).__name__}.forward takes no extra keyword arguments "
                 f"({error}), so graphmode's step cannot reach the attention layers; {SUPPORTED}"
             ) from None
+    seen.value_sized = sized.found
     seen.refuse()
     return seen
