@@ -26,6 +26,8 @@ __all__ = ["opaque_paged_prefill", "paged_prefill"]
 
 BLOCK_N = 64  # cached tokens per inner iteration
 ROWS = 64  # query rows (tokens x query heads of one KV head) per program
+NUM_WARPS = 4
+NUM_STAGES: int | None = None  # Triton's default software pipelining depth
 
 
 def _next_power_of_two(value: int) -> int:
@@ -88,7 +90,7 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=dim,
         BLOCK_D=max(16, _next_power_of_two(dim)), BLOCK_N=BLOCK_N, PAGE=page,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )
     return out
 
