@@ -24,11 +24,12 @@ import torch
 
 __all__ = ["opaque_paged_prefill", "paged_prefill"]
 
-# The launch configuration, chosen on an H100 (torch 2.11, Triton 3.x) at
-# the bench model's 16x2048 prefill (bf16, 14 query and 2 KV heads, head_dim
-# 64, 64-token pages), one kernel call: 0.652 ms with 64 rows, 4 warps and
-# Triton's default stages; 0.551 ms with 128 rows, 8 warps, 2 stages (the best
-# of 14 tried, .gpu/prefill_sweep.py of the helper m-compiled, 2026-11-25).
+# The launch configuration, chosen on an H100 (torch 2.11) at the bench
+# model's 16x2048 prefill (bf16, 14 query and 2 KV heads, head_dim 64,
+# 64-token pages), one call (scripts/sweep_triton_prefill.py, 2026-11-25):
+# 0.481 ms with 64 rows, 4 warps and Triton's default stages; 0.445 ms with
+# 128 rows, 8 warps and 2 stages (0.444 with 4 warps). Before the unmasked
+# loop over the blocks below the diagonal: 0.652 and 0.551 ms.
 BLOCK_N = 64  # cached tokens per inner iteration
 ROWS = 128  # query rows (tokens x query heads of one KV head) per program
 NUM_WARPS = 8
