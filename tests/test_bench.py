@@ -32,6 +32,8 @@ def test_prefill_workload_runs_every_case_in_every_mode_with_eager_results(capsy
     modes = ["eager", "piecewise", "full_and_piecewise"]
     names = CASES.split(",")
     assert list(results["latency_ms"]) == modes  # no compile column off CUDA
+    for name in ("piecewise+compile", "full_and_piecewise+compile"):
+        assert f"{name}: not timed off CUDA (compile=True is refused on the CPU emulator)" in out
     assert [case["name"] for case in results["cases"]] == names
     assert [case["tokens"] for case in results["cases"]] == [8, 32, 20, 4]
     assert results["token_buckets"] == [4, 8, 20, 32] and results["full_graph_batches"] == [4]

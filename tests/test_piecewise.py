@@ -243,11 +243,6 @@ def test_bad_token_sizes_are_refused():
         tiny_setup(execute_mode="piecewise", capture_token_sizes=[])
 
 
-def test_compile_with_piecewise_is_refused():
-    with pytest.raises(ConfigError, match="compile=True with execute_mode='piecewise'"):
-        tiny_setup(execute_mode="piecewise", compile=True)
-
-
 def test_a_model_without_attention_ops_is_refused():
     def model(input_ids, position_ids, past_key_values, attn_metadata):
         return torch.zeros((1, input_ids.shape[1], 4))

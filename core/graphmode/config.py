@@ -96,9 +96,11 @@ class RunnerConfig:
         (:class:`graphmode.spec.BufferSpec`, e.g. LoRA ids per sequence):
         each gets a buffer filled every step with the rest, and reaches the
         model as a view of it, under its name in the step's extras.
-    compile: run the decode graphs over ``torch.compile(model)`` (Inductor
-        kernels captured inside graphmode's graphs); eager steps run the
-        model uncompiled. Only in graph mode, only for vendors declaring the
+    compile: run the graphs over ``torch.compile(model)`` (Inductor
+        kernels captured inside graphmode's graphs; piecewise graphs over
+        the compiled forward split at the attention calls, see
+        ``graphmode.piecewise.compiled``); eager steps run the model
+        uncompiled. Ignored in eager mode; only for vendors declaring the
         ``inductor_graphs`` capability, never on the CPU emulator.
     compile_options: keyword arguments for ``torch.compile``, over
         ``{"dynamic": True}``; ``mode`` must be one of GRAPHED_COMPILE_MODES.

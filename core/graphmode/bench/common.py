@@ -21,7 +21,8 @@ __all__ = ["CPU_CASES", "DEFAULT_BATCHES", "GPU_CASES", "MODES", "PREFILL_MODES"
 DEFAULT_BATCHES = "1,2,3,4,8,16,24,32,64,100,128,200,256"
 MODES = ("eager", "graphmode", "hand", "hand-exact", "compile", "graphmode-compile")
 WORKLOADS = ("decode", "prefill", "offload")
-PREFILL_MODES = ("eager", "piecewise", "full_and_piecewise", "compile")
+PREFILL_MODES = ("eager", "piecewise", "full_and_piecewise", "piecewise+compile", "full_and_piecewise+compile",
+                 "compile")
 GPU_CASES = "1x128,1x512,1x2048,4x128,4x512,4x2048,16x128,16x512,16x2048,mix512+64,decode64"
 CPU_CASES = "1x8,1x32,4x8,4x32,mix16+4,decode4"
 

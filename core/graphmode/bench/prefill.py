@@ -1,6 +1,7 @@
 """``graphmode bench --workload prefill``: prefill, chunked-prefill and decode
-steps, eager against piecewise graphs, full-and-piecewise graphs and
-torch.compile, side by side.
+steps, eager against piecewise graphs, full-and-piecewise graphs, both over
+the compiled forward (``compile=True``: "piecewise+compile",
+"full_and_piecewise+compile", CUDA only) and torch.compile, side by side.
 
 Per case (see ``bench/cases.py``) and mode: the median step (ms), its
 speed-up over eager, the largest difference from eager's logits at each
@@ -109,7 +110,7 @@ def run_prefill(args: argparse.Namespace) -> int:
             results["stats"][mode.name] = {
                 "piecewise_captures": stats.piecewise_captures, "piecewise_replays": stats.piecewise_replays,
                 "captures": stats.captures, "replays": stats.replays, "eager_steps": dict(stats.eager_steps),
-                "padded_tokens": stats.padded_tokens,
+                "padded_tokens": stats.padded_tokens, "compile_seconds": round(stats.compile_seconds, 2),
             }
     print_prefill_table(results)
     if args.json:
@@ -127,6 +128,17 @@ def build_modes(wanted: list[str], workload: PrefillWorkload, args: argparse.Nam
             mode = GraphmodeRunner(workload.model, workload, "cuda", execute_mode=execute_mode,
                                    capture_token_sizes=buckets, capture_batch_sizes=decode_batches or None)
             mode.name = execute_mode
+            modes.append(mode)
+    for execute_mode in ("piecewise", "full_and_piecewise"):  # the same over the compiled forward, split at attention
+        name = f"{execute_mode}+compile"
+        if name not in wanted:
+            continue
+        if workload.device.type != "cuda":
+            print(f"{name}: not timed off CUDA (compile=True is refused on the CPU emulator)", flush=True)
+        elif not args.no_compile:
+            mode = GraphmodeRunner(workload.model, workload, "cuda", execute_mode=execute_mode, compile=True,
+                                   capture_token_sizes=buckets, capture_batch_sizes=decode_batches or None)
+            mode.name = name
             modes.append(mode)
     if "compile" in wanted:
         if workload.device.type != "cuda":
@@ -184,7 +196,7 @@ def size(value: float) -> str:
 
 
 def _short(mode: str) -> str:
-    return {"full_and_piecewise": "full+piecewise"}.get(mode, mode.replace("torch.compile ", "compile "))
+    return mode.replace("full_and_piecewise", "full+piecewise").replace("torch.compile ", "compile ")
 
 
 def print_prefill_table(results: dict[str, Any]) -> None:

@@ -214,7 +214,25 @@ def prefill_kernel(
             acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
             table = table_ptr + seq.to(tl.int64) * stride_tb
             hi = tl.minimum(kv_len, kv_len - q_len + first + BLOCK_Q)  # past the block's last position
-            for key_start in range(0, hi, BLOCK_N):
+            # Key blocks every row of the program sees in full (below its
+            # first token's position) need no mask: most of a long prompt's.
+            full = tl.maximum(kv_len - q_len + first + 1, 0) // BLOCK_N * BLOCK_N
+            for key_start in range(0, full, BLOCK_N):
+                keys = key_start + tl.arange(0, BLOCK_N)
+                block = tl.load(table + keys // PAGE).to(tl.int64)
+                offset = (keys % PAGE).to(tl.int64)
+                k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
+                k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=dim_ok[None, :], other=0.0)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(scores - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
+                v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=dim_ok[None, :], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
+            for key_start in range(full, hi, BLOCK_N):  # the diagonal: causal and length masks
                 keys = key_start + tl.arange(0, BLOCK_N)
                 in_range = keys < hi
                 block = tl.load(table + keys // PAGE, mask=in_range, other=0).to(tl.int64)

@@ -12,6 +12,7 @@ warm-up's. The graphs share the runner's memory pool with its full graphs.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
 from graphmode.piecewise import PIECEWISE_MODES
 from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted
+from graphmode.piecewise.compiled import SplitForward
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener
@@ -65,12 +67,6 @@ class PiecewiseGraphs:
 
     def __init__(self, runner: GraphRunner) -> None:
         config = runner.config
-        if config.compile:
-            raise ConfigError(
-                f"compile=True with execute_mode={config.execute_mode!r}: piecewise graphs capture the "
-                "model's own forward (torch.compile cannot run on the CPU emulator, so the split does not "
-                "use it). Use compile=False, or execute_mode='graph'"
-            )
         if runner.rank_sync is not None:
             raise ConfigError(
                 f"execute_mode={config.execute_mode!r} with a tensor-parallel process group: piecewise "
@@ -81,6 +77,8 @@ class PiecewiseGraphs:
         self.mode = config.execute_mode
         self.sizes = config.capture_token_sizes or default_token_sizes(config.max_batches)
         self.ops = find_attention_ops(runner.model)
+        # What warm-ups and captures run: the model, or its compiled forward split at the break points.
+        self._forward = SplitForward(runner._forward, self.ops) if runner._compiled else runner.model
         self._graphs: dict[int, PiecewiseGraph] = {}
         self._buffers = BreakBuffers(self.sizes[-1])
         self._outputs = SharedOutputs(self.sizes[-1])
@@ -154,9 +152,10 @@ class PiecewiseGraphs:
             shape_only(inputs.attn_metadata), dict(inputs.extras),
         )
         warm_up = EagerForward(live, self._buffers)
+        started = time.perf_counter()
         try:
             with intercepted(self.ops, warm_up):
-                warm_output = runner.model(**static.as_kwargs())
+                warm_output = self._forward(**static.as_kwargs())  # compiles, with compile=True
         except RuntimeError as error:
             if "meta" in str(error) and hasattr(error, "add_note"):
                 error.add_note(
@@ -166,6 +165,8 @@ class PiecewiseGraphs:
                     "it only inside the vendor's AttentionOps, or use execute_mode='graph'"
                 )
             raise
+        if runner._compiled:
+            runner.stats.compile_seconds += time.perf_counter() - started
         self._outputs.prepare(warm_output, bucket)
         # Plugins tell piecewise graphs from full ones (make_graph, capture
         # advice) by is_decoding False; their capture sizes are token sizes.
@@ -174,7 +175,7 @@ class PiecewiseGraphs:
         forward = CaptureForward(warm_up.views, lambda: hook.graphmode_make_graph(meta=meta), runner._pool)
         try:
             with intercepted(self.ops, forward), forward:
-                output = self._outputs.publish(runner.model(**static.as_kwargs()), bucket)
+                output = self._outputs.publish(self._forward(**static.as_kwargs()), bucket)
         except Exception as error:
             advice = hook.graphmode_capture_error(error=error, meta=meta, bucket=bucket)
             if advice is not None:

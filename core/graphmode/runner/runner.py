@@ -12,8 +12,9 @@ modes "piecewise" and "full_and_piecewise", in piecewise graphs
 
 With ``compile=True`` the graphs hold ``torch.compile(model)``: the warm-up
 forward of a capture compiles (Dynamo traces, Inductor generates kernels and
-autotunes, outside any graph), and the capture records the compiled kernels.
-Eager steps run the model uncompiled.
+autotunes, outside any graph), and the capture records the compiled kernels;
+piecewise graphs capture it split at the attention calls
+(``graphmode.piecewise.compiled``). Eager steps run the model uncompiled.
 
 What it deliberately does not do: it never reads device values on the host
 (no synchronisation per step; on the emulator, and on CUDA when asked, a hook
@@ -41,6 +42,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
+from graphmode.piecewise.compiled import compiled_shapes
 from graphmode.plugins import Vendor
 from graphmode.runner.cache_checks import (
     CacheFit,
@@ -124,7 +126,7 @@ class GraphRunner:
         self._cache_fit = CacheFit(model, config.block_size)
         self._outputs = SharedOutputs(config.max_tokens)
         # What warm-ups and captures run: the model, or its compiled forward.
-        self._compiled = config.compile and config.execute_mode == "graph"
+        self._compiled = config.compile and config.execute_mode != "eager"
         self._forward = self._compile_model() if self._compiled else model
         # The replay path's hooks, without pluggy's dispatch where that changes nothing.
         self._fill_buffers = vendor.direct("graphmode_fill_buffers")
@@ -174,12 +176,13 @@ class GraphRunner:
         config = torch._dynamo.config
         limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         limit = getattr(config, limit_name)
-        if options.get("dynamic") is False and len(self.capture_sizes) > limit:
+        shapes = compiled_shapes(self.config, self.capture_sizes)  # full graph and token buckets
+        if options.get("dynamic") is False and shapes > limit:
             raise ConfigError(
-                f"compile_options dynamic=False compiles each of the {len(self.capture_sizes)} buckets "
+                f"compile_options dynamic=False compiles each of the {shapes} buckets "
                 f"anew, above torch._dynamo.config.{limit_name}={limit}: Dynamo would run the "
-                f"buckets past the limit uncompiled. Raise the limit to >= {len(self.capture_sizes)}, "
-                "pass fewer capture_batch_sizes, or leave dynamic=True"
+                f"buckets past the limit uncompiled. Raise the limit to >= {shapes}, "
+                "pass fewer capture_batch_sizes (or capture_token_sizes), or leave dynamic=True"
             )
         return torch.compile(self.model, **options)
 
