@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One pytest-xdist worker per core: a worker's own intra-op threads (and
+    # its subprocesses') would only compete with the other workers for cores.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
