@@ -53,9 +53,7 @@ def test_reset_or_warmup_from_another_thread_during_a_step_is_refused(mode, meth
     # A reset under a running step left 2 to 30 of 30 steps wrong, or "a replay of a graph that is empty".
     setup = _setup(mode=mode)
     gate = _Gate(setup.model)
-    setup.runner.model = gate
-    if setup.runner.piecewise is not None:
-        setup.runner.piecewise.runner = setup.runner
+    setup.runner.model = gate  # every family runs the runner's model
     step = setup.engine.prefill([setup.engine.add()], [20])  # eager in graph mode, above the token buckets
     first = threading.Thread(target=lambda: _run(setup, step))
     first.start()

@@ -192,7 +192,7 @@ def test_warmup_captures_both_kinds_largest_first_into_one_pool(mode):
     assert runner.piecewise.captured_buckets == sorted(TOKENS, reverse=True)
     full = [8, 4, 2, 1] if mode == "full_and_piecewise" else []
     assert runner.captured_buckets == full
-    pool = runner._pool
+    pool = runner.piecewise.graph(max(TOKENS)).pieces.segments[0].pool()  # the first graph captured
     assert isinstance(pool, EmulatedPool)
     segments = sum(len(runner.piecewise.graph(b).pieces.segments) for b in TOKENS)
     assert pool.num_graphs == segments + len(full)  # every graph in the one pool
