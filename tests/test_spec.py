@@ -139,13 +139,24 @@ class ScaledModel(torch.nn.Module):
         return logits * token_scale[None, :, None]
 
 
-def _scaled_setup(**options):
+#: Execute modes with graphs; in the piecewise ones decode steps replay token buckets.
+GRAPH_MODES = ["graph", "piecewise", "full_and_piecewise"]
+
+
+def _scaled_setup(mode="graph", **options):
+    if mode != "graph":
+        options.update(execute_mode=mode, capture_token_sizes=[2, 4, 8])
     setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **options)
     scaled = ScaledModel(setup.model)
     runner = graphmode.build_graph_runner(
         scaled, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8], **options
     )
     return setup, scaled, runner
+
+
+def _graph_steps(runner):
+    """Replays of the family decode steps run in: full graphs, or piecewise ones in mode "piecewise"."""
+    return runner.stats.replays if runner.config.execute_mode != "piecewise" else runner.stats.piecewise_replays
 
 
 def _scaled_step(setup, scaled, runner, seqs, scale):
@@ -157,39 +168,81 @@ def _scaled_step(setup, scaled, runner, seqs, scale):
     return graph, eager
 
 
-def test_declared_engine_inputs_change_every_step():
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_declared_engine_inputs_change_every_step(mode):
     declared = [BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)]
-    setup, scaled, runner = _scaled_setup(step_inputs=declared)
+    setup, scaled, runner = _scaled_setup(mode, step_inputs=declared)
     seqs = setup.prefill(6)
     for batch, scale in ((6, 1.0), (6, 2.0), (3, 0.5), (6, -1.0)):
         graph, eager = _scaled_step(setup, scaled, runner, seqs[:batch], scale)
         torch.testing.assert_close(graph, eager)
-    assert runner.stats.replays == 2
-    assert runner.graph_meta().input_buffers["token_scale"][6:8].eq(1.0).all()  # padding rows of the last step
+    assert _graph_steps(runner) == 2
+    if mode != "piecewise":
+        assert runner.graph_meta().input_buffers["token_scale"][6:8].eq(1.0).all()  # padding rows of the last step
 
 
-def test_undeclared_engine_inputs_are_refused_when_they_change():
-    setup, scaled, runner = _scaled_setup()
+class LoraModel(torch.nn.Module):
+    """The reference model with a per-sequence adapter id, as LoRA ids are:
+    each decode token's logits are scaled by its sequence's adapter."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+        self.register_buffer("adapter_scales", torch.tensor([1.0, 2.0, -0.5, 3.0]))
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata, lora_ids):
+        logits = self.model(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits * self.adapter_scales[lora_ids.long()][None, :, None]
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_a_per_sequence_step_input_changes_every_step_in_every_mode(mode):
+    # Issue 20: in mode "piecewise" the second step was refused ("extra model input 'lora_ids' is not the
+    # object ... Keep it fixed"): piecewise graphs froze declared step inputs instead of copying them in.
+    options = {} if mode == "graph" else {"execute_mode": mode, "capture_token_sizes": [2, 4, 8]}
+    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **options)
+    model = LoraModel(setup.model)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8],
+        step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)], **options,
+    )
+    seqs = setup.prefill(6)
+    for batch, first in ((6, 0), (6, 1), (3, 2), (6, 3)):
+        step = setup.engine.decode(seqs[:batch])
+        lora_ids = (torch.arange(batch, dtype=torch.int32) + first) % 4
+        with torch.inference_mode():
+            graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+                           lora_ids=lora_ids).clone()
+            eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, lora_ids=lora_ids)
+        torch.testing.assert_close(graph, eager)
+    assert _graph_steps(runner) == 2
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_undeclared_engine_inputs_are_refused_when_they_change(mode):
+    setup, scaled, runner = _scaled_setup(mode)
     seqs = setup.prefill(4)
     _scaled_step(setup, scaled, runner, seqs, 1.0)
     with pytest.raises(InputError, match="declare it as a step input"):
         _scaled_step(setup, scaled, runner, seqs, 2.0)
 
 
-def test_warmup_fills_declared_engine_inputs_with_their_padding():
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_warmup_fills_declared_engine_inputs_with_their_padding(mode):
     declared = [BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)]
-    setup, scaled, runner = _scaled_setup(step_inputs=declared)
+    setup, scaled, runner = _scaled_setup(mode, step_inputs=declared)
     with torch.inference_mode():
         runner.warmup(setup.graph_cache, progress=False)
     seqs = setup.prefill(3)
     graph, eager = _scaled_step(setup, scaled, runner, seqs, 3.0)
     torch.testing.assert_close(graph, eager)
-    assert runner.stats.replays == 1
+    assert _graph_steps(runner) == 1
 
 
-def test_a_missing_or_misshapen_declared_input_is_refused_naming_it():
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_a_missing_or_misshapen_declared_input_is_refused_naming_it(mode):
     declared = [BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)]
-    setup, scaled, runner = _scaled_setup(step_inputs=declared)
+    setup, scaled, runner = _scaled_setup(mode, step_inputs=declared)
     seqs = setup.prefill(3)
     step = setup.engine.decode(seqs)
     with torch.inference_mode():
@@ -279,12 +332,14 @@ class MRopeLikeModel(torch.nn.Module):
         return logits + mrope_positions.float().sum(0)[None, :, None]
 
 
-def test_a_declared_input_whose_rows_are_not_its_first_dimension():
-    setup = tiny_setup(capture_batch_sizes=[2, 4, 8])
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_a_declared_input_whose_rows_are_not_its_first_dimension(mode):
+    options = {} if mode == "graph" else {"execute_mode": mode, "capture_token_sizes": [2, 4, 8]}
+    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **options)
     model = MRopeLikeModel(setup.model)
     runner = graphmode.build_graph_runner(
         model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8],
-        step_inputs=[BufferSpec("mrope_positions", torch.int64, shape=(3, TOKENS), padding=0)],
+        step_inputs=[BufferSpec("mrope_positions", torch.int64, shape=(3, TOKENS), padding=0)], **options,
     )
     seqs = setup.prefill(6)
     for batch in (6, 6, 3, 6):
@@ -295,9 +350,10 @@ def test_a_declared_input_whose_rows_are_not_its_first_dimension():
                            mrope_positions=mrope).clone()
             eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, mrope_positions=mrope)
         torch.testing.assert_close(graph, eager)
-    assert runner.stats.replays == 2
-    buffer = runner.graph_meta().input_buffers["mrope_positions"]
-    assert buffer.shape == (3, 16) and buffer[:, 6:8].eq(0).all()
+    assert _graph_steps(runner) == 2
+    if mode != "piecewise":
+        buffer = runner.graph_meta().input_buffers["mrope_positions"]
+        assert buffer.shape == (3, 16) and buffer[:, 6:8].eq(0).all()
 
 
 def test_a_function_source_computes_on_the_host_under_host_staging():

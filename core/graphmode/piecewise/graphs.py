@@ -223,4 +223,4 @@ def shape_only(attn: AttnMetadata) -> AttnMetadata:
         return value
 
     changes = {field.name: ghost(getattr(attn, field.name)) for field in dataclasses.fields(attn)}
-    return attn.replace(**changes, max_q_seq_len=-1, max_kv_seq_len=-1)
+    return attn.replace(**{**changes, "max_q_seq_len": -1, "max_kv_seq_len": -1})
