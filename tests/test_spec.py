@@ -143,15 +143,21 @@ class ScaledModel(torch.nn.Module):
 GRAPH_MODES = ["graph", "piecewise", "full_and_piecewise"]
 
 
-def _scaled_setup(mode="graph", **options):
+def _wrapped_setup(wrap, mode="graph", **options):
+    """A tiny setup, its model wrapped by ``wrap`` (taking engine inputs of
+    its own), and a runner of ``mode`` for the wrapped model."""
     if mode != "graph":
         options.update(execute_mode=mode, capture_token_sizes=[2, 4, 8])
-    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **options)
-    scaled = ScaledModel(setup.model)
+    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **{k: v for k, v in options.items() if k != "step_inputs"})
+    model = wrap(setup.model)
     runner = graphmode.build_graph_runner(
-        scaled, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8], **options
+        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8], **options
     )
-    return setup, scaled, runner
+    return setup, model, runner
+
+
+def _scaled_setup(mode="graph", **options):
+    return _wrapped_setup(ScaledModel, mode, **options)
 
 
 def _graph_steps(runner):
@@ -159,13 +165,17 @@ def _graph_steps(runner):
     return runner.stats.replays if runner.config.execute_mode != "piecewise" else runner.stats.piecewise_replays
 
 
-def _scaled_step(setup, scaled, runner, seqs, scale):
+def _decode(setup, model, runner, seqs, **inputs):
+    """A decode step of ``seqs`` through the runner and eagerly, with the engine's own ``inputs``."""
     step = setup.engine.decode(seqs)
-    token_scale = torch.full((len(seqs),), scale)
     with torch.inference_mode():
-        graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=token_scale).clone()
-        eager = scaled(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, token_scale=token_scale)
+        graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, **inputs).clone()
+        eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, **inputs)
     return graph, eager
+
+
+def _scaled_step(setup, scaled, runner, seqs, scale):
+    return _decode(setup, scaled, runner, seqs, token_scale=torch.full((len(seqs),), scale))
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)
@@ -199,21 +209,12 @@ class LoraModel(torch.nn.Module):
 def test_a_per_sequence_step_input_changes_every_step_in_every_mode(mode):
     # Issue 20: in mode "piecewise" the second step was refused ("extra model input 'lora_ids' is not the
     # object ... Keep it fixed"): piecewise graphs froze declared step inputs instead of copying them in.
-    options = {} if mode == "graph" else {"execute_mode": mode, "capture_token_sizes": [2, 4, 8]}
-    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **options)
-    model = LoraModel(setup.model)
-    runner = graphmode.build_graph_runner(
-        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8],
-        step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)], **options,
-    )
+    declared = [BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)]
+    setup, model, runner = _wrapped_setup(LoraModel, mode, step_inputs=declared)
     seqs = setup.prefill(4)
     for batch, first in ((4, 0), (4, 1), (2, 2), (4, 3)):
-        step = setup.engine.decode(seqs[:batch])
         lora_ids = (torch.arange(batch, dtype=torch.int32) + first) % 4
-        with torch.inference_mode():
-            graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
-                           lora_ids=lora_ids).clone()
-            eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, lora_ids=lora_ids)
+        graph, eager = _decode(setup, model, runner, seqs[:batch], lora_ids=lora_ids)
         torch.testing.assert_close(graph, eager)
     assert _graph_steps(runner) == 2
 
@@ -334,21 +335,12 @@ class MRopeLikeModel(torch.nn.Module):
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)
 def test_a_declared_input_whose_rows_are_not_its_first_dimension(mode):
-    options = {} if mode == "graph" else {"execute_mode": mode, "capture_token_sizes": [2, 4, 8]}
-    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **options)
-    model = MRopeLikeModel(setup.model)
-    runner = graphmode.build_graph_runner(
-        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8],
-        step_inputs=[BufferSpec("mrope_positions", torch.int64, shape=(3, TOKENS), padding=0)], **options,
-    )
+    declared = [BufferSpec("mrope_positions", torch.int64, shape=(3, TOKENS), padding=0)]
+    setup, model, runner = _wrapped_setup(MRopeLikeModel, mode, step_inputs=declared)
     seqs = setup.prefill(6)
     for batch in (6, 6, 3, 6):
-        step = setup.engine.decode(seqs[:batch])
         mrope = torch.arange(3 * batch).view(3, batch) * (batch + 1)
-        with torch.inference_mode():
-            graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
-                           mrope_positions=mrope).clone()
-            eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, mrope_positions=mrope)
+        graph, eager = _decode(setup, model, runner, seqs[:batch], mrope_positions=mrope)
         torch.testing.assert_close(graph, eager)
     assert _graph_steps(runner) == 2
     if mode != "piecewise":
