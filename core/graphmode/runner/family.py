@@ -42,13 +42,20 @@ class Captured(Protocol):
     (``graphmode.runner.cache_checks.check_same_objects``), debug mode and
     the warm-up cache check read it."""
 
-    name: str  # how errors name it: "bucket 8, q_len 2", "token bucket 16 (piecewise)"
     meta: GraphMeta  # its declarations (meta.spec.names: the inputs with a buffer)
     cache_tensors: list[Any]  # the KV-cache tensors it captured, in order
-    flatten_cache: Callable[[Any], list[Any]]  # how a step's cache lists its tensors
     extras: dict[str, Any]  # the extra inputs without a buffer it captured (frozen)
     memory: CacheMemory  # the cache tensors' data pointers at capture
     in_warmup: bool  # captured by warmup(), with the extras given to it
+
+    @property
+    def name(self) -> str:
+        """How errors name it: "bucket 8, q_len 2", "token bucket 16 (piecewise)"."""
+        ...
+
+    def flatten_cache(self, past_key_values: Any) -> list[Any]:
+        """A step's KV cache as a list of tensors, listed as at capture."""
+        ...
 
 
 class GraphFamily(Protocol):

@@ -140,7 +140,7 @@ class GraphRunner:
         batch, on_host = check_inputs(inputs, self.config)
         self._cache_fit(inputs.past_key_values)
         q_len = uniform_q_len(inputs.attn_metadata, batch, inputs.num_tokens)
-        reason = "eager_mode"
+        reason: str | None = "eager_mode"
         for family in self.families:
             reason = family.refusal(inputs, batch, q_len)
             if reason is None:
@@ -148,7 +148,7 @@ class GraphRunner:
         ranks = self._shared.ranks
         if ranks is not None and ranks.check_replays and self.families:
             ranks.agree_on_step(batch, None, "run")  # a rank replaying while this one runs eagerly would hang
-        self.stats.eager_steps[reason] += 1
+        self.stats.eager_steps[reason] += 1  # the last family's reason, never None here
         if on_host:
             inputs = to_device(inputs, self.config.device)
         return self.model(**inputs.as_kwargs())
