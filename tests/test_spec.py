@@ -367,3 +367,20 @@ def test_the_vendors_options_reach_its_kernels():
     assert model.ops.fast_path is False
     with pytest.raises(ConfigError, match=r"unknown vendor_options \['fast'\]"):
         vendor.attention_ops({"fast": True})
+
+
+def test_the_step_tensors_are_declared_once_on_attn_metadata():
+    """Every tensor field of AttnMetadata carries its symbolic shape, and the
+    lists the core keeps (required context buffers, input checks, staging,
+    piecewise capture metadata) are derived from those declarations."""
+    import typing
+
+    from graphmode.context import REQUIRED_TENSORS, STEP_TENSORS, AttnMetadata
+    from graphmode.spec import REQUIRED_CONTEXT
+
+    hints = typing.get_type_hints(AttnMetadata)
+    tensors = [name for name, hint in hints.items() if torch.Tensor in (hint, *typing.get_args(hint))]
+    assert [name for name, _ in STEP_TENSORS] == tensors
+    assert dict(STEP_TENSORS)["block_offsets"] == (SEQUENCES, "blocks")
+    assert REQUIRED_TENSORS == ("block_offsets", "q_start_loc", "q_seqlens", "kv_seqlens", "kv_start_indices")
+    assert REQUIRED_CONTEXT == ("input_ids", "position_ids", *(f"attn_metadata.{n}" for n in REQUIRED_TENSORS))
