@@ -74,12 +74,6 @@ class PiecewiseGraphs:
                 "model's own forward (torch.compile cannot run on the CPU emulator, so the split does not "
                 "use it). Use compile=False, or execute_mode='graph'"
             )
-        if shared.ranks is not None:
-            raise ConfigError(
-                f"execute_mode={config.execute_mode!r} with a tensor-parallel process group: piecewise "
-                "graphs do not yet make the ranks agree on token buckets, and a rank on another graph "
-                "would hang the collectives. Use execute_mode='graph' with tensor parallelism"
-            )
         self.shared = shared
         self.sizes = config.capture_token_sizes or default_token_sizes(config.max_batches)
         self.ops = find_attention_ops(shared.model)
@@ -103,6 +97,10 @@ class PiecewiseGraphs:
         bucket = token_bucket(tokens, self.sizes)
         assert bucket is not None  # refusal() said so otherwise
         live = LiveStep(inputs.attn_metadata, tokens, bucket)
+        ranks = shared.ranks
+        if ranks is not None and ranks.check_replays:
+            # Before any collective: a rank in another token bucket would hang the rest.
+            ranks.agree_on_step(tokens, bucket, "run", unit="tokens")
         graph, debug = self._graphs.get(bucket), shared.debug
         if debug is not None:  # the same checks as a full graph's steps (graphmode.runner.debug)
             debug.check_step(inputs, batch, uniform=False)
@@ -160,7 +158,10 @@ class PiecewiseGraphs:
         return [bucket for bucket in reversed(self.sizes) if bucket not in self._graphs]
 
     def _capture(self, inputs: StepInputs, live: LiveStep, *, warmup: bool = False) -> Any:
-        bucket, shared = live.bucket, self.shared
+        bucket, shared, ranks = live.bucket, self.shared, self.shared.ranks
+        if ranks is not None and not ranks.check_replays:
+            # Before the warm-up's collectives: disagreeing ranks would hang in them.
+            ranks.agree_on_step(live.tokens, bucket, "capture", unit="tokens")
         static = self._inputs.fill(inputs, bucket)
         static = dataclasses.replace(static, attn_metadata=shape_only(inputs.attn_metadata))
         warm_up = EagerForward(live, self._buffers)
@@ -181,6 +182,8 @@ class PiecewiseGraphs:
         # advice) by is_decoding False; their capture sizes are token sizes.
         meta = dataclasses.replace(shared.graph_meta(), is_decoding=False, capture_sizes=tuple(self.sizes))
         forward = CaptureForward(warm_up.views, lambda: self._make_graph(meta), shared.pool)
+        if ranks is not None:
+            ranks.barrier()  # every rank's device idle before any of them captures
         try:
             with intercepted(self.ops, forward), forward:
                 output = self._outputs.publish(shared.model(**static.as_kwargs()), bucket)
