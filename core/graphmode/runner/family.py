@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from graphmode import buffers
 from graphmode.config import RunnerConfig
 from graphmode.context import StepInputs
+from graphmode.errors import ConfigError
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
 from graphmode.runner.debug import StepChecker
 from graphmode.runner.stats import RunnerStats
 from graphmode.spec import GraphSpec
+from graphmode.staging import staging_refusal
 
 if TYPE_CHECKING:
     from graphmode.distributed import RankSync
@@ -106,7 +108,9 @@ class Shared:
         set by the first capture. debug: the step checker in debug mode.
     ranks: the :class:`graphmode.distributed.RankSync` of a tensor-parallel
         runner. declared_extras: the engine's declared step inputs (model
-        keywords with a buffer, copied in every step rather than frozen)."""
+        keywords with a buffer, copied in every step rather than frozen).
+    A vendor that cannot stage the inputs on the host is refused here when
+    the config requires host staging, in every execute mode."""
 
     def __init__(
         self,
@@ -125,6 +129,10 @@ class Shared:
         self.pool: Any = None
         self.meta: GraphMeta | None = None
         self.debug = StepChecker(model, config.block_size) if config.debug else None
+        #: Why the vendor cannot stage this runner's inputs on the host, or None.
+        self.staging_refusal = staging_refusal(vendor, config.device)
+        if config.host_staging and self.staging_refusal is not None:
+            raise ConfigError(f"host_staging=True: {self.staging_refusal}; build the runner with host_staging=None or False")
         self.declared_extras = frozenset(
             path.split(".", 1)[1] for spec in spec.buffers for path in spec.contexts if path.startswith("extras.")
         )

@@ -33,7 +33,7 @@ from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.validate import check_cache_layout
-from graphmode.staging import HostStaging, staging_refusal, to_device, to_host
+from graphmode.staging import HostStaging, to_device, to_host
 
 __all__ = ["CapturedGraph", "FullGraphs", "bucket_table"]
 
@@ -102,9 +102,6 @@ class FullGraphs:
         update = vendor.hook.graphmode_update_graph_params
         self._update_params = update if update.get_hookimpls() else None
         self.replay_guard = replay_guard(config.device)
-        self._staging_refusal = staging_refusal(vendor, config.device)
-        if config.host_staging and self._staging_refusal is not None:
-            raise ConfigError(f"host_staging=True: {self._staging_refusal}; build the runner with host_staging=None or False")
         self.staging: HostStaging | None = None
         self._staging_decided = False
 
@@ -191,7 +188,7 @@ class FullGraphs:
         buffers move into one arena with a pinned host mirror."""
         wanted = self.shared.config.host_staging
         if wanted is None:
-            wanted = on_host and self._staging_refusal is None
+            wanted = on_host and self.shared.staging_refusal is None
         if wanted:
             self.staging = HostStaging(self.shared.graph_meta())
         self._staging_decided = True
