@@ -384,4 +384,5 @@ def test_the_step_tensors_are_declared_once_on_attn_metadata():
     assert [name for name, _ in STEP_TENSORS] == tensors
     assert dict(STEP_TENSORS)["block_offsets"] == (SEQUENCES, "blocks")
     assert REQUIRED_TENSORS == ("block_offsets", "q_start_loc", "q_seqlens", "kv_seqlens", "kv_start_indices")
-    assert REQUIRED_CONTEXT == ("input_ids", "position_ids", *(f"attn_metadata.{n}" for n in REQUIRED_TENSORS))
+    derived = ("input_ids", "position_ids", *(f"attn_metadata.{n}" for n in REQUIRED_TENSORS))
+    assert derived == REQUIRED_CONTEXT

@@ -15,7 +15,7 @@ from graphmode.context import StepInputs
 from graphmode.spec import TOKENS, BufferSpec
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import Harness
-from graphmode_conformance.modes import EXECUTE_MODES, ModeHarness, build_in_mode
+from graphmode_conformance.modes import EXECUTE_MODES, ModeHarness, build_in_mode, mixed_steps
 
 __all__ = ["StepInputsTests"]
 
@@ -73,12 +73,6 @@ class StepInputsTests(ConformanceFixtures):
         harness = build_in_mode(build_harness, sizes, mode, StepInputsModeHarness, step_inputs=[TOKEN_SCALE],
                                 wrap=ScaledLogits)
         harness.check = f"graph equals eager with an engine step input ({mode})"
-        engine = harness.engine
-        seqs = [engine.add() for _ in range(8)]
-        harness.prefill(seqs, [3, 9, 1, 17, 5, 2, 11, 6])
-        for batch in (8, 3, 8, 5, 3):  # padded batches in buckets 4 and 8, replays after captures
-            harness.decode(seqs[:batch])
-        newcomer = engine.add()
-        harness.prefill([*seqs[:3], newcomer], [1, 1, 1, 7])  # a mixed step
+        mixed_steps(harness)
         stats = harness.runner.stats
         assert stats.replays + stats.piecewise_replays >= 3, stats.summary()
