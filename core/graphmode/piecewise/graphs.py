@@ -199,6 +199,8 @@ class PiecewiseGraphs:
         )
         if shared.debug is not None:
             shared.debug.record(graph.name, graph.cache_tensors, graph.extras)
+            for index, segment in enumerate(graph.pieces.segments, 1):
+                shared.debug.dump(segment, f"tokens{bucket}-segment{index}", f"segment {index} of {graph.name}")
         shared.stats.piecewise_captures += 1
         return live_columns(warm_output, live.tokens)
 

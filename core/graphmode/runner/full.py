@@ -269,7 +269,7 @@ class FullGraphs:
         )
         if shared.debug is not None:
             shared.debug.record(captured.name, captured.cache_tensors, captured.extras)
-            shared.debug.dump(graph, bucket, q_len)
+            shared.debug.dump(graph, f"bucket{bucket}-q{q_len}", f"bucket {bucket}")
         shared.stats.captures += 1
         if warmup:  # an inert step: no served tokens
             shared.stats.warmup_captures += 1
