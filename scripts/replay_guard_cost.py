@@ -28,7 +28,7 @@ def step_times_us(vendor: str, guarded: bool, steps: int, batch: int) -> list[fl
     model = build_reference_model(config, vendor, "cpu")
     engine = ReferenceEngine(16 * 64 + 1, 16, "cpu", vocab_size=config.vocab_size, table_width=64, seed=7)
     runner = graphmode.build_graph_runner(model, max_batches=16, max_blocks_per_seq=64, block_size=16, device="cpu", vendor=vendor)
-    runner._replay_guard = replay_guard(torch.device("cpu")) if guarded else NoGuard()
+    runner.families[0].replay_guard = replay_guard(torch.device("cpu")) if guarded else NoGuard()
     cache = model.make_kv_cache(16 * 64 + 1, 16)
     seqs = [engine.add() for _ in range(batch)]
     samples = []

@@ -113,7 +113,7 @@ def bytes_kept_by_update_state(setup, bucket: int) -> int:
     output = captured.meta.output_buffers["output"].untyped_storage().data_ptr()
     allocated = [weakref.ref(t) for t in graph.inner._allocated if t.untyped_storage().data_ptr() != output]
     graph.inner.reset()
-    setup.runner._graphs.clear()
+    setup.runner.families[0].graphs.clear()  # the full graphs' family
     del captured
     gc.collect()
     alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (r() for r in allocated) if t is not None}

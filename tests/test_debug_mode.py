@@ -349,3 +349,19 @@ def test_debug_mode_checks_piecewise_steps_values(vendor, mode):
         graph = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata).clone()
         eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
     torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_debug_mode_captures_and_dumps_every_segment_of_a_piecewise_graph(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHMODE_DEBUG_DUMP", str(tmp_path / "dumps"))
+    _DebugDumpVendor.graphs = []
+    setup = tiny_setup("dumps", plugin=_DebugDumpVendor(), execute_mode="piecewise", capture_token_sizes=[4, 64],
+                       debug=True)
+    seqs = setup.prefill(3)
+    for _ in range(2):
+        graph, eager = setup.decode(seqs)
+        torch.testing.assert_close(graph, eager)
+    segments = setup.model.config.num_hidden_layers + 1  # the pieces between attention calls
+    assert all(g.enabled_at_capture for g in _DebugDumpVendor.graphs)
+    dumps = sorted(p.name for p in (tmp_path / "dumps").iterdir())
+    assert {f"tokens4-segment{i}.dump" for i in range(1, segments + 1)} <= set(dumps)
+    assert "replay" in (tmp_path / "dumps" / "tokens4-segment1.dump").read_text()

@@ -53,9 +53,7 @@ def test_reset_or_warmup_from_another_thread_during_a_step_is_refused(mode, meth
     # A reset under a running step left 2 to 30 of 30 steps wrong, or "a replay of a graph that is empty".
     setup = _setup(mode=mode)
     gate = _Gate(setup.model)
-    setup.runner.model = gate
-    if setup.runner.piecewise is not None:
-        setup.runner.piecewise.runner = setup.runner
+    setup.runner.model = gate  # every family runs the runner's model
     step = setup.engine.prefill([setup.engine.add()], [20])  # eager in graph mode, above the token buckets
     first = threading.Thread(target=lambda: _run(setup, step))
     first.start()
@@ -210,13 +208,12 @@ def test_a_declared_step_input_of_the_wrong_shape_type_or_device_is_refused_at_t
     with torch.inference_mode():
         with pytest.raises(InputError, match=message):
             runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=bad(2))
-        if mode != "graph":
-            return  # piecewise graphs do not pad declared step inputs to their token bucket (yet)
         scale = torch.full((2,), 2.0)  # then the right shape runs (a (T, 1) capture refused them all before)
         graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=scale)
         eager = scaled(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, token_scale=scale)
     torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
-    assert runner.stats.replays + runner.stats.captures == 1
+    stats = runner.stats
+    assert stats.replays + stats.captures + stats.piecewise_replays + stats.piecewise_captures == 1
 
 
 # -- the KV cache against the model (issue 21) --------------------------------------

@@ -1,13 +1,16 @@
-"""No module-level import cycle within the graphmode package.
+"""No import cycle within the graphmode package, at module level or inside
+functions.
 
 A cycle makes a module's names depend on which module of the cycle was
 imported first (a partially initialised module), and is usually papered over
-with imports inside functions. This reads every module's source (ast): the
-imports at module level (those under ``if TYPE_CHECKING:`` excepted; imports
-inside functions are fine), where importing ``a.b.c`` also runs the packages
-``a`` and ``a.b`` (but a module's own ancestors are initialised before it,
-so those edges are left out), and ``from graphmode import Name`` reaches the
-module that ``graphmode/__init__.py`` loads ``Name`` from (PEP 562).
+with imports inside functions, which is why those count too. This reads
+every module's source (ast): every import statement, at module level, in
+classes and inside functions (those under ``if TYPE_CHECKING:`` excepted:
+they never run), where importing ``a.b.c`` also runs the packages ``a`` and
+``a.b`` (but a module's own ancestors are initialised before it, so those
+edges are left out), and ``from package import Name`` reaches the module
+that a package with an ``_EXPORTS`` table (``graphmode``,
+``graphmode.runner``) loads ``Name`` from on first use (PEP 562).
 """
 
 from __future__ import annotations
@@ -29,35 +32,42 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return modules
 
 
-def _exports() -> dict[str, str]:
-    for node in ast.walk(ast.parse((ROOT / "__init__.py").read_text())):
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS":
-            return ast.literal_eval(node.value)
-    raise AssertionError("graphmode/__init__.py has no _EXPORTS table")
+def _exports(modules: dict[str, tuple[Path, bool]]) -> dict[str, dict[str, str]]:
+    """package -> (name -> module) for every package with an _EXPORTS table."""
+    tables = {}
+    for name, (path, is_package) in modules.items():
+        if not is_package:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS":
+                tables[name] = ast.literal_eval(node.value)
+    assert "graphmode" in tables, "graphmode/__init__.py has no _EXPORTS table"
+    return tables
 
 
-def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: at module level, in classes and
+    in functions, but not under ``if TYPE_CHECKING:``."""
     found: list[ast.Import | ast.ImportFrom] = []
 
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                found.append(node)
-            elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-                visit(node.orelse)
-            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.ClassDef)):
-                for field in ("body", "orelse", "finalbody"):
-                    visit(getattr(node, field, []))
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for child in node.orelse:
+                visit(child)
+        else:
+            for child in ast.iter_child_nodes(node):
+                visit(child)
 
-    visit(tree.body)
+    visit(tree)
     return found
 
 
 def import_graph() -> dict[str, set[str]]:
     """Each graphmode module -> the graphmode modules its import runs."""
-    modules, exports = _modules(), _exports()
+    modules = _modules()
+    exports = _exports(modules)
 
     def resolve(name: str) -> str | None:
         while name and name not in modules:
@@ -74,7 +84,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, (path, is_package) in modules.items():
         targets: set[str] = set()
-        for node in _module_level_imports(ast.parse(path.read_text())):
+        for node in _imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 hits = [resolve(alias.name) for alias in node.names]
             else:
@@ -89,8 +99,8 @@ def import_graph() -> dict[str, set[str]]:
                     full = f"{base}.{alias.name}"
                     if full in modules:
                         hits.append(full)
-                    elif base == "graphmode" and alias.name in exports:
-                        hits.append(exports[alias.name])
+                    elif alias.name in exports.get(base, {}):
+                        hits.append(exports[base][alias.name])
                     else:
                         hits.append(resolve(base))
             for hit in hits:
@@ -135,19 +145,59 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_analysis_sees_module_level_imports():
+def test_the_analysis_sees_module_level_and_function_level_imports():
     graph = import_graph()
     assert "graphmode.emulator.capture" in graph["graphmode.emulator.graph"]
     assert "graphmode.errors" in graph["graphmode.plugins.manager"]
     # from graphmode import ConfigError reaches graphmode.errors, through PEP 562.
     assert "graphmode.errors" in graph["graphmode.buckets"] or "graphmode.errors" in graph["graphmode.config"]
+    # from graphmode.runner import GraphRunner reaches graphmode.runner.runner, through PEP 562 too.
+    assert "graphmode.runner.runner" in graph["graphmode.factory"]
+    # Imports inside functions: BufferSpec.allocate imports the emulator's mark_host.
+    assert "graphmode.emulator.host" in graph["graphmode.spec"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_module_level_import_cycle_in_graphmode():
-    found = cycles(import_graph())
+def test_a_function_level_import_closing_a_cycle_is_seen(tmp_path):
+    tree = ast.parse("def f():\n    from graphmode.runner.runner import GraphRunner\n")
+    assert [ast.unparse(node) for node in _imports(tree)] == ["from graphmode.runner.runner import GraphRunner"]
+    hidden = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import graphmode.runner\n")
+    assert [ast.unparse(node) for node in _imports(hidden)] == ["from typing import TYPE_CHECKING"]
+
+
+#: Cycles closed by imports inside functions that predate this test's
+#: covering them (issue 20), each with the edge that closes it. They live
+#: outside the runner and its families; the test fails when a new cycle
+#: appears, and when one of these is gone (then drop it here).
+KNOWN_CYCLES = [
+    # graphs.torch_graph imports graphmode.emulator inside a function (the CPU device's graph class).
+    ["graphmode.emulator", "graphmode.emulator.graph", "graphmode.graphs", "graphmode.graphs.torch_graph"],
+    # plugins.manager imports graphmode.default (the built-in plugin) and model/__init__ imports
+    # graphmode.plugins (build_reference_model loads the vendor) inside functions; default imports
+    # the kernels, which import graphmode.model.ops; buffers imports buffers_deprecated on first use.
+    ["graphmode.buffers", "graphmode.buffers_deprecated", "graphmode.default", "graphmode.kernels",
+     "graphmode.kernels.triton_decode", "graphmode.model", "graphmode.plugins", "graphmode.plugins.manager",
+     "graphmode.plugins.selection", "graphmode.staging"],
+]
+
+
+def test_no_import_cycle_in_graphmode():
+    found = [cycle for cycle in cycles(import_graph()) if cycle not in KNOWN_CYCLES]
     assert not found, (
-        "module-level import cycles in graphmode (each line: the modules of one cycle). Move what both "
-        "sides need into a module of its own rather than importing inside a function:\n"
+        "import cycles in graphmode, imports inside functions included (each line: the modules of one "
+        "cycle). Move what both sides need into a module of its own:\n"
         + "\n".join(" <-> ".join(cycle) for cycle in found)
     )
+
+
+def test_the_known_cycles_are_still_there():
+    gone = [cycle for cycle in KNOWN_CYCLES if cycle not in cycles(import_graph())]
+    assert not gone, f"these import cycles are gone: drop them from KNOWN_CYCLES: {gone}"
+
+
+def test_the_runner_and_its_families_are_in_no_cycle():
+    graph = import_graph()
+    ours = [cycle for cycle in cycles(graph) if any(m.startswith(("graphmode.runner", "graphmode.piecewise")) for m in cycle)]
+    assert not ours
+    families = ("graphmode.runner.family", "graphmode.runner.full", "graphmode.piecewise.graphs")
+    assert all("graphmode.runner.runner" not in graph[module] for module in families)

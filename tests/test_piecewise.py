@@ -192,7 +192,7 @@ def test_warmup_captures_both_kinds_largest_first_into_one_pool(mode):
     assert runner.piecewise.captured_buckets == sorted(TOKENS, reverse=True)
     full = [8, 4, 2, 1] if mode == "full_and_piecewise" else []
     assert runner.captured_buckets == full
-    pool = runner._pool
+    pool = runner.piecewise.graph(max(TOKENS)).pieces.segments[0].pool()  # the first graph captured
     assert isinstance(pool, EmulatedPool)
     segments = sum(len(runner.piecewise.graph(b).pieces.segments) for b in TOKENS)
     assert pool.num_graphs == segments + len(full)  # every graph in the one pool
@@ -431,3 +431,32 @@ def test_steps_built_on_the_host_run_piecewise_with_eager_results():
             eager = setup.model(**{**device_step.as_kwargs(), "past_key_values": setup.eager_cache})
         assert_same(setup, graph, eager, f"host step {lengths}")
     assert setup.runner.stats.piecewise_replays == 2
+
+
+class _ReadsTheDeviceBetweenLayers(torch.nn.Module):
+    """The reference model, reading a device value on the host after its
+    last attention call: not capturable in a segment."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self.ops = model, model.config, model.ops
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        out = self.inner(input_ids, position_ids, past_key_values, attn_metadata)
+        return out * (1 + 0 * out.sum().item())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_piecewise_capture_names_the_segment_and_capture_token_sizes(mode):
+    setup = piecewise_setup("cuda", mode)
+    runner = graphmode.build_graph_runner(
+        _ReadsTheDeviceBetweenLayers(setup.model), max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu",
+        execute_mode=mode, capture_token_sizes=TOKENS, capture_batch_sizes=[1, 2, 4, 8],
+    )
+    step = setup.engine.prefill([setup.engine.add()], [5])
+    with pytest.raises(CaptureError) as error, torch.inference_mode():
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    notes = "".join(getattr(error.value, "__notes__", []))
+    layers = setup.model.config.num_hidden_layers
+    assert f"while capturing segment {layers + 1} of the piecewise graph of token bucket 8 (cuda)" in notes
+    assert f"its sizes come from capture_token_sizes, and execute_mode={mode!r}" in notes

@@ -139,57 +139,111 @@ class ScaledModel(torch.nn.Module):
         return logits * token_scale[None, :, None]
 
 
-def _scaled_setup(**options):
-    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **options)
-    scaled = ScaledModel(setup.model)
+#: Execute modes with graphs; in the piecewise ones decode steps replay token buckets.
+GRAPH_MODES = ["graph", "piecewise", "full_and_piecewise"]
+
+
+def _wrapped_setup(wrap, mode="graph", **options):
+    """A tiny setup, its model wrapped by ``wrap`` (taking engine inputs of
+    its own), and a runner of ``mode`` for the wrapped model."""
+    if mode != "graph":
+        options.update(execute_mode=mode, capture_token_sizes=[2, 4, 8])
+    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], **{k: v for k, v in options.items() if k != "step_inputs"})
+    model = wrap(setup.model)
     runner = graphmode.build_graph_runner(
-        scaled, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8], **options
+        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8], **options
     )
-    return setup, scaled, runner
+    return setup, model, runner
 
 
-def _scaled_step(setup, scaled, runner, seqs, scale):
+def _scaled_setup(mode="graph", **options):
+    return _wrapped_setup(ScaledModel, mode, **options)
+
+
+def _graph_steps(runner):
+    """Replays of the family decode steps run in: full graphs, or piecewise ones in mode "piecewise"."""
+    return runner.stats.replays if runner.config.execute_mode != "piecewise" else runner.stats.piecewise_replays
+
+
+def _decode(setup, model, runner, seqs, **inputs):
+    """A decode step of ``seqs`` through the runner and eagerly, with the engine's own ``inputs``."""
     step = setup.engine.decode(seqs)
-    token_scale = torch.full((len(seqs),), scale)
     with torch.inference_mode():
-        graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=token_scale).clone()
-        eager = scaled(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, token_scale=token_scale)
+        graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, **inputs).clone()
+        eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, **inputs)
     return graph, eager
 
 
-def test_declared_engine_inputs_change_every_step():
+def _scaled_step(setup, scaled, runner, seqs, scale):
+    return _decode(setup, scaled, runner, seqs, token_scale=torch.full((len(seqs),), scale))
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_declared_engine_inputs_change_every_step(mode):
     declared = [BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)]
-    setup, scaled, runner = _scaled_setup(step_inputs=declared)
+    setup, scaled, runner = _scaled_setup(mode, step_inputs=declared)
     seqs = setup.prefill(6)
     for batch, scale in ((6, 1.0), (6, 2.0), (3, 0.5), (6, -1.0)):
         graph, eager = _scaled_step(setup, scaled, runner, seqs[:batch], scale)
         torch.testing.assert_close(graph, eager)
-    assert runner.stats.replays == 2
-    assert runner.graph_meta().input_buffers["token_scale"][6:8].eq(1.0).all()  # padding rows of the last step
+    assert _graph_steps(runner) == 2
+    if mode != "piecewise":
+        assert runner.graph_meta().input_buffers["token_scale"][6:8].eq(1.0).all()  # padding rows of the last step
 
 
-def test_undeclared_engine_inputs_are_refused_when_they_change():
-    setup, scaled, runner = _scaled_setup()
+class LoraModel(torch.nn.Module):
+    """The reference model with a per-sequence adapter id, as LoRA ids are:
+    each decode token's logits are scaled by its sequence's adapter."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+        self.register_buffer("adapter_scales", torch.tensor([1.0, 2.0, -0.5, 3.0]))
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata, lora_ids):
+        logits = self.model(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits * self.adapter_scales[lora_ids.long()][None, :, None]
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_a_per_sequence_step_input_changes_every_step_in_every_mode(mode):
+    # Issue 20: in mode "piecewise" the second step was refused ("extra model input 'lora_ids' is not the
+    # object ... Keep it fixed"): piecewise graphs froze declared step inputs instead of copying them in.
+    declared = [BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)]
+    setup, model, runner = _wrapped_setup(LoraModel, mode, step_inputs=declared)
+    seqs = setup.prefill(4)
+    for batch, first in ((4, 0), (4, 1), (2, 2), (4, 3)):
+        lora_ids = (torch.arange(batch, dtype=torch.int32) + first) % 4
+        graph, eager = _decode(setup, model, runner, seqs[:batch], lora_ids=lora_ids)
+        torch.testing.assert_close(graph, eager)
+    assert _graph_steps(runner) == 2
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_undeclared_engine_inputs_are_refused_when_they_change(mode):
+    setup, scaled, runner = _scaled_setup(mode)
     seqs = setup.prefill(4)
     _scaled_step(setup, scaled, runner, seqs, 1.0)
     with pytest.raises(InputError, match="declare it as a step input"):
         _scaled_step(setup, scaled, runner, seqs, 2.0)
 
 
-def test_warmup_fills_declared_engine_inputs_with_their_padding():
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_warmup_fills_declared_engine_inputs_with_their_padding(mode):
     declared = [BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)]
-    setup, scaled, runner = _scaled_setup(step_inputs=declared)
+    setup, scaled, runner = _scaled_setup(mode, step_inputs=declared)
     with torch.inference_mode():
         runner.warmup(setup.graph_cache, progress=False)
     seqs = setup.prefill(3)
     graph, eager = _scaled_step(setup, scaled, runner, seqs, 3.0)
     torch.testing.assert_close(graph, eager)
-    assert runner.stats.replays == 1
+    assert _graph_steps(runner) == 1
 
 
-def test_a_missing_or_misshapen_declared_input_is_refused_naming_it():
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_a_missing_or_misshapen_declared_input_is_refused_naming_it(mode):
     declared = [BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)]
-    setup, scaled, runner = _scaled_setup(step_inputs=declared)
+    setup, scaled, runner = _scaled_setup(mode, step_inputs=declared)
     seqs = setup.prefill(3)
     step = setup.engine.decode(seqs)
     with torch.inference_mode():
@@ -279,25 +333,19 @@ class MRopeLikeModel(torch.nn.Module):
         return logits + mrope_positions.float().sum(0)[None, :, None]
 
 
-def test_a_declared_input_whose_rows_are_not_its_first_dimension():
-    setup = tiny_setup(capture_batch_sizes=[2, 4, 8])
-    model = MRopeLikeModel(setup.model)
-    runner = graphmode.build_graph_runner(
-        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8],
-        step_inputs=[BufferSpec("mrope_positions", torch.int64, shape=(3, TOKENS), padding=0)],
-    )
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_a_declared_input_whose_rows_are_not_its_first_dimension(mode):
+    declared = [BufferSpec("mrope_positions", torch.int64, shape=(3, TOKENS), padding=0)]
+    setup, model, runner = _wrapped_setup(MRopeLikeModel, mode, step_inputs=declared)
     seqs = setup.prefill(6)
     for batch in (6, 6, 3, 6):
-        step = setup.engine.decode(seqs[:batch])
         mrope = torch.arange(3 * batch).view(3, batch) * (batch + 1)
-        with torch.inference_mode():
-            graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
-                           mrope_positions=mrope).clone()
-            eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, mrope_positions=mrope)
+        graph, eager = _decode(setup, model, runner, seqs[:batch], mrope_positions=mrope)
         torch.testing.assert_close(graph, eager)
-    assert runner.stats.replays == 2
-    buffer = runner.graph_meta().input_buffers["mrope_positions"]
-    assert buffer.shape == (3, 16) and buffer[:, 6:8].eq(0).all()
+    assert _graph_steps(runner) == 2
+    if mode != "piecewise":
+        buffer = runner.graph_meta().input_buffers["mrope_positions"]
+        assert buffer.shape == (3, 16) and buffer[:, 6:8].eq(0).all()
 
 
 def test_a_function_source_computes_on_the_host_under_host_staging():
@@ -319,3 +367,22 @@ def test_the_vendors_options_reach_its_kernels():
     assert model.ops.fast_path is False
     with pytest.raises(ConfigError, match=r"unknown vendor_options \['fast'\]"):
         vendor.attention_ops({"fast": True})
+
+
+def test_the_step_tensors_are_declared_once_on_attn_metadata():
+    """Every tensor field of AttnMetadata carries its symbolic shape, and the
+    lists the core keeps (required context buffers, input checks, staging,
+    piecewise capture metadata) are derived from those declarations."""
+    import typing
+
+    from graphmode.context import REQUIRED_TENSORS, STEP_TENSORS, AttnMetadata
+    from graphmode.spec import REQUIRED_CONTEXT
+
+    hints = typing.get_type_hints(AttnMetadata)
+    tensors = [name for name, hint in hints.items()
+               if hint is torch.Tensor or set(typing.get_args(hint)) == {torch.Tensor, type(None)}]
+    assert [name for name, _ in STEP_TENSORS] == tensors
+    assert dict(STEP_TENSORS)["block_offsets"] == (SEQUENCES, "blocks")
+    assert REQUIRED_TENSORS == ("block_offsets", "q_start_loc", "q_seqlens", "kv_seqlens", "kv_start_indices")
+    derived = ("input_ids", "position_ids", *(f"attn_metadata.{n}" for n in REQUIRED_TENSORS))
+    assert derived == REQUIRED_CONTEXT

@@ -40,3 +40,13 @@ def test_ranks_running_different_batches_raise_instead_of_hanging():
     assert result.returncode == 0, result.stdout + result.stderr
     message = "tensor-parallel ranks disagree on the step to run: rank 0: batch 2 (bucket 2); rank 1: batch 1 (bucket 1)"
     assert result.stdout.count(message) == 2
+
+
+def test_full_and_piecewise_at_tp2_equals_eager_and_tp1():
+    # Piecewise graphs were refused with a process group; now the ranks agree on every token bucket.
+    result = torchrun("--execute-mode", "full_and_piecewise", "--batches", "1-4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "full_and_piecewise mode" in result.stdout
+    assert "4/4 batch sizes bitwise identical" in result.stdout
+    assert "eager steps: none" in result.stdout and "piecewise: " in result.stdout  # prefills in piecewise graphs
+    assert "PASS" in result.stdout

@@ -13,6 +13,7 @@ import torch
 
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
+from graphmode_conformance.modes import EXECUTE_MODES, build_in_mode
 from graphmode_conformance.sizes import bucket_with_smaller_batches
 
 __all__ = ["CapabilityTests", "KVCacheIntegrityTests", "LifecycleTests", "ParameterUpdateTests"]
@@ -86,6 +87,26 @@ class LifecycleTests(ConformanceFixtures):
         harness.step(seqs)
         harness.step(seqs[:2])
         assert harness.runner.stats.replays == 2
+
+    @pytest.mark.parametrize("mode", EXECUTE_MODES)
+    def test_warmup_reset_and_recapture_in_every_mode(self, build_harness, sizes, mode):
+        harness = build_in_mode(build_harness, sizes, mode)
+        harness.check = f"graph equals eager after warm-up and after reset ({mode})"
+        runner, engine = harness.runner, harness.engine
+        stats = runner.stats
+        runner.warmup(harness.graph_cache, progress=False)
+        warmed = stats.captures + stats.piecewise_captures
+        assert warmed > 0, stats.summary()
+        seqs = [engine.add() for _ in range(6)]
+        harness.prefill(seqs, [3, 9, 1, 17, 5, 2])
+        harness.decode(seqs)
+        harness.decode(seqs[:3])
+        assert stats.captures + stats.piecewise_captures == warmed, f"warm-up left graphs to capture: {stats.summary()}"
+        runner.reset()
+        assert runner.captured_graphs == [] and (runner.piecewise is None or runner.piecewise.captured_buckets == [])
+        harness.decode(seqs)
+        harness.decode(seqs)
+        assert stats.captures + stats.piecewise_captures == warmed + 1, stats.summary()
 
     def test_prefill_runs_eagerly_with_eager_results(self, harness):
         seqs = harness.start(3)

@@ -11,7 +11,7 @@ from graphmode_conformance.harness import Harness
 from graphmode_conformance.piecewise import BATCH_SIZES, TOKEN_SIZES, _smaller
 from graphmode_conformance.sizes import Sizes
 
-__all__ = ["EXECUTE_MODES", "ModeHarness", "build_in_mode"]
+__all__ = ["EXECUTE_MODES", "ModeHarness", "build_in_mode", "mixed_steps"]
 
 EXECUTE_MODES = ["graph", "piecewise", "full_and_piecewise"]
 
@@ -57,3 +57,15 @@ def build_in_mode(
     harness = build_harness(cls, _smaller(sizes), execute_mode=mode, capture_batch_sizes=BATCH_SIZES, **options)
     assert isinstance(harness, cls)  # Harness.build makes the class it is called on
     return harness
+
+
+def mixed_steps(harness: ModeHarness) -> None:
+    """Checked steps of every kind: a prefill of 8 sequences, decodes padded
+    into buckets 4 and 8 (replays after captures), then a mixed step."""
+    engine = harness.engine
+    seqs = [engine.add() for _ in range(8)]
+    harness.prefill(seqs, [3, 9, 1, 17, 5, 2, 11, 6])
+    for batch in (8, 3, 8, 5, 3):
+        harness.decode(seqs[:batch])
+    newcomer = engine.add()
+    harness.prefill([*seqs[:3], newcomer], [1, 1, 1, 7])

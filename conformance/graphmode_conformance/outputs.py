@@ -20,7 +20,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
-from graphmode_conformance.modes import EXECUTE_MODES, ModeHarness, build_in_mode
+from graphmode_conformance.modes import EXECUTE_MODES, ModeHarness, build_in_mode, mixed_steps
 
 __all__ = ["MultiOutputTests", "SeveralOutputs"]
 
@@ -87,10 +87,4 @@ class MultiOutputTests(ConformanceFixtures):
         harness = build_in_mode(build_harness, sizes, mode, MultiOutputHarness,
                                 wrap=lambda model: SeveralOutputs(model, structure))
         harness.check = f"every output of a {structure} equals eager"
-        engine = harness.engine
-        seqs = [engine.add() for _ in range(8)]
-        harness.prefill(seqs, [3, 9, 1, 17, 5, 2, 11, 6])
-        for batch in (8, 3, 8, 5, 3):  # padded batches in buckets 4 and 8, replays after captures
-            harness.decode(seqs[:batch])
-        newcomer = engine.add()
-        harness.prefill([*seqs[:3], newcomer], [1, 1, 1, 7])  # a mixed step
+        mixed_steps(harness)

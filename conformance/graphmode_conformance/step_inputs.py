@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from graphmode.context import StepInputs
 from graphmode.spec import TOKENS, BufferSpec
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import Harness
+from graphmode_conformance.modes import EXECUTE_MODES, ModeHarness, build_in_mode, mixed_steps
 
 __all__ = ["StepInputsTests"]
 
@@ -52,6 +54,10 @@ class StepInputsHarness(Harness):
                           token_scale=token_scale(inputs))
 
 
+class StepInputsModeHarness(ModeHarness, StepInputsHarness):
+    """Checked steps of any kind in any execute mode, passing token_scale."""
+
+
 class StepInputsTests(ConformanceFixtures):
     def test_a_declared_engine_input_changes_every_step(self, build_harness):
         harness = build_harness(StepInputsHarness, step_inputs=[TOKEN_SCALE], wrap=ScaledLogits)
@@ -60,3 +66,13 @@ class StepInputsTests(ConformanceFixtures):
         for batch in (12, 12, 7, 3, 12, 5, 7, 3):
             harness.step(seqs[:batch])  # declared-buffer checks cover token_scale's padding rows too
         assert harness.runner.stats.replays >= 4, harness.runner.stats.summary()
+
+    @pytest.mark.parametrize("mode", EXECUTE_MODES)
+    def test_a_declared_engine_input_changes_every_step_in_every_mode(self, build_harness, sizes, mode):
+        # Piecewise graphs froze declared inputs and refused the second step (issue 20).
+        harness = build_in_mode(build_harness, sizes, mode, StepInputsModeHarness, step_inputs=[TOKEN_SCALE],
+                                wrap=ScaledLogits)
+        harness.check = f"graph equals eager with an engine step input ({mode})"
+        mixed_steps(harness)
+        stats = harness.runner.stats
+        assert stats.replays + stats.piecewise_replays >= 3, stats.summary()

@@ -11,6 +11,9 @@ identical; graph against eager at the batch's shape and TP=N against the
 unsharded model must agree within --rtol of the largest logit (the sums are
 taken in another order). ``--scenario`` runs a rank disagreement instead,
 which must be reported as an error naming every rank's value, not hang.
+``--execute-mode full_and_piecewise`` runs the prefills in piecewise graphs
+(the ranks agree on each token bucket) and the decodes in full graphs; the
+prefills' KV writes are checked through the decodes that read them.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=120, help="seconds before a collective counts as hung")
     parser.add_argument("--scenario", choices=["agree", "different-capture-lists", "different-batches"], default="agree")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--execute-mode", default="graph", choices=["graph", "full_and_piecewise"],
+                        help="full_and_piecewise: prefills in piecewise graphs (token buckets to 512), decodes in full graphs")
     args = parser.parse_args(argv)
 
     rank, world, device = torchrun_rank(args.device)
@@ -72,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = graphmode.build_graph_runner(
             sharded, max_batches=max(batches), max_blocks_per_seq=width, block_size=block_size, device=device,
             vendor=vendor.name, process_group=group, capture_batch_sizes=capture_sizes,
+            execute_mode=args.execute_mode,
+            capture_token_sizes=[8, 16, 32, 64, 128, 256, 512] if args.execute_mode != "graph" else None,
         )
     except graphmode.GraphModeError as error:
         return report_scenario(args.scenario, rank, error)
@@ -81,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"tensor-parallel conformance: {world} ranks, {backend}, {vendor.name} on {device} "
               f"({torch.cuda.get_device_name(device) if on_gpu else 'CPU emulator'}), torch {torch.__version__}, "
-              f"{config.num_hidden_layers} layers {str(config.dtype).replace('torch.', '')}, buckets {list(runner.capture_sizes)}",
+              f"{config.num_hidden_layers} layers {str(config.dtype).replace('torch.', '')}, buckets {list(runner.capture_sizes)}, "
+              f"{args.execute_mode} mode",
               flush=True)
     rows, failures, started = [], 0, time.perf_counter()
     with torch.inference_mode():

@@ -14,7 +14,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttnMetadata", "StepInputs"]
+__all__ = ["BLOCKS", "REQUIRED_TENSORS", "SEQUENCES", "STEP_TENSORS", "TOKENS", "AttnMetadata", "StepInputs"]
+
+# Symbolic dimensions of a step tensor's (and a buffer's) shape (``graphmode.spec`` re-exports them).
+TOKENS = "tokens"  # one row per new token: max_tokens rows
+SEQUENCES = "sequences"  # one row per sequence: max_batches rows
+BLOCKS = "blocks"  # the block table's width: max_blocks_per_seq columns (GraphMeta.num_blocks)
+
+
+def _shape(*dims: str) -> dict[str, tuple[str, ...]]:
+    """The metadata of a per-step tensor field: its symbolic shape. Fields
+    with it are the step's tensors (STEP_TENSORS); no list elsewhere."""
+    return {"shape": dims}
 
 
 @dataclass
@@ -52,15 +63,15 @@ class AttnMetadata:
     """
 
     is_decoding: bool
-    block_offsets: torch.Tensor
-    q_start_loc: torch.Tensor
-    q_seqlens: torch.Tensor
-    kv_seqlens: torch.Tensor
-    kv_start_indices: torch.Tensor
+    block_offsets: torch.Tensor = field(metadata=_shape(SEQUENCES, BLOCKS))
+    q_start_loc: torch.Tensor = field(metadata=_shape(SEQUENCES))
+    q_seqlens: torch.Tensor = field(metadata=_shape(SEQUENCES))
+    kv_seqlens: torch.Tensor = field(metadata=_shape(SEQUENCES))
+    kv_start_indices: torch.Tensor = field(metadata=_shape(TOKENS))
     max_q_seq_len: int
     max_kv_seq_len: int
-    kv_seqlens_cpu: torch.Tensor | None = None
-    x_active_mask: torch.Tensor | None = None
+    kv_seqlens_cpu: torch.Tensor | None = field(default=None, metadata=_shape(SEQUENCES))
+    x_active_mask: torch.Tensor | None = field(default=None, metadata=_shape(TOKENS))
     vendor_fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -70,6 +81,17 @@ class AttnMetadata:
     def replace(self, **changes: Any) -> AttnMetadata:
         """A copy with some fields changed (the original is left as is)."""
         return dataclasses.replace(self, **changes)
+
+
+#: (name, symbolic shape) of every per-step tensor field of AttnMetadata, in order.
+STEP_TENSORS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
+    (f.name, f.metadata["shape"]) for f in dataclasses.fields(AttnMetadata) if "shape" in f.metadata
+)
+#: The per-step tensors every step passes (no default), on the model's device
+#: or all on the host: what the runner checks, stages and moves.
+REQUIRED_TENSORS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(AttnMetadata) if "shape" in f.metadata and f.default is dataclasses.MISSING
+)
 
 
 @dataclass

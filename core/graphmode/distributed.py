@@ -73,7 +73,10 @@ class RankSync:
                 "capture_batch_sizes and vendor options"
             )
 
-    def agree_on_step(self, batch: int, bucket: int | None, what: str) -> None:
+    def agree_on_step(self, batch: int, bucket: int | None, what: str, unit: str = "batch") -> None:
+        """Every rank runs a step of the same size in the same graph (a
+        ``batch`` of sequences, or with ``unit="tokens"`` a token count), or
+        raise naming each rank's."""
         # Normal tensors even inside the engine's torch.inference_mode(): gloo
         # in torch 2.5 writes the gathered values from outside inference mode,
         # which refuses an in-place update of an inference tensor.
@@ -84,7 +87,7 @@ class RankSync:
         if any(not torch.equal(other, everyone[0]) for other in everyone):
             values = [tuple(t.tolist()) for t in everyone]
             listing = "; ".join(
-                f"rank {r}: batch {b} ({f'bucket {k}' if k else 'no graph'})" for r, (b, k) in enumerate(values)
+                f"rank {r}: {unit} {b} ({f'bucket {k}' if k else 'no graph'})" for r, (b, k) in enumerate(values)
             )
             raise InputError(
                 f"tensor-parallel ranks disagree on the step to {what}: {listing}. Every rank must run "

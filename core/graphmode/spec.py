@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from graphmode.buckets import capture_list, declared_max_capture_size, graded_sizes, largest_graph
+from graphmode.context import BLOCKS, REQUIRED_TENSORS, SEQUENCES, STEP_TENSORS, TOKENS
 from graphmode.errors import ConfigError
 
 __all__ = [
@@ -50,10 +51,7 @@ __all__ = [
     "context_path",
 ]
 
-# Symbolic dimensions of a buffer's shape.
-TOKENS = "tokens"  # one row per new token: max_tokens rows
-SEQUENCES = "sequences"  # one row per sequence: max_batches rows
-BLOCKS = "blocks"  # the block table's width: max_blocks_per_seq columns (GraphMeta.num_blocks)
+# Symbolic dimensions of a buffer's shape: TOKENS, SEQUENCES, BLOCKS (declared with the step context).
 
 # Padding values that depend on the row: 0, 1, 2, ... and 1, 2, 3, ...
 ROW_INDEX = "row_index"
@@ -63,15 +61,9 @@ Padding = int | float | bool | str
 
 # The step context's fields, by path. Anything else is a model keyword argument.
 _STEP_FIELDS = ("input_ids", "position_ids")
-_ATTN_FIELDS = (
-    "block_offsets", "q_start_loc", "q_seqlens", "kv_seqlens", "kv_start_indices",
-    "kv_seqlens_cpu", "x_active_mask",
-)
+_ATTN_FIELDS = tuple(name for name, _ in STEP_TENSORS)
 # Every graph context needs these as buffers; the rest are optional.
-REQUIRED_CONTEXT = (
-    "input_ids", "position_ids", "attn_metadata.block_offsets", "attn_metadata.q_start_loc",
-    "attn_metadata.q_seqlens", "attn_metadata.kv_seqlens", "attn_metadata.kv_start_indices",
-)
+REQUIRED_CONTEXT = (*_STEP_FIELDS, *(f"attn_metadata.{name}" for name in REQUIRED_TENSORS))
 
 
 VENDOR_FIELDS = "attn_metadata.vendor_fields"

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from graphmode.context import StepInputs
+from graphmode.context import REQUIRED_TENSORS, StepInputs
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
@@ -279,11 +279,5 @@ def _moved(inputs: StepInputs, move: Callable[[torch.Tensor], torch.Tensor]) -> 
         inputs,
         input_ids=move(inputs.input_ids),
         position_ids=move(inputs.position_ids),
-        attn_metadata=attn.replace(
-            block_offsets=move(attn.block_offsets),
-            q_start_loc=move(attn.q_start_loc),
-            q_seqlens=move(attn.q_seqlens),
-            kv_seqlens=move(attn.kv_seqlens),
-            kv_start_indices=move(attn.kv_start_indices),
-        ),
+        attn_metadata=attn.replace(**{name: move(getattr(attn, name)) for name in REQUIRED_TENSORS}),
     )

@@ -244,20 +244,17 @@ def _leaves(past_key_values: Any) -> list[Any]:
     return tree_flatten(past_key_values)[0]
 
 
-def check_warmup_cache(runner: Any, past_key_values: Any) -> None:
-    """The cache given to ``runner.warmup()``: it fits the model, and it is
-    the cache the runner's graphs (full and piecewise) captured, if any:
-    otherwise the runner would hold graphs on two caches, and steps on
-    either would be refused."""
-    runner._cache_fit(past_key_values)
-    graphs = [(captured.name, captured.cache_tensors) for captured in runner._graphs.values()]
-    if runner.piecewise is not None:
-        graphs += [(f"token bucket {b}", g.cache_tensors) for b, g in runner.piecewise._graphs.items()]
+def check_warmup_cache(graphs: list[Any], past_key_values: Any) -> None:
+    """The cache given to ``runner.warmup()`` (the runner checked that it
+    fits the model) is the cache the runner's graphs (every family's)
+    captured, if any: otherwise the runner would hold graphs on two caches,
+    and steps on either would be refused."""
     now = _leaves(past_key_values)
-    for name, then in graphs:
+    for captured in graphs:
+        then = captured.cache_tensors
         if len(now) != len(then) or not all(map(operator.is_, now, then)):
             raise InputError(
-                f"warmup() with another KV cache than the runner's graphs captured (the graph of {name} holds "
+                f"warmup() with another KV cache than the runner's graphs captured (the graph of {captured.name} holds "
                 "other tensors): the runner would hold graphs on two caches. Pass the cache the graphs captured, or call runner.reset() "
                 "first (after reallocating the cache)"
             )

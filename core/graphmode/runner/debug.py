@@ -184,18 +184,20 @@ class StepChecker:
         q_len 2") captured by reference lives."""
         self._addresses[graph] = self._current(cache_tensors, extras)
 
-    def dump(self, graph: Any, bucket: int, q_len: int) -> None:
+    def dump(self, graph: Any, file: str, what: str) -> None:
         """The device graph's debug dump of a new capture, written to
-        ``$GRAPHMODE_DEBUG_DUMP/bucket<bucket>-q<q_len>.dump`` when that
-        directory is set (CUDA: a DOT file; the emulator: its operators)."""
+        ``$GRAPHMODE_DEBUG_DUMP/<file>.dump`` when that directory is set
+        (CUDA: a DOT file; the emulator: its operators): ``bucket8-q1`` for a
+        full graph, ``tokens8-segment2`` for a piecewise graph's segment.
+        ``what``: how a warning names the graph."""
         folder = os.environ.get(ENV_DEBUG_DUMP)
         if not folder:
             return
         os.makedirs(folder, exist_ok=True)
         try:
-            graph.debug_dump(os.path.join(folder, f"bucket{bucket}-q{q_len}.dump"))
+            graph.debug_dump(os.path.join(folder, f"{file}.dump"))
         except NotImplementedError as error:
-            warnings.warn(f"${ENV_DEBUG_DUMP}: {error}; no dump of bucket {bucket}", stacklevel=2)
+            warnings.warn(f"${ENV_DEBUG_DUMP}: {error}; no dump of {what}", stacklevel=2)
 
     def check_addresses(self, graph: str, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
         """Refuse a replay when a captured tensor's memory moved since capture."""

@@ -7,13 +7,15 @@ value, the limit, and the fix.
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from graphmode.config import RunnerConfig
-from graphmode.context import AttnMetadata, StepInputs
+from graphmode.context import REQUIRED_TENSORS, STEP_TENSORS, AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
 from graphmode.spec import BLOCKS, SEQUENCES, TOKENS
@@ -24,6 +26,18 @@ __all__ = [
 ]
 
 _INTEGER = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
+# Every step's tensors, by their paths in StepInputs (how errors name them), with the shapes declared
+# on AttnMetadata's fields (ids and positions: (1, TOKENS)).
+_TENSORS = ("input_ids", "position_ids", *(f"attn_metadata.{name}" for name in REQUIRED_TENSORS))
+_tensors_of = operator.attrgetter(*_TENSORS)
+_DIMS = ((1, TOKENS), (1, TOKENS), *(dict(STEP_TENSORS)[name] for name in REQUIRED_TENSORS))
+
+
+@functools.lru_cache(maxsize=1024)
+def _shapes(batch: int, tokens: int, width: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of _TENSORS in a step of these sizes (cached: steps repeat their sizes)."""
+    sizes: dict[int | str, int] = {TOKENS: tokens, SEQUENCES: batch, BLOCKS: width}
+    return tuple(tuple(d if isinstance(d, int) else sizes[d] for d in dims) for dims in _DIMS)
 
 
 def check_step(inputs: StepInputs, config: RunnerConfig) -> int:
@@ -46,15 +60,8 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
         raise InputError(
             f"attn_metadata is a {type(attn).__name__}; pass a graphmode.AttnMetadata"
         )
-    for name, value in (
-        ("input_ids", inputs.input_ids),
-        ("position_ids", inputs.position_ids),
-        ("attn_metadata.block_offsets", attn.block_offsets),
-        ("attn_metadata.q_start_loc", attn.q_start_loc),
-        ("attn_metadata.q_seqlens", attn.q_seqlens),
-        ("attn_metadata.kv_seqlens", attn.kv_seqlens),
-        ("attn_metadata.kv_start_indices", attn.kv_start_indices),
-    ):
+    tensors = _tensors_of(inputs)
+    for name, value in zip(_TENSORS, tensors):
         if not isinstance(value, torch.Tensor):
             raise InputError(
                 f"{name} is {_described(value)}; it must be a torch.Tensor: build it with "
@@ -119,15 +126,7 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
     # is_cpu and get_device() (an int) are cheaper than building a device.
     emulated, index = device.type == "cpu", device.index
     first_side: tuple[str, bool] | None = None
-    for name, tensor, shape in (
-        ("input_ids", inputs.input_ids, (1, tokens)),
-        ("position_ids", inputs.position_ids, (1, tokens)),
-        ("attn_metadata.block_offsets", attn.block_offsets, (batch, width)),
-        ("attn_metadata.q_start_loc", attn.q_start_loc, (batch,)),
-        ("attn_metadata.q_seqlens", attn.q_seqlens, (batch,)),
-        ("attn_metadata.kv_seqlens", attn.kv_seqlens, (batch,)),
-        ("attn_metadata.kv_start_indices", attn.kv_start_indices, (tokens,)),
-    ):
+    for name, tensor, shape in zip(_TENSORS, tensors, _shapes(batch, tokens, width)):
         if tensor.dtype not in _INTEGER:
             raise InputError(
                 f"{name} has dtype {tensor.dtype}; it must be an integer tensor "

@@ -1,0 +1,73 @@
+"""What every graph family needs, once: the inert warm-up step, how a
+captured cache is listed, the output cut to the live tokens, and what a
+failed capture raises."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from graphmode.context import AttnMetadata, StepInputs
+from graphmode.meta import GraphMeta
+from graphmode.runner.family import Shared
+
+__all__ = ["capture_failed", "inert_step", "live_columns"]
+
+
+def inert_step(
+    shared: Shared, batch: int, past_key_values: Any, extras: dict[str, Any], q_len: int = 1
+) -> StepInputs:
+    """A decode step of ``batch`` sequences of ``q_len`` tokens that changes
+    nothing: every slot -1 (no KV write), every row on the reserved block 0.
+    The engine's declared step inputs not in ``extras`` get their declared
+    padding (``BufferSpec.allocate``)."""
+    device, int32 = shared.config.device, torch.int32
+    tokens = batch * q_len
+    attn = AttnMetadata(
+        is_decoding=True,
+        block_offsets=torch.zeros((batch, 1), dtype=int32, device=device),
+        q_start_loc=torch.arange(0, tokens, q_len, dtype=int32, device=device),
+        q_seqlens=torch.full((batch,), q_len, dtype=int32, device=device),
+        kv_seqlens=torch.full((batch,), q_len, dtype=int32, device=device),
+        kv_start_indices=torch.full((tokens,), -1, dtype=torch.int64, device=device),
+        max_q_seq_len=q_len,
+        max_kv_seq_len=q_len,
+        kv_seqlens_cpu=torch.full((batch,), q_len, dtype=int32),
+    )
+    zeros = torch.zeros((1, tokens), dtype=torch.int64, device=device)
+    extras = dict(extras)
+    for spec in shared.spec.buffers:
+        if spec.name in shared.declared_extras and spec.name not in extras:
+            extras[spec.name] = spec.allocate(batch, tokens, shared.config.max_blocks_per_seq, device)
+    return StepInputs(zeros, zeros.clone(), past_key_values, attn, extras)
+
+
+def live_columns(output: Any, tokens: int) -> Any:
+    """A graph's output cut to the live tokens: views of the first ``tokens``
+    columns (dimension 1, the model contract) of every tensor of two or more
+    dimensions, valid until the next step."""
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2:
+            return leaf.narrow(1, 0, tokens)
+        return leaf
+
+    return tree_map(cut, output)
+
+
+def capture_failed(error: Exception, shared: Shared, meta: GraphMeta, bucket: int, what: str, setting: str) -> None:
+    """Raise what a failed capture becomes: the vendor's advice
+    (``graphmode_capture_error``), chained to the error, or the error itself
+    with a note naming ``what`` was being captured and the setting that
+    chooses the family's sizes."""
+    advice = shared.vendor.hook.graphmode_capture_error(error=error, meta=meta, bucket=bucket)
+    if advice is not None:
+        raise advice from error
+    if hasattr(error, "add_note"):
+        error.add_note(
+            f"graphmode: while capturing {what} ({shared.vendor.name}); its sizes come from {setting}, "
+            f"and execute_mode={shared.config.execute_mode!r}"
+        )
+    raise error

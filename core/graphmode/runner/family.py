@@ -1,0 +1,182 @@
+"""Graph families: the ways a runner runs steps as captured device graphs.
+
+A family takes some steps (full decode graphs: uniform decode steps, per
+batch bucket and query length; piecewise graphs: any step, per token
+bucket), captures a graph for a step on first use and replays it after.
+Every family implements :class:`GraphFamily`; an execute mode is an ordered
+tuple of families (``graphmode.runner.modes``), and the runner hands a step
+to the first family that takes it, or runs it eagerly.
+
+The runner owns what the families share (:class:`Shared`: the model, the
+vendor, the statistics, the memory pool, debug mode, the ranks), and the
+families get it from there, never from the runner itself: this module and
+the families import nothing of ``graphmode.runner.runner``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from graphmode import buffers
+from graphmode.config import RunnerConfig
+from graphmode.context import StepInputs
+from graphmode.errors import ConfigError
+from graphmode.meta import GraphMeta
+from graphmode.plugins import Vendor
+from graphmode.runner.compile import compiled_forward
+from graphmode.runner.debug import StepChecker
+from graphmode.runner.stats import RunnerStats
+from graphmode.spec import GraphSpec
+from graphmode.staging import staging_refusal
+
+if TYPE_CHECKING:
+    from graphmode.distributed import RankSync
+    from graphmode.runner.cache_checks import CacheMemory
+
+__all__ = ["Captured", "GraphFamily", "Report", "Shared"]
+
+#: How warm-up reports progress: (a line, whether it is the last capture).
+Report = Callable[[str, bool], None]
+
+
+class Captured(Protocol):
+    """What a captured graph holds by reference, as the identity checks
+    (``graphmode.runner.cache_checks.check_same_objects``), debug mode and
+    the warm-up cache check read it."""
+
+    meta: GraphMeta  # its declarations (meta.spec.names: the inputs with a buffer)
+    cache_tensors: list[Any]  # the KV-cache tensors it captured, in order
+    extras: dict[str, Any]  # the extra inputs without a buffer it captured (frozen)
+    memory: CacheMemory  # the cache tensors' data pointers at capture
+    in_warmup: bool  # captured by warmup(), with the extras given to it
+
+    @property
+    def name(self) -> str:
+        """How errors name it: "bucket 8, q_len 2", "token bucket 16 (piecewise)"."""
+        ...
+
+    def flatten_cache(self, past_key_values: Any) -> list[Any]:
+        """A step's KV cache as a list of tensors, listed as at capture."""
+        ...
+
+
+class GraphFamily(Protocol):
+    """One kind of graph a runner captures and replays."""
+
+    #: How statistics, errors and docs name it ("full", "piecewise").
+    name: str
+    #: The RunnerConfig setting that chooses its graphs' sizes, which capture
+    #: advice names ("capture_batch_sizes", "capture_token_sizes").
+    setting: str
+
+    def refusal(self, inputs: StepInputs, batch: int, q_len: int | None) -> str | None:
+        """Why this family does not take the step (a key of
+        ``graphmode.runner.stats.EAGER_REASONS``), or None when it does.
+        ``q_len``: the tokens of every sequence, or None when they differ."""
+        ...
+
+    def run(self, inputs: StepInputs, batch: int, q_len: int | None, on_host: bool) -> Any:
+        """Run a step it takes: capture its graph on first use (the answer is
+        the warm-up forward's), replay it after. ``on_host``: the step's
+        tensors are host tensors."""
+        ...
+
+    def pending(self, q_lens: Sequence[int]) -> int:
+        """How many graphs :meth:`warmup` would capture."""
+        ...
+
+    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report) -> None:
+        """Capture every graph not captured yet, largest first, from inert
+        steps (no KV write, only the reserved block read)."""
+        ...
+
+    def reset(self) -> None:
+        """Drop every graph (the runner drops the pool)."""
+        ...
+
+    def captured(self) -> list[Captured]:
+        """Every graph captured, in capture order."""
+        ...
+
+
+class Shared:
+    """What every family of one runner shares, owned by the runner.
+
+    model: what eager steps and captures run (the runner's ``model``).
+    compiled: ``compile=True`` in a graph mode; ``forward`` is then the one
+        ``torch.compile(model)`` every family's warm-ups and captures run.
+    capture_sizes, bucket_of: the batch buckets and the table of the bucket
+        of every batch size (``bucket_of[batch]``). pool: the one memory pool of every graph of the runner,
+        set by the first capture. debug: the step checker in debug mode.
+    ranks: the :class:`graphmode.distributed.RankSync` of a tensor-parallel
+        runner. declared_extras: the engine's declared step inputs (model
+        keywords with a buffer, copied in every step rather than frozen).
+    A vendor that cannot stage the inputs on the host is refused here when
+    the config requires host staging, in every execute mode."""
+
+    def __init__(
+        self,
+        model: Any,
+        config: RunnerConfig,
+        vendor: Vendor,
+        spec: GraphSpec,
+        capture_sizes: tuple[int, ...],
+        bucket_of: list[int | None],
+        ranks: RankSync | None,
+    ) -> None:
+        self.model, self.config, self.vendor, self.spec = model, config, vendor, spec
+        self.capture_sizes, self.bucket_of = capture_sizes, bucket_of
+        self.ranks = ranks
+        self.compiled = config.compile and config.execute_mode != "eager"
+        self._compiled_forward = compiled_forward(model, vendor, config, capture_sizes) if self.compiled else None
+        self.stats = RunnerStats()
+        self.pool: Any = None
+        self.meta: GraphMeta | None = None
+        self.debug = StepChecker(model, config.block_size) if config.debug else None
+        #: Why the vendor cannot stage this runner's inputs on the host, or None.
+        self.staging_refusal = staging_refusal(vendor, config.device)
+        if config.host_staging and self.staging_refusal is not None:
+            raise ConfigError(f"host_staging=True: {self.staging_refusal}; build the runner with host_staging=None or False")
+        self.declared_extras = frozenset(
+            path.split(".", 1)[1] for spec in spec.buffers for path in spec.contexts if path.startswith("extras.")
+        )
+
+    @property
+    def forward(self) -> Any:
+        """What warm-ups and captures run: the model, or its compiled forward."""
+        return self._compiled_forward or self.model
+
+    def graph_meta(self) -> GraphMeta:
+        """The GraphMeta holding the input buffers every full graph shares,
+        made (with its padding snapshot) on first use; the caller holds
+        inference mode, as every step that writes them does."""
+        if self.meta is None:
+            config = self.config
+            meta = GraphMeta(
+                max_batchs=config.max_batches,
+                max_tokens=config.max_tokens,
+                num_blocks=config.max_blocks_per_seq,
+                block_size=config.block_size,
+                device=config.device,
+                vocab_size=getattr(getattr(self.model, "config", None), "vocab_size", None),
+                spec=self.spec,
+                capture_sizes=self.capture_sizes,
+                vendor_options=config.vendor_options,
+            )
+            meta.input_buffers = self.vendor.hook.graphmode_make_buffers(meta=meta)
+            meta.padding_buffers = {name: t.clone() for name, t in meta.input_buffers.items()}
+            meta.q_len_padding = buffers.q_len_paddings(meta)
+            meta.live_buffers = buffers.live_values(meta)
+            self.meta = meta
+        return self.meta
+
+    def adopt_pool(self, pool: Any) -> None:
+        """The first capture's pool becomes every later graph's."""
+        if self.pool is None:
+            self.pool = pool
+
+    def count_tokens(self, live: int, padding: int) -> None:
+        """A graph step's live and padding tokens, in ``stats``."""
+        self.stats.real_tokens += live
+        self.stats.padded_tokens += padding

@@ -1,0 +1,276 @@
+"""FullGraphs: the family of full decode graphs, one per batch bucket and
+query length.
+
+A decode step whose sequences all carry ``q_len`` new tokens (1, or ``1 + k``
+for speculative verify and MTP; at most ``max_q_len``) runs in the graph of
+(batch bucket, q_len). The first such step fills the buffers, runs the model
+once outside any graph (that result is returned) and captures the same
+forward; every later step of that key fills the buffers and replays.
+
+It never reads device values on the host (no synchronisation per step; on
+the emulator, and on CUDA when asked, a hook that does is refused: see
+``graphmode.runner.host_reads``) and never copies the output: a replay
+result is a view of the graph's output, valid until the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from graphmode.context import StepInputs
+from graphmode.errors import ConfigError, InputError
+from graphmode.graphs import DeviceGraph
+from graphmode.meta import GraphMeta
+from graphmode.plugins import Vendor
+from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
+from graphmode.runner.common import capture_failed, inert_step
+from graphmode.runner.family import Captured, Report, Shared
+from graphmode.runner.host_reads import replay_guard
+from graphmode.runner.outputs import SharedOutputs
+from graphmode.runner.validate import check_cache_layout
+from graphmode.staging import HostStaging, to_device, to_host
+
+__all__ = ["CapturedGraph", "FullGraphs", "bucket_table"]
+
+
+@dataclass
+class CapturedGraph:
+    """One (bucket, q_len) graph, and what it captured by reference."""
+
+    bucket: int
+    graph: DeviceGraph
+    meta: GraphMeta
+    past_key_values: Any
+    extras: dict[str, Any]
+    cache_tensors: list[Any]
+    flatten_cache: Callable[[Any], list[Any]]
+    in_warmup: bool = False  # captured by warmup(), with the extras given to it
+    q_len: int = 1  # new tokens per sequence
+
+    def __post_init__(self) -> None:
+        self.memory = CacheMemory(self.cache_tensors, self.flatten_cache)  # their data pointers, checked at every replay
+
+    @property
+    def name(self) -> str:
+        """How errors name it: "bucket 8", or "bucket 8, q_len 3"."""
+        return f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "")
+
+
+def bucket_table(vendor: Vendor, max_batches: int, capture_sizes: tuple[int, ...]) -> list[int | None]:
+    """bucket_of[batch] for every batch size, asked once and checked."""
+    table: list[int | None] = [None]
+    for batch in range(1, max_batches + 1):
+        bucket = vendor.hook.graphmode_compatible_size(batch_size=batch, capture_sizes=capture_sizes)
+        fits = bucket is None or (bucket >= batch and bucket in capture_sizes)
+        if bucket is None and batch <= capture_sizes[-1]:
+            fits = False
+        if not fits:
+            raise ConfigError(
+                f"vendor {vendor.name!r}: graphmode_compatible_size({batch}) returned "
+                f"{bucket}; it must be a capture size >= {batch} from "
+                f"{list(capture_sizes)} (padding a batch into a smaller graph "
+                "would drop sequences)"
+            )
+        table.append(bucket)
+    return table
+
+
+class FullGraphs:
+    """The full decode graphs of a runner (execute modes "graph" and
+    "full_and_piecewise"). With ``compile=True`` the warm-ups and captures
+    run the runner's ``torch.compile(model)``."""
+
+    name = "full"
+    setting = "capture_batch_sizes"
+
+    def __init__(self, shared: Shared) -> None:
+        config, vendor = shared.config, shared.vendor
+        self.shared = shared
+        self.bucket_of = shared.bucket_of
+        self.graphs: dict[tuple[int, int], CapturedGraph] = {}  # by (bucket, q_len)
+        self._outputs = SharedOutputs(config.max_tokens)
+        # The replay path's hooks, without pluggy's dispatch where that changes nothing.
+        self._fill_buffers = vendor.direct("graphmode_fill_buffers")
+        self._get_outputs = vendor.direct("graphmode_get_outputs")
+        update = vendor.hook.graphmode_update_graph_params
+        self._update_params = update if update.get_hookimpls() else None
+        self.replay_guard = replay_guard(config.device)
+        self.staging: HostStaging | None = None
+        self._staging_decided = False
+
+    # -- the protocol ----------------------------------------------------------
+
+    def refusal(self, inputs: StepInputs, batch: int, q_len: int | None) -> str | None:
+        if not inputs.attn_metadata.is_decoding:
+            return "prefill"
+        if q_len is None:
+            return "mixed_q_len"
+        if q_len > self.shared.config.max_q_len:
+            return "multi_token_decode"
+        if self.bucket_of[batch] is None:
+            return "no_bucket"
+        return None
+
+    def run(self, inputs: StepInputs, batch: int, q_len: int | None, on_host: bool) -> Any:
+        inputs = self._placed(inputs, on_host)
+        bucket = self.bucket_of[batch]
+        assert bucket is not None and q_len is not None  # refusal() said why otherwise
+        shared = self.shared
+        if shared.ranks is not None and shared.ranks.check_replays:
+            # Before any collective: a rank on another graph would hang the rest.
+            shared.ranks.agree_on_step(batch, bucket, "run")
+        if shared.debug is not None:
+            shared.debug.check_step(inputs, batch)
+        captured = self.graphs.get((bucket, q_len))
+        if captured is None:
+            return self._capture(inputs, batch, bucket)
+        return self._replay(captured, inputs, batch)
+
+    def pending(self, q_lens: Sequence[int]) -> int:
+        return len(self._todo(q_lens))
+
+    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report) -> None:
+        todo = self._todo(q_lens)
+        if todo and not self._staging_decided:
+            self._decide_staging(on_host=False)  # no step seen: host_staging=None means off
+        many = self.shared.config.max_q_len > 1
+        for index, (bucket, q_len) in enumerate(todo):
+            name = f"bucket {bucket}" + (f", q_len {q_len}" if many else "")
+            report(f"capturing {name} ({index + 1}/{len(todo)})", index + 1 == len(todo))
+            step = inert_step(self.shared, bucket, past_key_values, extras, q_len)
+            # With host staging the step comes from the host, as an engine's steps do.
+            step = to_host(step, self.shared.config.device) if self.staging is not None else step
+            self._capture(step, bucket, bucket, warmup=True)
+
+    def reset(self) -> None:
+        for captured in self.graphs.values():
+            captured.graph.reset()
+        self.graphs.clear()
+        self._outputs = SharedOutputs(self.shared.config.max_tokens)
+
+    def captured(self) -> list[Captured]:
+        return list(self.graphs.values())
+
+    # -- steps ----------------------------------------------------------------
+
+    def _todo(self, q_lens: Sequence[int]) -> list[tuple[int, int]]:
+        return [
+            (b, q) for q in sorted(set(q_lens), reverse=True) for b in reversed(self.shared.capture_sizes)
+            if (b, q) not in self.graphs
+        ]
+
+    def _placed(self, inputs: StepInputs, on_host: bool) -> StepInputs:
+        """The inputs of a graph step where this family's fill needs them;
+        the first graph step decides host staging when the config leaves it open."""
+        if not self._staging_decided:
+            self._decide_staging(on_host)
+        if self.staging is not None:
+            if not on_host:
+                raise InputError(
+                    "this runner stages its inputs on the host (host staging: its graphs copy them "
+                    "from a pinned host mirror), but this step's tensors are on "
+                    f"{inputs.input_ids.device}; reading them back would cost a device-to-host copy "
+                    "every step. Pass the step's inputs as host (CPU) tensors, or build the runner "
+                    "with host_staging=False"
+                )
+            return inputs
+        return to_device(inputs, self.shared.config.device) if on_host else inputs
+
+    def _decide_staging(self, on_host: bool) -> None:
+        """Once, before the first capture: with host staging, the device input
+        buffers move into one arena with a pinned host mirror."""
+        wanted = self.shared.config.host_staging
+        if wanted is None:
+            wanted = on_host and self.shared.staging_refusal is None
+        if wanted:
+            self.staging = HostStaging(self.shared.graph_meta())
+        self._staging_decided = True
+
+    def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int) -> Any:
+        check_same_objects(captured, inputs)
+        shared = self.shared
+        if shared.debug is not None:
+            shared.debug.check_addresses(captured.name, captured.cache_tensors, captured.extras)
+        meta, bucket, staging, q_len = captured.meta, captured.bucket, self.staging, captured.q_len
+        if staging is not None:
+            staging.wait()  # the previous replay has copied the mirror: it may be written
+        # No hook may read a device value on the host from here on.
+        with self.replay_guard as guard:
+            guard.running("graphmode_fill_buffers")
+            self._fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+            if self._update_params is not None:
+                guard.running("graphmode_update_graph_params")
+                self._update_params(graph=captured.graph, meta=meta, batch_size=batch, bucket=bucket)
+            guard.running(f"the replay of {type(captured.graph).__name__}")
+            captured.graph.replay()
+            if staging is not None:
+                staging.copied()
+            stats = shared.stats
+            stats.replays += 1
+            stats.replays_by_q_len[q_len] += 1
+            shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
+            guard.running("graphmode_get_outputs")
+            return self._get_outputs(meta=meta, batch_size=batch, num_tokens=batch * q_len)
+
+    def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
+        shared = self.shared
+        ranks, hook, staging = shared.ranks, shared.vendor.hook, self.staging
+        if ranks is not None and not ranks.check_replays:
+            # Before the warm-up's collectives: disagreeing ranks would hang in them.
+            ranks.agree_on_step(batch, bucket, "capture")
+        flatten = cache_flattener(inputs.past_key_values)
+        check_cache_layout(shared.model, flatten(inputs.past_key_values), shared.config.block_size)
+        q_len = inputs.num_tokens // batch  # proved uniform by the caller
+        tokens = bucket * q_len  # the graph's, padding rows included
+        meta = shared.graph_meta().for_graph()
+        if staging is not None:
+            staging.wait()
+        hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+        if staging is not None:
+            staging.copy_in(bucket)  # the warm-up reads the arena
+            staging.copied()
+        static = hook.graphmode_update_context(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+        # The warm-up runs the real step outside any graph: its result is this
+        # step's answer, and it leaves lazy initialisation (and compilation)
+        # out of the graph.
+        forward = shared.forward
+        started = time.perf_counter()
+        warm_output = forward(**static.as_kwargs())
+        if shared.compiled:
+            shared.stats.compile_seconds += time.perf_counter() - started
+        self._outputs.prepare(warm_output, tokens)
+        graph = hook.graphmode_make_graph(meta=meta)
+        if shared.debug is not None:
+            graph.enable_debug_mode()  # before capture, or CUDA and MLU graphs keep nothing to dump
+        if ranks is not None:
+            ranks.barrier()
+        try:
+            with graph.capture(pool=shared.pool):
+                if staging is not None:
+                    staging.copy_in(bucket)  # the graph's first node: the mirror, read live
+                meta.output_buffers["output"] = self._outputs.publish(forward(**static.as_kwargs()), tokens)
+        except Exception as error:
+            name = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")
+            capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting)
+        shared.adopt_pool(graph.pool())
+        flatten = cache_flattener(static.past_key_values)
+        # Extras without a buffer are captured by reference: later steps must pass the same objects.
+        frozen = {name: value for name, value in inputs.extras.items() if name not in shared.declared_extras}
+        captured = self.graphs[(bucket, q_len)] = CapturedGraph(
+            bucket, graph, meta, static.past_key_values, frozen, flatten(static.past_key_values), flatten,
+            in_warmup=warmup, q_len=q_len,
+        )
+        if shared.debug is not None:
+            shared.debug.record(captured.name, captured.cache_tensors, captured.extras)
+            shared.debug.dump(graph, f"bucket{bucket}-q{q_len}", f"bucket {bucket}")
+        shared.stats.captures += 1
+        if warmup:  # an inert step: no served tokens
+            shared.stats.warmup_captures += 1
+        else:
+            shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
+        warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})
+        return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch * q_len)
