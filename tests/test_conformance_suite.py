@@ -73,7 +73,7 @@ DIAGNOSES = {
     ),
     "unsliced_outputs": ("Likely cause: outputs not cut to the live tokens (graphmode_get_outputs",),
     "outputs_from_wrong_rows": (
-        "(capture): max |graph - eager|",
+        "max |graph - eager|",
         "Likely cause: outputs cut from the wrong rows: the graph's output holds eager's values in its first 3 "
         "token rows, but graphmode_get_outputs returned the rows from token 1 on",
     ),

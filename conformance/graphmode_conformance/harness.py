@@ -241,20 +241,20 @@ class Harness:
         name, ``[check]`` first."""
         owners = self._block_owners()
         before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
-        graph, eager = self._graph_and_eager(inputs)
+        raw, graph, eager = self._graph_and_eager(inputs)
         self.steps_run += 1
         where = f"[{self.check}] {describe(self.steps_run)}"
-        self._check_outputs(where, graph, eager, per_token_seqs, phase)
+        self._check_outputs(where, graph, eager, per_token_seqs, phase, raw=raw)
         self._check_cache(where, before, owners)
         return where
 
-    def _graph_and_eager(self, inputs: StepInputs) -> tuple[Any, Any]:
-        """The step through the runner (its result copied: the next step
+    def _graph_and_eager(self, inputs: StepInputs) -> tuple[Any, Any, Any]:
+        """The step through the runner (as returned, and copied: the next step
         overwrites it) and eagerly on the model."""
         with torch.inference_mode():
-            graph = self._call_runner(inputs)
-            graph = graph.clone() if isinstance(graph, torch.Tensor) else graph
-            return graph, self._call_model(inputs)
+            raw = self._call_runner(inputs)
+            graph = raw.clone() if isinstance(raw, torch.Tensor) else raw
+            return raw, graph, self._call_model(inputs)
 
     def _call_model(self, inputs: StepInputs) -> Any:
         """The step eagerly, on the model itself (the reference)."""
