@@ -74,8 +74,8 @@ DIAGNOSES = {
     "unsliced_outputs": ("Likely cause: outputs not cut to the live tokens (graphmode_get_outputs",),
     "outputs_from_wrong_rows": (
         "max |graph - eager|",
-        "Likely cause: outputs cut from the wrong rows: the graph's output holds eager's values in its first 3 "
-        "token rows, but graphmode_get_outputs returned the rows from token 1 on",
+        "Likely cause: outputs cut from the wrong rows: the graph's output holds eager's values in its first",
+        "token rows, but graphmode_get_outputs returned the rows from token",
     ),
     "minus_one_max_len": ("max_kv_seq_len=-1: PPU's FlashAttention varlen kernel needs a positive upper bound",),
     "host_read_in_fill": (
