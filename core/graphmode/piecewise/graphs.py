@@ -162,7 +162,7 @@ class PiecewiseGraphs:
         static = self._inputs.fill(inputs, bucket)
         static = dataclasses.replace(static, attn_metadata=shape_only(inputs.attn_metadata))
         warm_up = EagerForward(live, self._buffers)
-        forward = self._split or shared.model
+        forward = shared.model if self._split is None else self._split
         started = time.perf_counter()
         try:
             with intercepted(self.ops, warm_up):

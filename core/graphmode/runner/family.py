@@ -145,7 +145,8 @@ class Shared:
     @property
     def forward(self) -> Any:
         """What warm-ups and captures run: the model, or its compiled forward."""
-        return self._compiled_forward or self.model
+        # Not `or`: a compiled module's truth value is its model's (len()).
+        return self.model if self._compiled_forward is None else self._compiled_forward
 
     def graph_meta(self) -> GraphMeta:
         """The GraphMeta holding the input buffers every full graph shares,
