@@ -1,7 +1,7 @@
 """Host cost per replay of the always-on KV-cache check
-(graphmode.runner.cache_checks.CacheMemory.check), for a cache of --layers
-(key, value) pairs, beside the check it replaced: the same tensor objects,
-compared by identity, which could not see memory moved under an object.
+(graphmode.runner.cache_checks.CacheMemory.check: the same objects, and
+their data pointers), for a cache of --layers (key, value) pairs, beside
+the identity check alone, which could not see memory moved under an object.
 
     python scripts/kv_pointer_cost.py --layers 24 --device cuda
     python scripts/kv_pointer_cost.py --layers 24 --device cpu
@@ -50,7 +50,7 @@ def main() -> None:
     before = median_us(identity, args.repeats)
     now = median_us(lambda: memory.check(step_cache, "bucket 1"), args.repeats)
     print(f"{args.layers} layers ({len(captured)} tensors) on {args.device}, torch {torch.__version__}: "
-          f"data-pointer check {now:.2f} us per replay, in place of the identity check's {before:.2f} us "
+          f"identity and data-pointer check {now:.2f} us per replay, against the identity check's {before:.2f} us "
           f"(+{now - before:.2f} us), medians of {args.repeats} x 100 calls")
 
 

@@ -177,6 +177,12 @@ def test_new_tensor_objects_over_the_captured_memory_replay():
         eager = setup.model(step.input_ids, step.position_ids, views, step.attn_metadata)
     torch.testing.assert_close(graph, eager)
     assert setup.runner.stats.replays == 1
+    # The same memory in another layout, put into the engine's own container in place.
+    k, v = views[0]
+    views[0] = (k.view(-1, *k.shape[2:]).view(k.shape[1], k.shape[0], *k.shape[2:]), v)
+    with pytest.raises(InputError, match=r"past_key_values tensor 0 of 4 is another tensor over the memory the "
+                       r"graph of bucket 2 captured, in another layout"):
+        setup.runner(step.input_ids, step.position_ids, views, step.attn_metadata)
 
 
 def test_extra_inputs_are_frozen_and_checked():

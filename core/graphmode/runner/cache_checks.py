@@ -24,51 +24,62 @@ __all__ = ["CacheFit", "CacheMemory", "cache_flattener", "check_same_objects", "
 
 
 class CacheMemory:
-    """The KV-cache tensors a graph captured, by the memory they had then.
+    """The KV-cache tensors a graph captured: the objects, and the memory and
+    layout they had then.
 
-    A device graph reads and writes the addresses it captured, so the
-    criterion is the address, not the Python object: another cache, a
-    tensor replaced in the container, or memory given to the same object
-    (``k.set_(other)``, ``k.data = other``) all move an address. One list
-    of data pointers, read with ``const_data_ptr`` (no copy-on-write
-    materialisation), is compared per replay; a new tensor object over the
-    captured memory passes (the graph reads it right), and ``CacheFit``
-    checks the shape of every new tensor object that reaches the runner.
-    ``scripts/kv_pointer_cost.py`` measures it (docs/architecture.md, Errors)."""
+    A device graph reads and writes the addresses it captured, in the layout
+    it captured. Per replay, two passes over the step's cache tensors: the
+    same objects (a replaced tensor, or another cache), and the same data
+    pointers (memory given to the same object, ``k.set_(other)``,
+    ``k.data = other``, which a graph ignores), read with ``const_data_ptr``
+    (no copy-on-write materialisation). A new tensor object over the
+    captured memory in the captured shape, strides and dtype (a view an
+    engine makes each step) is read right by the graph and passes, compared
+    leaf by leaf; any other is refused. ``scripts/kv_pointer_cost.py``
+    measures the check (docs/architecture.md, Errors)."""
 
     def __init__(self, leaves: list[Any], flatten: Callable[[Any], list[Any]]) -> None:
         self.leaves, self.flatten = leaves, flatten
         self.pointers = [_data_ptr(t) if isinstance(t, torch.Tensor) else t for t in leaves]
-        # A list of (key, value) pairs is read without flattening it first.
-        self._pointers_of = _chained_pointers if flatten is _chained else _flattened_pointers(flatten)
 
     def check(self, past_key_values: Any, graph: str) -> None:
-        """Refuse a replay of ``graph`` (as errors name it) on a cache whose
-        tensors are not at the addresses it captured."""
-        try:
-            if self._pointers_of(past_key_values) == self.pointers:
-                return
-        except TypeError:  # not a list of pairs, or a leaf that is not a tensor: see below
-            pass
+        """Refuse a replay of ``graph`` (as errors name it) on a cache that is
+        not at the addresses, or in the layout, it captured."""
         now, then = self.flatten(past_key_values), self.leaves
+        if len(now) == len(then) and all(map(operator.is_, now, then)):
+            try:
+                if list(map(_data_ptr, now)) == self.pointers:
+                    return
+            except TypeError:  # a leaf that is not a tensor: compared one by one below
+                pass
         for index, (given, captured, pointer) in enumerate(zip(now, then, self.pointers)):
-            if not isinstance(captured, torch.Tensor):
-                same = given is captured
-            else:
-                same = isinstance(given, torch.Tensor) and _data_ptr(given) == pointer
-            if same:
+            if given is captured and not isinstance(captured, torch.Tensor):
                 continue
-            if given is captured:
+            if not isinstance(captured, torch.Tensor) or not isinstance(given, torch.Tensor):
+                _refuse_other_cache(graph, f"tensor {index} of {len(then)} differs", len(now))
+            if _data_ptr(given) != pointer:
+                if given is captured:
+                    raise InputError(
+                        f"past_key_values tensor {index} of {len(then)} has new memory (data_ptr "
+                        f"{_data_ptr(given):#x}, captured at {pointer:#x}) under the same tensor object "
+                        f"(tensor.set_(...), tensor.data = ...): the graph of {graph} would keep reading and "
+                        "writing the old memory. Change the cache in place (.copy_()), or call runner.reset() "
+                        "after reallocating the cache"
+                    )
+                _refuse_other_cache(graph, f"tensor {index} of {len(then)} differs", len(now))
+            if given is not captured and _layout(given) != _layout(captured):
                 raise InputError(
-                    f"past_key_values tensor {index} of {len(then)} has new memory (data_ptr "
-                    f"{_data_ptr(given):#x}, captured at {pointer:#x}) under the same tensor object "
-                    f"(tensor.set_(...), tensor.data = ...): the graph of {graph} would keep reading and "
-                    "writing the old memory. Change the cache in place (.copy_()), or call runner.reset() "
-                    "after reallocating the cache"
+                    f"past_key_values tensor {index} of {len(then)} is another tensor over the memory the graph "
+                    f"of {graph} captured, in another layout (shape, strides, dtype {_layout(given)}, captured "
+                    f"{_layout(captured)}): the graph would keep reading it in the captured layout. Pass the "
+                    "cache tensors in the layout they had at capture, or call runner.reset()"
                 )
-            _refuse_other_cache(graph, f"tensor {index} of {len(then)} differs", len(now))
         if len(now) != len(then):
             _refuse_other_cache(graph, f"{len(then)} tensors captured", len(now))
+
+
+def _layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype]:
+    return tuple(tensor.shape), tensor.stride(), tensor.dtype
 
 
 def _refuse_other_cache(graph: str, which: str, given: int) -> None:
@@ -106,13 +117,6 @@ def _chained(past_key_values: Any) -> list[Any]:
 def _tree_leaves(past_key_values: Any) -> list[Any]:
     return tree_flatten(past_key_values)[0]
 
-
-def _chained_pointers(past_key_values: Any) -> list[int]:
-    return list(map(_data_ptr, itertools.chain.from_iterable(past_key_values)))
-
-
-def _flattened_pointers(flatten: Callable[[Any], list[Any]]) -> Callable[[Any], list[int]]:
-    return lambda past_key_values: list(map(_data_ptr, flatten(past_key_values)))
 
 
 _SEQUENCES = (list, tuple)
