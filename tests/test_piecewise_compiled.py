@@ -72,6 +72,7 @@ class SplitCheck:
             split = self.forward(input_ids=ids, position_ids=positions, past_key_values=self.caches[0],
                                  attn_metadata=shape_only(step.attn_metadata))
         self.breaks = len(session.views)
+        assert not self.forward._installed, "the split forward keeps the session's interceptors (and its graphs)"
         eager = self.model(step.input_ids, step.position_ids, self.caches[1], step.attn_metadata)
         torch.testing.assert_close(split[:, :tokens], eager, atol=1e-5, rtol=1e-5)
         for graph_pair, eager_pair in zip(*self.caches):

@@ -42,6 +42,7 @@ __all__ = [
     "host_break",
     "kernels_taking_out",
     "intercepted",
+    "shadowed",
 ]
 
 #: The AttentionOps methods that are break points, and what each one is.
@@ -209,14 +210,16 @@ def intercepted(ops_objects: list[Any], session: Session) -> Iterator[None]:
         for ops in ops_objects:
             originals = {name: getattr(ops, name) for name in ATTENTION_METHODS}
             for name in ATTENTION_METHODS:
-                stack.enter_context(_shadowed(ops, name, _interceptor(name, originals, session)))
+                stack.enter_context(shadowed(ops, name, _interceptor(name, originals, session)))
         _local.session = session
         stack.callback(setattr, _local, "session", None)
         yield
 
 
 @contextlib.contextmanager
-def _shadowed(obj: Any, name: str, value: Any) -> Iterator[None]:
+def shadowed(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """``obj.name`` is ``value`` inside, its own attribute (or the class's)
+    again after."""
     had_own = name in vars(obj)
     previous = vars(obj).get(name)
     setattr(obj, name, value)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphmode.piecewise.breaks import ATTENTION_METHODS, _shadowed
+from graphmode.piecewise.breaks import ATTENTION_METHODS, shadowed
 from graphmode.piecewise.sizes import default_token_sizes
 
 if TYPE_CHECKING:
@@ -66,13 +66,18 @@ class SplitForward:
         }
 
     def __call__(self, **kwargs: Any) -> Any:
-        with contextlib.ExitStack() as stack:
-            for ops in self.ops_objects:
-                for name in ATTENTION_METHODS:
-                    key = (id(ops), name)
-                    self._installed[key] = getattr(ops, name)  # the session's interceptor, or the method
-                    stack.enter_context(_shadowed(ops, name, self._entries[key]))
-            return self.compiled(**kwargs)
+        try:
+            with contextlib.ExitStack() as stack:
+                for ops in self.ops_objects:
+                    for name in ATTENTION_METHODS:
+                        key = (id(ops), name)
+                        self._installed[key] = getattr(ops, name)  # the session's interceptor, or the method
+                        stack.enter_context(shadowed(ops, name, self._entries[key]))
+                return self.compiled(**kwargs)
+        finally:
+            # The interceptors hold their session (its graphs and pool): keep
+            # none past the call, or runner.reset() would not free them.
+            self._installed.clear()
 
 
 def _opaque_entry(installed: dict[tuple[int, str], Callable[..., Any]], key: tuple[int, str]) -> Callable[..., Any]:
