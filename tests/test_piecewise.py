@@ -460,3 +460,27 @@ def test_a_failed_piecewise_capture_names_the_segment_and_capture_token_sizes(mo
     layers = setup.model.config.num_hidden_layers
     assert f"while capturing segment {layers + 1} of the piecewise graph of token bucket 8 (cuda)" in notes
     assert f"its sizes come from capture_token_sizes, and execute_mode={mode!r}" in notes
+
+
+def test_a_narrower_block_wide_step_input_pads_the_columns_past_its_width():
+    # A (SEQUENCES, BLOCKS) step input narrower than the buffer: the live rows'
+    # columns past this step's width hold the padding, not the last step's values.
+    from graphmode.context import StepInputs
+    from graphmode.model.engine import ReferenceEngine
+    from graphmode.piecewise.inputs import TokenInputs
+    from graphmode.spec import BLOCKS, SEQUENCES, BufferSpec
+
+    spec = BufferSpec("adapter_blocks", torch.int32, shape=(SEQUENCES, BLOCKS), padding=0)
+    inputs = TokenInputs(16, [spec], 8, torch.device("cpu"))
+    engine = ReferenceEngine(64, 16, "cpu", vocab_size=256, table_width=8, seed=7)
+    seqs = [engine.add() for _ in range(2)]
+    step = engine.prefill(seqs, [3, 2])
+
+    def fill(width: int, value: int):
+        table = torch.full((2, width), value, dtype=torch.int32)
+        given = StepInputs(step.input_ids, step.position_ids, None, step.attn_metadata, {"adapter_blocks": table})
+        return inputs.fill(given, 8).extras["adapter_blocks"]
+
+    fill(4, 7)
+    buffer = fill(2, 5)
+    assert buffer[:2, :2].eq(5).all() and buffer[:2, 2:].eq(0).all(), buffer

@@ -63,9 +63,13 @@ class TokenInputs:
         buffer, padding, dim = self._buffers[spec.name], self._padding[spec.name], spec.row_dim
         live = tokens if spec.per_token else batch
         target = buffer.narrow(dim, 0, live)
-        for index, size in enumerate(value.shape):  # a BLOCKS width narrower than the buffer's
-            if index != dim and size < target.shape[index]:
-                target = target.narrow(index, 0, size)
+        if value.shape != target.shape:
+            # A BLOCKS width narrower than the buffer's: the live rows' other
+            # columns are padding, not the last step's values.
+            target.copy_(padding.narrow(dim, 0, live))
+            for index, size in enumerate(value.shape):
+                if index != dim and size < target.shape[index]:
+                    target = target.narrow(index, 0, size)
         target.copy_(value)
         buffer.narrow(dim, live, bucket - live).copy_(padding.narrow(dim, live, bucket - live))
         return buffer.narrow(dim, 0, bucket)
