@@ -263,6 +263,18 @@ def test_engine_inputs_cannot_shadow_the_vendors_declarations():
         tiny_setup(step_inputs=["token_scale"])
 
 
+
+@pytest.mark.parametrize("fields", [
+    dict(context=("extras.token_scale",)),  # a buffer name other than the keyword it carries
+    dict(source=None),
+    dict(host=True),
+], ids=["context", "source", "host"])
+def test_an_engine_step_input_is_its_keyword_copied_whole(fields):
+    # Every family keys an engine's step input by its name and copies the keyword in whole.
+    with pytest.raises(ConfigError, match=r"step_inputs \['scale_buf'\] set context, source, live or host"):
+        tiny_setup(step_inputs=[BufferSpec("scale_buf", torch.float32, shape=(TOKENS,), padding=1.0, **fields)])
+
+
 # -- declarations are checked --------------------------------------------------
 
 

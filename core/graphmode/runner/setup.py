@@ -48,6 +48,18 @@ def configure(vendor: Vendor, config: RunnerConfig) -> GraphSpec:
             f"step_inputs {fields} name fields of the step context, which the vendor's declarations "
             "cover; an engine declares its own model inputs (passed as extras)"
         )
+    # An engine's step input is the model keyword of its name, copied in
+    # whole every step: every family (piecewise too) keys it by that name.
+    custom = [
+        s.name for s in config.step_inputs
+        if s.contexts != (f"extras.{s.name}",) or s.source != "default" or s.live is not None or s.host
+    ]
+    if custom:
+        raise ConfigError(
+            f"step_inputs {custom} set context, source, live or host: an engine's step input is the model "
+            "keyword of its own name, copied in whole from that keyword every step, on the device. Declare "
+            "BufferSpec(name, dtype, shape=..., padding=...) only (a vendor's buffers take the other fields)"
+        )
     if not isinstance(config.vendor_options, spec.options):
         config.vendor_options = spec.make_options(config.vendor_options, vendor.name)
     vendor.hook.graphmode_check_config(config=config)
