@@ -42,6 +42,14 @@ def test_ranks_running_different_batches_raise_instead_of_hanging():
     assert result.stdout.count(message) == 2
 
 
+def test_ranks_running_a_full_and_a_piecewise_graph_of_one_size_raise_instead_of_hanging():
+    # Rank 0 decodes 8 sequences (full bucket 8), rank 1 prefills 8 tokens (token bucket 8).
+    result = torchrun("--execute-mode", "full_and_piecewise", "--scenario", "different-families", "--batches", "8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    message = "tensor-parallel ranks disagree on the step to run: rank 0: batch 8 (bucket 8); rank 1: tokens 8 (bucket 8)"
+    assert result.stdout.count(message) == 2
+
+
 def test_full_and_piecewise_at_tp2_equals_eager_and_tp1():
     # Piecewise graphs were refused with a process group; now the ranks agree on every token bucket.
     result = torchrun("--execute-mode", "full_and_piecewise", "--batches", "1-4")

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rtol", type=float, default=None)
     parser.add_argument("--timeout", type=int, default=120, help="seconds before a collective counts as hung")
-    parser.add_argument("--scenario", choices=["agree", "different-capture-lists", "different-batches"], default="agree")
+    parser.add_argument("--scenario", choices=["agree", "different-capture-lists", "different-batches", "different-families"], default="agree")
     parser.add_argument("--json", default=None)
     parser.add_argument("--execute-mode", default="graph", choices=["graph", "full_and_piecewise"],
                         help="full_and_piecewise: prefills in piecewise graphs (token buckets to 512), decodes in full graphs")
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 step = engine.decode(seqs)
                 if args.scenario == "different-batches" and rank == 1:
                     step = engine.decode(seqs[:-1]) if batch > 1 else step
+                if args.scenario == "different-families" and rank == 1:  # as many tokens as rank 0's sequences
+                    step = engine.prefill([engine.add()], [batch])
                 try:
                     graph = runner(step.input_ids, step.position_ids, caches["graph"], step.attn_metadata).clone()
                 except graphmode.GraphModeError as error:

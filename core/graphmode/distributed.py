@@ -19,6 +19,9 @@ from graphmode.errors import ConfigError, InputError
 
 __all__ = ["RankSync", "init_process_group", "torchrun_rank"]
 
+#: What a step agreement counts: sequences of a full graph, tokens of a piecewise one.
+_UNITS = ("batch", "tokens")
+
 
 def init_process_group(vendor: Any, device: torch.device, **kwargs: Any) -> str:
     """Initialise the default process group with the vendor's backend for
@@ -63,14 +66,19 @@ class RankSync:
         dist.all_gather_object(values, value, group=self.control)
         return values
 
-    def agree_on_setup(self, execute_mode: str, capture_sizes: tuple[int, ...]) -> None:
-        values = self._gather((execute_mode, list(capture_sizes)))
+    def agree_on_setup(self, execute_mode: str, capture_sizes: tuple[int, ...], token_sizes: tuple[int, ...] = ()) -> None:
+        """Every rank captures the same graphs: the same mode, batch buckets
+        and (piecewise modes) token buckets."""
+        values = self._gather((execute_mode, list(capture_sizes), list(token_sizes)))
         if any(v != values[0] for v in values):
-            listing = "; ".join(f"rank {r}: {mode} mode, buckets {sizes}" for r, (mode, sizes) in enumerate(values))
+            listing = "; ".join(
+                f"rank {r}: {mode} mode, buckets {sizes}" + (f", token buckets {tokens}" if tokens else "")
+                for r, (mode, sizes, tokens) in enumerate(values)
+            )
             raise ConfigError(
                 f"tensor-parallel ranks disagree on graph mode: {listing}. Every rank must capture the "
                 "same buckets in the same order: give every rank the same execute mode, "
-                "capture_batch_sizes and vendor options"
+                "capture_batch_sizes, capture_token_sizes and vendor options"
             )
 
     def agree_on_step(self, batch: int, bucket: int | None, what: str, unit: str = "batch") -> None:
@@ -80,18 +88,21 @@ class RankSync:
         # Normal tensors even inside the engine's torch.inference_mode(): gloo
         # in torch 2.5 writes the gathered values from outside inference mode,
         # which refuses an in-place update of an inference tensor.
+        # The unit tells the families apart: a full graph of batch 4 and a
+        # piecewise graph of 4 tokens run other collectives.
         with torch.inference_mode(False):
-            mine = torch.tensor([batch, bucket or 0], dtype=torch.int64)
+            mine = torch.tensor([_UNITS.index(unit), batch, bucket or 0], dtype=torch.int64)
             everyone = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(everyone, mine, group=self.control)
         if any(not torch.equal(other, everyone[0]) for other in everyone):
             values = [tuple(t.tolist()) for t in everyone]
             listing = "; ".join(
-                f"rank {r}: {unit} {b} ({f'bucket {k}' if k else 'no graph'})" for r, (b, k) in enumerate(values)
+                f"rank {r}: {_UNITS[u]} {b} ({f'bucket {k}' if k else 'no graph'})" for r, (u, b, k) in enumerate(values)
             )
             raise InputError(
                 f"tensor-parallel ranks disagree on the step to {what}: {listing}. Every rank must run "
-                "the same batch in the same step; check how the engine sends the schedule to its ranks"
+                "the same step (the same sequences and tokens) at the same time; check how the engine sends "
+                "the schedule to its ranks"
             )
 
     def barrier(self) -> None:

@@ -63,8 +63,6 @@ class GraphRunner:
         self.capture_sizes = capture_sizes(vendor, config, self.spec)
         self._bucket_of = bucket_table(vendor, config.max_batches, self.capture_sizes)
         ranks = _rank_sync(process_group, check_ranks)
-        if ranks is not None:
-            ranks.agree_on_setup(config.execute_mode, self.capture_sizes)
         self._shared = Shared(model, config, vendor, self.spec, self.capture_sizes, self._bucket_of, ranks)
         self._busy = threading.RLock()  # one step at a time (graphmode.runner.guard)
         self._cache_fit = CacheFit(model, config.block_size)
@@ -72,6 +70,9 @@ class GraphRunner:
         self.families = build_families(self._shared)
         self._full = next((f for f in self.families if isinstance(f, FullGraphs)), None)
         self._piecewise = next((f for f in self.families if isinstance(f, PiecewiseGraphs)), None)
+        if ranks is not None:
+            token_sizes = tuple(self._piecewise.sizes) if self._piecewise is not None else ()
+            ranks.agree_on_setup(config.execute_mode, self.capture_sizes, token_sizes)
 
     # -- what the families share ------------------------------------------
 
