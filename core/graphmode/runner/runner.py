@@ -83,6 +83,11 @@ class GraphRunner:
 
     @model.setter
     def model(self, model: Any) -> None:
+        """A model the later eager steps, warm-ups and captures run: a wrapper
+        of the same model (its AttentionOps, parameters and cache layout,
+        which the runner found at build), not another model. With
+        ``compile=True`` graphs keep running the compiled forward of the
+        model the runner was built with; build a new runner for another."""
         self._shared.model = model
 
     @property
