@@ -149,9 +149,10 @@ class Shared:
         return self.model if self._compiled_forward is None else self._compiled_forward
 
     def graph_meta(self) -> GraphMeta:
-        """The GraphMeta holding the input buffers every full graph shares,
-        made (with its padding snapshot) on first use; the caller holds
-        inference mode, as every step that writes them does."""
+        """The GraphMeta holding the input buffers every graph shares
+        (piecewise graphs take a copy marked is_decoding False), made (with
+        its padding snapshot) on first use; the caller holds inference mode,
+        as every step that writes them does."""
         if self.meta is None:
             config = self.config
             meta = GraphMeta(

@@ -162,7 +162,7 @@ class GraphRunner:
     @one_at_a_time("runner.graph_meta()")
     @torch.inference_mode()
     def graph_meta(self) -> GraphMeta:
-        """The GraphMeta holding the input buffers every bucket shares, made
+        """The GraphMeta holding the input buffers every graph shares, made
         (with its padding snapshot) on first use, in inference mode like every
         step that writes them."""
         return self._shared.graph_meta()
