@@ -201,3 +201,11 @@ def test_writing_the_mirror_waits_for_the_previous_replays_copy():
             outputs.append(step(value).clone())  # queued behind the replay that produced it
         torch.cuda.synchronize()
     assert [int(o[0, 0, 0]) for o in outputs] == list(range(1, 20))
+
+
+def test_host_staging_is_refused_in_piecewise_mode():
+    # Host staging feeds the full decode graphs; piecewise graphs copy host steps to the device.
+    with pytest.raises(ConfigError, match=r"host_staging=True with execute_mode='piecewise': host staging .* feeds "
+                       r"the full decode graphs"):
+        tiny_setup(host_inputs=True, host_staging=True, execute_mode="piecewise")
+    assert tiny_setup(host_inputs=True, host_staging=True, execute_mode="full_and_piecewise").runner is not None

@@ -70,6 +70,12 @@ class GraphRunner:
         self.families = build_families(self._shared)
         self._full = next((f for f in self.families if isinstance(f, FullGraphs)), None)
         self._piecewise = next((f for f in self.families if isinstance(f, PiecewiseGraphs)), None)
+        if config.host_staging and self.families and self._full is None:  # eager mode stages nothing either way
+            raise ConfigError(
+                f"host_staging=True with execute_mode={config.execute_mode!r}: host staging (the pinned mirror) "
+                "feeds the full decode graphs, which this mode has none of; piecewise graphs copy host steps to "
+                "the device. Use execute_mode='graph' or 'full_and_piecewise', or host_staging=None"
+            )
         if ranks is not None:
             token_sizes = tuple(self._piecewise.sizes) if self._piecewise is not None else ()
             ranks.agree_on_setup(config.execute_mode, self.capture_sizes, token_sizes)
