@@ -13,7 +13,6 @@ its full graphs.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,17 +155,14 @@ class PiecewiseGraphs:
 
     def _capture(self, inputs: StepInputs, live: LiveStep, *, warmup: bool = False) -> Any:
         bucket, shared, ranks = live.bucket, self.shared, self.shared.ranks
-        if ranks is not None and not ranks.check_replays:
-            # Before the warm-up's collectives: disagreeing ranks would hang in them.
-            ranks.agree_on_step(live.tokens, bucket, "capture", unit="tokens")
+        shared.agree_to_capture(live.tokens, bucket, unit="tokens")
         static = self._inputs.fill(inputs, bucket)
         static = dataclasses.replace(static, attn_metadata=shape_only(inputs.attn_metadata))
         warm_up = EagerForward(live, self._buffers)
         forward = shared.model if self._split is None else self._split
-        started = time.perf_counter()
         try:
             with intercepted(self.ops, warm_up):
-                warm_output = forward(**static.as_kwargs())  # compiles, with compile=True
+                warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()))  # compiles, with compile=True
         except RuntimeError as error:
             if "meta" in str(error) and hasattr(error, "add_note"):
                 error.add_note(
@@ -176,8 +172,6 @@ class PiecewiseGraphs:
                     "it only inside the vendor's AttentionOps, or use execute_mode='graph'"
                 )
             raise
-        if shared.compiled:
-            shared.stats.compile_seconds += time.perf_counter() - started
         self._outputs.prepare(warm_output, bucket)
         # Plugins tell piecewise graphs from full ones (make_graph, capture
         # advice) by is_decoding False; their capture sizes are token sizes.
@@ -192,9 +186,8 @@ class PiecewiseGraphs:
             what = f"segment {len(capture.pieces.segments) + 1} of the piecewise graph of token bucket {bucket}"
             capture_failed(error, shared, meta, bucket, what, self.setting)
         shared.adopt_pool(capture.pool)  # one pool for every graph of the runner, full and piecewise
-        # Extras without a buffer are captured by reference: later steps must pass the same objects.
         flatten = cache_flattener(static.past_key_values)
-        frozen = {name: value for name, value in inputs.extras.items() if name not in shared.declared_extras}
+        frozen = shared.frozen_extras(inputs.extras)
         graph = self._graphs[bucket] = PiecewiseGraph(
             bucket, capture.pieces, output, meta, flatten(static.past_key_values), flatten, frozen, warmup
         )

@@ -15,6 +15,7 @@ the families import nothing of ``graphmode.runner.runner``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -182,3 +183,24 @@ class Shared:
         """A graph step's live and padding tokens, in ``stats``."""
         self.stats.real_tokens += live
         self.stats.padded_tokens += padding
+
+    def agree_to_capture(self, size: int, bucket: int, unit: str = "batch") -> None:
+        """Tensor-parallel ranks agree on a capture before its warm-up's
+        collectives (disagreeing ranks would hang in them), unless they
+        already agree on every step."""
+        if self.ranks is not None and not self.ranks.check_replays:
+            self.ranks.agree_on_step(size, bucket, "capture", unit=unit)
+
+    def warm_up(self, run: Callable[[], Any]) -> Any:
+        """``run()``, a capture's warm-up forward; with ``compile=True`` its
+        time (the compilation) counts in ``stats.compile_seconds``."""
+        started = time.perf_counter()
+        output = run()
+        if self.compiled:
+            self.stats.compile_seconds += time.perf_counter() - started
+        return output
+
+    def frozen_extras(self, extras: dict[str, Any]) -> dict[str, Any]:
+        """The extra inputs a graph captures by reference (those without a
+        buffer): later steps must pass the same objects."""
+        return {name: value for name, value in extras.items() if name not in self.declared_extras}

@@ -16,7 +16,6 @@ result is a view of the graph's output, valid until the next step.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -219,9 +218,7 @@ class FullGraphs:
     def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
         shared = self.shared
         ranks, hook, staging = shared.ranks, shared.vendor.hook, self.staging
-        if ranks is not None and not ranks.check_replays:
-            # Before the warm-up's collectives: disagreeing ranks would hang in them.
-            ranks.agree_on_step(batch, bucket, "capture")
+        shared.agree_to_capture(batch, bucket)
         flatten = cache_flattener(inputs.past_key_values)
         check_cache_layout(shared.model, flatten(inputs.past_key_values), shared.config.block_size)
         q_len = inputs.num_tokens // batch  # proved uniform by the caller
@@ -238,10 +235,7 @@ class FullGraphs:
         # step's answer, and it leaves lazy initialisation (and compilation)
         # out of the graph.
         forward = shared.forward
-        started = time.perf_counter()
-        warm_output = forward(**static.as_kwargs())
-        if shared.compiled:
-            shared.stats.compile_seconds += time.perf_counter() - started
+        warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()))
         self._outputs.prepare(warm_output, tokens)
         graph = hook.graphmode_make_graph(meta=meta)
         if shared.debug is not None:
@@ -258,8 +252,7 @@ class FullGraphs:
             capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting)
         shared.adopt_pool(graph.pool())
         flatten = cache_flattener(static.past_key_values)
-        # Extras without a buffer are captured by reference: later steps must pass the same objects.
-        frozen = {name: value for name, value in inputs.extras.items() if name not in shared.declared_extras}
+        frozen = shared.frozen_extras(inputs.extras)
         captured = self.graphs[(bucket, q_len)] = CapturedGraph(
             bucket, graph, meta, static.past_key_values, frozen, flatten(static.past_key_values), flatten,
             in_warmup=warmup, q_len=q_len,
