@@ -44,12 +44,12 @@ def main() -> None:
             assert captured is not None
             # A checker as the runner keeps one in debug mode, recording the graph as its capture does.
             checker = StepChecker(setup.model, setup.runner.config.block_size)
-            checker.record(captured.name, captured.cache_tensors, captured.extras)
+            checker.record(captured.name, captured.extras)
             inputs = StepInputs(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
             values = median_ms(lambda: checker.check_step(inputs, batch))
-            addresses = median_ms(lambda: checker.check_addresses(captured.name, captured.cache_tensors, captured.extras))
-        # The tensors check_addresses compares: the cache's, the extras' and the model's parameters and buffers.
-        leaves = tree_flatten((captured.cache_tensors, captured.extras))[0]
+            addresses = median_ms(lambda: checker.check_addresses(captured.name, captured.extras))
+        # The tensors check_addresses compares: the extras' and the model's parameters and buffers.
+        leaves = tree_flatten(captured.extras)[0]
         count = (sum(isinstance(t, torch.Tensor) for t in leaves) + len(list(setup.model.named_parameters()))
                  + len(list(setup.model.named_buffers())))
         print(f"batch {batch:3d}: check_step {values:.3f} ms, check_addresses {addresses:.3f} ms ({count} tensors)")

@@ -106,7 +106,7 @@ class PiecewiseGraphs:
             return output
         check_same_objects(graph, inputs)
         if debug is not None:
-            debug.check_addresses(graph.name, graph.cache_tensors, graph.extras)
+            debug.check_addresses(graph.name, graph.extras)
         self._inputs.fill(inputs, bucket)
         graph.pieces.replay(live)
         stats.piecewise_replays += 1
@@ -192,7 +192,7 @@ class PiecewiseGraphs:
             bucket, capture.pieces, output, meta, flatten(static.past_key_values), flatten, frozen, warmup
         )
         if shared.debug is not None:
-            shared.debug.record(graph.name, graph.cache_tensors, graph.extras)
+            shared.debug.record(graph.name, graph.extras)
             for index, segment in enumerate(graph.pieces.segments, 1):
                 shared.debug.dump(segment, f"tokens{bucket}-segment{index}", f"segment {index} of {graph.name}")
         shared.stats.piecewise_captures += 1

@@ -179,10 +179,13 @@ class StepChecker:
 
     # -- addresses ------------------------------------------------------------
 
-    def record(self, graph: str, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
-        """Remember where every tensor a graph (named "bucket 8" or "bucket 8,
-        q_len 2") captured by reference lives."""
-        self._addresses[graph] = self._current(cache_tensors, extras)
+    def record(self, graph: str, extras: dict[str, Any]) -> None:
+        """Remember where every tensor a graph (named as errors name it:
+        "bucket 8, q_len 2", "token bucket 16 (piecewise)") captured by
+        reference lives: its frozen extras and the model's parameters and
+        buffers. (The KV cache's addresses are checked always, debug mode or
+        not: ``cache_checks.CacheMemory``.)"""
+        self._addresses[graph] = self._current(extras)
 
     def dump(self, graph: Any, file: str, what: str) -> None:
         """The device graph's debug dump of a new capture, written to
@@ -199,12 +202,12 @@ class StepChecker:
         except NotImplementedError as error:
             warnings.warn(f"${ENV_DEBUG_DUMP}: {error}; no dump of {what}", stacklevel=2)
 
-    def check_addresses(self, graph: str, cache_tensors: list[Any], extras: dict[str, Any]) -> None:
+    def check_addresses(self, graph: str, extras: dict[str, Any]) -> None:
         """Refuse a replay when a captured tensor's memory moved since capture."""
         then = self._addresses.get(graph)
         if then is None:
             return
-        now = self._current(cache_tensors, extras)
+        now = self._current(extras)
         for (name, before), (_, after) in zip(then, now):
             if before != after:
                 raise InputError(
@@ -219,9 +222,8 @@ class StepChecker:
                 f"{len(now)} (parameters or buffers added or removed); call runner.reset() to capture again"
             )
 
-    def _current(self, cache_tensors: list[Any], extras: dict[str, Any]) -> list[tuple[str, int]]:
-        found = [(f"past_key_values tensor {i}", t.data_ptr()) for i, t in enumerate(cache_tensors)
-                 if isinstance(t, torch.Tensor)]
+    def _current(self, extras: dict[str, Any]) -> list[tuple[str, int]]:
+        found: list[tuple[str, int]] = []
         for name in sorted(extras):
             leaves = tree_flatten(extras[name])[0]
             found += [(f"extra input {name!r} (leaf {i})", t.data_ptr()) for i, t in enumerate(leaves)

@@ -193,7 +193,7 @@ class FullGraphs:
         check_same_objects(captured, inputs)
         shared = self.shared
         if shared.debug is not None:
-            shared.debug.check_addresses(captured.name, captured.cache_tensors, captured.extras)
+            shared.debug.check_addresses(captured.name, captured.extras)
         meta, bucket, staging, q_len = captured.meta, captured.bucket, self.staging, captured.q_len
         if staging is not None:
             staging.wait()  # the previous replay has copied the mirror: it may be written
@@ -258,7 +258,7 @@ class FullGraphs:
             in_warmup=warmup, q_len=q_len,
         )
         if shared.debug is not None:
-            shared.debug.record(captured.name, captured.cache_tensors, captured.extras)
+            shared.debug.record(captured.name, captured.extras)
             shared.debug.dump(graph, f"bucket{bucket}-q{q_len}", f"bucket {bucket}")
         shared.stats.captures += 1
         if warmup:  # an inert step: no served tokens
