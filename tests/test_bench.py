@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from graphmode.bench.cases import parse_cases
-from graphmode.bench.cli import print_costs
+from graphmode.bench.report import print_costs
 from graphmode.cli.main import main
 
 CASES = "1x8,4x8,mix16+4,decode4"
