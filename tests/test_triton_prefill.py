@@ -110,6 +110,18 @@ def test_prefill_kernel_equals_the_reference_on_cuda(dtype):
 
 
 @gpu
+@pytest.mark.parametrize("per_program", [None, 1, 2])
+def test_every_grouping_of_query_heads_equals_the_reference_on_cuda(monkeypatch, per_program):
+    """One, two or all query heads of a KV head per program; 16 rows per
+    program, so that the short cases take the chosen grouping too."""
+    from graphmode.kernels import triton_prefill
+
+    monkeypatch.setattr(triton_prefill, "ROWS", 16)
+    monkeypatch.setattr(triton_prefill, "HEADS_PER_PROGRAM", per_program)
+    check_all("cuda", [torch.bfloat16, torch.float32])
+
+
+@gpu
 def test_prefill_kernel_at_bench_shapes_on_cuda():
     """The bench model's heads (14 over 2 KV heads, head dim 64) and block
     size 64, 2048-token prompts beside chunks and decodes."""

@@ -165,13 +165,15 @@ def prefill_kernel(
     stride_vn, stride_vt, stride_vh,
     stride_tb,
     stride_ot, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One (sequence, block of BLOCK_Q of its new tokens, KV head) per
-    program: those tokens' GROUP query heads (BLOCK_Q x GROUP_PAD rows)
-    attend causally over the sequence's cached tokens, read through its
-    block table, with an online softmax in float32 (base 2). A token at
+    """One (sequence, block of BLOCK_Q of its new tokens, HEADS of the
+    GROUP query heads of one KV head) per program: those rows (BLOCK_Q x
+    HEADS, a head past the group masked) attend causally over the
+    sequence's cached tokens, read through its block table, with an online
+    softmax in float32 (base 2). Axis 2 of the grid counts KV heads times
+    ceil(GROUP / HEADS). A token at
     index i of the sequence's ``q_len`` new tokens sits at position
     ``kv_len - q_len + i`` and sees the cached positions up to its own.
 
@@ -179,21 +181,22 @@ def prefill_kernel(
     does nothing. The extra sequence index ``num_seqs`` zeroes the rows after
     the last sequence's tokens (the padding of a token bucket)."""
     seq = tl.program_id(0)
-    q_block = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    q_block = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) blocks start first
+    per_kv_head = (GROUP + HEADS - 1) // HEADS  # programs sharing one KV head
+    kv_head = tl.program_id(2) // per_kv_head
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    group = rows % GROUP_PAD
+    rows = tl.arange(0, BLOCK_Q * HEADS)
+    group = tl.program_id(2) % per_kv_head * HEADS + rows % HEADS
     heads = kv_head * GROUP + group
     head_ok = group < GROUP
     if seq == num_seqs:
         if q_block == 0:
             last = num_seqs - 1
             end = tl.load(starts_ptr + last) + tl.load(q_lens_ptr + last)
-            zeros = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+            zeros = tl.zeros([BLOCK_Q * HEADS, BLOCK_D], dtype=out_ptr.dtype.element_ty)
             for first in range(end, num_tokens, BLOCK_Q):
-                token = first + rows // GROUP_PAD
+                token = first + rows // HEADS
                 ok = (token < num_tokens) & head_ok
                 out_rows = token.to(tl.int64) * stride_ot + heads * stride_oh
                 tl.store(out_ptr + out_rows[:, None] + dims[None, :], zeros, mask=ok[:, None] & dim_ok[None, :])
@@ -203,15 +206,15 @@ def prefill_kernel(
         if first < q_len:
             start = tl.load(starts_ptr + seq)
             kv_len = tl.minimum(tl.load(kv_lens_ptr + seq), capacity)  # the table bounds what is read
-            token = first + rows // GROUP_PAD
+            token = first + rows // HEADS
             row_ok = (token < q_len) & head_ok
             position = kv_len - q_len + token
             q_rows = (start + token).to(tl.int64) * stride_qt + heads * stride_qh
             q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
-            m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+            m_i = tl.full([BLOCK_Q * HEADS], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_Q * HEADS], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_Q * HEADS, BLOCK_D], dtype=tl.float32)
             table = table_ptr + seq.to(tl.int64) * stride_tb
             hi = tl.minimum(kv_len, kv_len - q_len + first + BLOCK_Q)  # past the block's last position
             # Key blocks every row of the program sees in full (below its

@@ -26,14 +26,25 @@ __all__ = ["opaque_paged_prefill", "paged_prefill"]
 
 # The launch configuration, chosen on an H100 (torch 2.11) at the bench
 # model's 16x2048 prefill (bf16, 14 query and 2 KV heads, head_dim 64,
-# 64-token pages), one call (scripts/sweep_triton_prefill.py, 2026-11-25):
-# 0.481 ms with 64 rows, 4 warps and Triton's default stages; 0.445 ms with
-# 128 rows, 8 warps and 2 stages (0.444 with 4 warps). Before the unmasked
-# loop over the blocks below the diagonal: 0.652 and 0.551 ms.
+# 64-token pages), one call (scripts/sweep_triton_prefill.py, 2026-11-26):
+# 0.409 ms with 128 rows, 4 warps, 2 stages and one query head per program
+# (294 TFLOP/s); 0.439 ms with a program per KV head and its 7 query heads
+# padded to 8 (the configuration of 2026-11-25: 0.445 ms then); 0.512 ms
+# with 128 cached tokens per iteration. PyTorch's fused attention on the same
+# prompts as a dense batch, no paging: FLASH_ATTENTION 0.469 ms,
+# CUDNN_ATTENTION 0.305 ms.
 BLOCK_N = 64  # cached tokens per inner iteration
-ROWS = 128  # query rows (tokens x query heads of one KV head) per program
-NUM_WARPS = 8
+ROWS = 128  # query rows (tokens x query heads) per program
+NUM_WARPS = 4
 NUM_STAGES: int | None = 2  # software pipelining depth; None: Triton's default
+# Query heads of one KV head per program (a power of two) when a sequence
+# may hold ROWS new tokens or more, or None: the whole group, padded to a
+# power of two. One head per program computes no padding (a group of 7
+# padded to 8 does an eighth more) and reads each cached block once per
+# head, from L2 after the first. Steps of shorter queries (decodes and
+# short chunks of a mixed step) always take the whole group: their rows are
+# few, so a block read once for the group is what they cost.
+HEADS_PER_PROGRAM: int | None = 1
 
 
 def _next_power_of_two(value: int) -> int:
@@ -78,12 +89,15 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     query = query if query.stride(-1) == 1 else query.contiguous()
     table = block_offsets if block_offsets.stride(-1) == 1 else block_offsets.contiguous()
     group = heads // kv_heads
-    group_pad = _next_power_of_two(group)
-    block_q = max(1, ROWS // group_pad)
     bound = max_q_seq_len if 0 < max_q_seq_len <= tokens else tokens
+    per_program = _next_power_of_two(group)
+    if HEADS_PER_PROGRAM is not None and bound >= ROWS:
+        per_program = min(HEADS_PER_PROGRAM, per_program)
+    block_q = max(1, ROWS // per_program)
     from graphmode.kernels import _triton_kernels
 
-    _triton_kernels.prefill_kernel[(batch + 1, -(-bound // block_q), kv_heads)](
+    grid = (batch + 1, -(-bound // block_q), kv_heads * -(-group // per_program))
+    _triton_kernels.prefill_kernel[grid](
         query, k_cache, v_cache, out, table, q_start_loc.contiguous(), q_seqlens.contiguous(),
         kv_seqlens.contiguous(),
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
@@ -93,7 +107,7 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         table.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=dim,
+        GROUP=group, HEADS=per_program, BLOCK_Q=block_q, HEAD_DIM=dim,
         BLOCK_D=max(16, _next_power_of_two(dim)), BLOCK_N=BLOCK_N, PAGE=page,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
