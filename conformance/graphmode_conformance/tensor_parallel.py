@@ -12,8 +12,9 @@ unsharded model must agree within --rtol of the largest logit (the sums are
 taken in another order). ``--scenario`` runs a rank disagreement instead,
 which must be reported as an error naming every rank's value, not hang.
 ``--execute-mode full_and_piecewise`` runs the prefills in piecewise graphs
-(the ranks agree on each token bucket) and the decodes in full graphs; the
-prefills' KV writes are checked through the decodes that read them.
+(the ranks agree on each token bucket; each prompt comes in two chunks
+drawn to fit the largest) and the decodes in full graphs; the prefills' logits are checked as
+the decodes' are, and their KV writes through the decodes that read them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from graphmode.distributed import init_process_group, torchrun_rank
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine, pad_step
 from graphmode.model.parallel import shard_model
+
+PIECEWISE_TOKENS = 512  # the largest token bucket in piecewise modes
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             sharded, max_batches=max(batches), max_blocks_per_seq=width, block_size=block_size, device=device,
             vendor=vendor.name, process_group=group, capture_batch_sizes=capture_sizes,
             execute_mode=args.execute_mode,
-            capture_token_sizes=[8, 16, 32, 64, 128, 256, 512] if args.execute_mode != "graph" else None,
+            capture_token_sizes=[8, 16, 32, 64, 128, 256, PIECEWISE_TOKENS] if args.execute_mode != "graph" else None,
         )
     except graphmode.GraphModeError as error:
         return report_scenario(args.scenario, rank, error)
@@ -95,16 +98,28 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for batch in batches:
             seqs = [engine.add() for _ in range(batch)]
-            prompt = engine.prefill(seqs, [engine.rng.randrange(1, context - args.steps) for _ in seqs])
-            runner(prompt.input_ids, prompt.position_ids, caches["graph"], prompt.attn_metadata)
-            full(prompt.input_ids, prompt.position_ids, caches["tp1"], prompt.attn_metadata)
+            # In piecewise modes each prompt comes in two chunks (chunked
+            # prefill) that fit the largest token bucket, so that the prefills
+            # run in piecewise graphs; their logits are checked against eager
+            # and TP=1 below, with the decodes'.
+            longest, chunks = context - args.steps, 1
+            if args.execute_mode != "graph":
+                longest, chunks = max(2, min(longest, PIECEWISE_TOKENS // batch) // 2), 2
+            prefill_diff = (0.0, 0.0)
+            for _ in range(chunks):
+                prompt = engine.prefill(seqs, [engine.rng.randrange(1, longest) for _ in seqs])
+                prefill = runner(prompt.input_ids, prompt.position_ids, caches["graph"], prompt.attn_metadata).clone()
+                prefill_eager = sharded(prompt.input_ids, prompt.position_ids, caches["eager"], prompt.attn_metadata)
+                prefill_tp1 = full(prompt.input_ids, prompt.position_ids, caches["tp1"], prompt.attn_metadata)
+                prefill_diff = (max(prefill_diff[0], relative(prefill, prefill_eager)),
+                                max(prefill_diff[1], relative(prefill, prefill_tp1)))
             for name in ("eager", "padded"):
                 for (gk, gv), (k, v) in zip(caches["graph"], caches[name]):
                     k.copy_(gk)
                     v.copy_(gv)
             bucket = runner.bucket_of(batch)
             assert bucket is not None, f"batch {batch} has no bucket in {list(runner.capture_sizes)}"
-            same_shape, graph_eager, tp_diff = 0, 0.0, 0.0
+            same_shape, (graph_eager, tp_diff) = 0, prefill_diff
             for _ in range(args.steps):
                 step = engine.decode(seqs)
                 if args.scenario == "different-batches" and rank == 1:
@@ -141,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"\n{len(rows)} batch sizes x {args.steps} steps on {world} ranks in {time.perf_counter() - started:.0f}s; "
               f"{runner.stats.summary()}")
+        if args.execute_mode != "graph":
+            print(f"prefills: {runner.stats.piecewise_replays} replays of {runner.stats.piecewise_captures} "
+                  f"piecewise graphs, {sum(runner.stats.eager_steps.values())} steps eager")
         print(f"graph vs eager at the bucket's shape: {sum(r['bitwise_vs_padded_eager'] == args.steps for r in rows)}/"
               f"{len(rows)} batch sizes bitwise identical; worst graph vs eager {max(r['graph_vs_eager'] for r in rows):.2e}; "
               f"worst TP={world} vs TP=1 {max(r['tp_vs_tp1'] for r in rows):.2e} (tolerance {rtol})")
