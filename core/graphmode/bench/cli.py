@@ -2,7 +2,9 @@
 
 Per batch size and mode: the median wall time of a decode step, each step
 with new inputs, the device synchronised before and after (warm-up, capture
-and compilation excluded). Also: graphmode's host-side cost per step, the time
+and compilation excluded). Every mode is built once and keeps its graphs for
+the whole run; at each batch size the modes take turns, five runs of the
+timed steps each. Also: graphmode's host-side cost per step, the time
 and device memory to capture every bucket, compile times, and each vendor's
 padding waste.
 Prints a table, and writes a JSON file and a plot when asked.
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 import graphmode
-from graphmode.bench.common import DEFAULT_BATCHES, MODES, chosen_modes, median_step
+from graphmode.bench.common import DEFAULT_BATCHES, MODES, chosen_modes, taking_turns
 from graphmode.bench.floor import bandwidth, step_bytes
 from graphmode.bench.measure import machine, release, spread
 from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
@@ -34,6 +36,10 @@ from graphmode.model import ModelConfig
 from graphmode.plugins import installed_vendor_names, load_vendor
 from graphmode.plugins.info import device_available
 from graphmode.runner.setup import default_capture_sizes
+
+# The timed steps of a batch size come in this many runs, the modes taking
+# turns (bench.common.taking_turns): no mode is timed minutes after another.
+ROUNDS = 5
 
 
 def host_cost(runner: graphmode.GraphRunner, steps: list, device: torch.device) -> dict[str, float]:
@@ -230,36 +236,45 @@ def run(args: argparse.Namespace) -> int:
     for mode in modes:
         results["latency_ms"][mode.name] = {}
         results["prepare_s"][mode.name] = {}
-        for batch in batches:
-            steps = workload.steps(batch, total)
+    for batch in batches:
+        steps = workload.steps(batch, total)
+        ready = []
+        for mode in modes:
             try:
                 prepare = mode.prepare(batch)
                 if isinstance(mode, Compiled):
                     prepare += mode.compile_for(steps[: args.warmup])
+                    results["compile_s"][mode.name] = results["compile_s"].get(mode.name, 0.0) + prepare
                 else:
                     for step in steps[: args.warmup]:
                         mode(step)
-                latency = median_step(mode, steps[args.warmup:], device)
             except Exception as error:  # a mode that cannot run a size is reported, not fatal
                 results["latency_ms"][mode.name][batch] = None
                 results["prepare_s"][mode.name][batch] = f"failed: {type(error).__name__}: {error}".splitlines()[0][:300]
                 print(f"{mode.name} batch {batch}: {results['prepare_s'][mode.name][batch]}", flush=True)
                 continue
-            results["latency_ms"][mode.name][batch] = latency * 1e3
             results["prepare_s"][mode.name][batch] = prepare
-            if isinstance(mode, Compiled):
-                results["compile_s"][mode.name] = results["compile_s"].get(mode.name, 0.0) + prepare
-            if first_runner is not None and mode is first_runner:
-                results["host"][batch] = host_cost(first_runner.runner, steps[args.warmup:], device)
+            ready.append(mode)
+        times, errors = taking_turns(ready, steps[args.warmup:], device, ROUNDS)
+        for mode in ready:
+            if mode in errors:
+                results["latency_ms"][mode.name][batch] = None
+                results["prepare_s"][mode.name][batch] = errors[mode]
+                print(f"{mode.name} batch {batch}: {errors[mode]}", flush=True)
+                continue
+            latency = statistics.median(times[mode])
+            results["latency_ms"][mode.name][batch] = latency * 1e3
             against = f" ({latency * 1e3 / results['floor']['ms'][batch]:.1f}x the HBM floor)" if results["floor"] else ""
             print(f"{mode.name:36s} batch {batch:4d}: {latency * 1e3:8.3f} ms{against}", flush=True)
+        if first_runner is not None and first_runner in ready:
+            results["host"][batch] = host_cost(first_runner.runner, steps[args.warmup:], device)
+    for mode in modes:
         if isinstance(mode, GraphmodeOverCompiled):
             results["compile_s"][mode.name] = mode.runner.stats.compile_seconds
         if mode.name in results["compile_s"]:
             print(f"{mode.name}: compile {results['compile_s'][mode.name]:.1f} s", flush=True)
-        if isinstance(mode, (GraphmodeRunner, HandWrittenGraph)):
-            del mode  # release graphs before the next mode captures
-        release(device)
+    del modes, first_runner
+    release(device)
     results["padding_waste"] = vendor_padding_waste(vendors, WASTE_UP_TO)
     if args.json:  # before the table: a summary that fails to print loses no measurement
         with open(args.json, "w") as out:

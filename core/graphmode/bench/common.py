@@ -16,7 +16,7 @@ from graphmode.bench.modes import _sync
 from graphmode.kernels import ATTENTION_CHOICES
 
 __all__ = ["CPU_CASES", "DEFAULT_BATCHES", "GPU_CASES", "MODES", "PREFILL_MODES", "WORKLOADS", "add_arguments",
-           "chosen_modes", "median_step"]
+           "chosen_modes", "median_step", "step_times", "taking_turns"]
 
 DEFAULT_BATCHES = "1,2,3,4,8,16,24,32,64,100,128,200,256"
 MODES = ("eager", "graphmode", "hand", "hand-exact", "compile", "graphmode-compile")
@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", help="write a PNG plot of latency against batch size here")
 
 
-def median_step(call: Any, steps: list, device: torch.device) -> float:
-    """Median seconds of one step, synchronised before and after."""
+def step_times(call: Any, steps: list, device: torch.device) -> list[float]:
+    """Seconds of each step, synchronised before and after."""
     times = []
     for step in steps:
         _sync(device)
@@ -74,7 +74,31 @@ def median_step(call: Any, steps: list, device: torch.device) -> float:
         call(step)
         _sync(device)
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
+
+
+def taking_turns(modes: list[Any], steps: list, device: torch.device,
+                 rounds: int) -> tuple[dict[Any, list[float]], dict[Any, str]]:
+    """Each mode's step times, the steps split into ``rounds`` runs and the
+    modes taking turns at each: a drift over the run (clocks, temperature,
+    a busy host) falls on every mode alike, instead of on whichever was
+    timed last. A mode that raises is left out from then on, its error
+    (one line) in the second dict."""
+    times: dict[Any, list[float]] = {mode: [] for mode in modes}
+    errors: dict[Any, str] = {}
+    size = max(1, -(-len(steps) // rounds))
+    for first in range(0, len(steps), size):
+        for mode in [mode for mode in modes if mode not in errors]:
+            try:
+                times[mode] += step_times(mode, steps[first:first + size], device)
+            except Exception as error:  # reported beside the others' figures, not fatal
+                errors[mode] = f"failed: {type(error).__name__}: {error}".splitlines()[0][:300]
+    return times, errors
+
+
+def median_step(call: Any, steps: list, device: torch.device) -> float:
+    """Median seconds of one step, synchronised before and after."""
+    return statistics.median(step_times(call, steps, device))
 
 
 def chosen_modes(text: str | None, known: tuple[str, ...], workload: str) -> list[str]:
