@@ -226,10 +226,12 @@ def prefill_kernel(
                 offset = (keys % PAGE).to(tl.int64)
                 k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
                 k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=dim_ok[None, :], other=0.0)
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                # Scores stay unscaled: the scale joins the subtraction of the
+                # running maximum in one multiply-add (as flash attention does).
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
                 alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(scores - m_new[:, None])
+                p = tl.exp2(scores * scale_log2 - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
                 v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=dim_ok[None, :], other=0.0)
@@ -243,13 +245,13 @@ def prefill_kernel(
                 mask = in_range[:, None] & dim_ok[None, :]
                 k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
                 k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
                 visible = in_range[None, :] & (keys[None, :] <= position[:, None])
                 scores = tl.where(visible, scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: weights 0, not NaN
                 alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(scores - m_safe[:, None])
+                p = tl.exp2(scores * scale_log2 - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
                 v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=mask, other=0.0)

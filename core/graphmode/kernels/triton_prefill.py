@@ -27,15 +27,15 @@ __all__ = ["opaque_paged_prefill", "paged_prefill"]
 # The launch configuration, chosen on an H100 (torch 2.11) at the bench
 # model's 16x2048 prefill (bf16, 14 query and 2 KV heads, head_dim 64,
 # 64-token pages), one call (scripts/sweep_triton_prefill.py, 2026-11-26):
-# 0.409 ms with 128 rows, 4 warps, 2 stages and one query head per program
-# (294 TFLOP/s); 0.439 ms with a program per KV head and its 7 query heads
-# padded to 8 (the configuration of 2026-11-25: 0.445 ms then); 0.512 ms
-# with 128 cached tokens per iteration. PyTorch's fused attention on the same
-# prompts as a dense batch, no paging: FLASH_ATTENTION 0.469 ms,
-# CUDNN_ATTENTION 0.305 ms.
+# 0.396 ms with 128 rows, 8 warps, 2 stages and one query head per program
+# (304 TFLOP/s; 0.402 with 4 warps); 0.420 ms with a program per KV head and
+# its 7 query heads padded to 8 (0.445 ms on 2026-11-25, before the scale
+# joined the max subtraction); 0.518 ms with 128 cached tokens per
+# iteration. PyTorch's fused attention on the same prompts as a dense batch,
+# no paging: FLASH_ATTENTION 0.453 ms, CUDNN_ATTENTION 0.303 ms.
 BLOCK_N = 64  # cached tokens per inner iteration
 ROWS = 128  # query rows (tokens x query heads) per program
-NUM_WARPS = 4
+NUM_WARPS = 8
 NUM_STAGES: int | None = 2  # software pipelining depth; None: Triton's default
 # Query heads of one KV head per program (a power of two) when a sequence
 # may hold ROWS new tokens or more, or None: the whole group, padded to a
