@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from graphmode.variants import PLAIN
+
 __all__ = ["EAGER_REASONS", "RunnerStats"]
 
 EAGER_REASONS = {
@@ -29,6 +31,9 @@ class RunnerStats:
         one-token decode; 1 + k for speculative verify of k draft tokens).
     piecewise_captures / piecewise_replays: the same for piecewise graphs
         (one per token bucket, however many segments), warm-up included.
+    replays_by_variant: replays of either family by graph variant
+        (``graph_variants``): "plain" for steps with every variant keyword at
+        its default (all of them when none is declared), "lora=True" for others.
     compile_seconds: with compile=True, host seconds spent in the compiled
         forward's warm-up calls before captures: Dynamo tracing, Inductor
         compilation and autotuning (on the first call of each shape it
@@ -44,6 +49,7 @@ class RunnerStats:
     piecewise_captures: int = 0
     piecewise_replays: int = 0
     replays_by_q_len: Counter = field(default_factory=Counter)
+    replays_by_variant: Counter = field(default_factory=Counter)
 
     @property
     def padding_fraction(self) -> float:
@@ -60,6 +66,9 @@ class RunnerStats:
         if any(q_len > 1 for q_len in self.replays_by_q_len):
             by_q_len = ", ".join(f"{n} of q_len {q_len}" for q_len, n in sorted(self.replays_by_q_len.items()))
             replays += f" ({by_q_len})"
+        if any(label != PLAIN for label in self.replays_by_variant):
+            by_variant = ", ".join(f"{n} {label}" for label, n in sorted(self.replays_by_variant.items()))
+            replays += f" (variants, both families: {by_variant})"
         return (
             f"{self.captures} captures ({self.warmup_captures} in warm-up), {replays}, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
