@@ -66,11 +66,15 @@ class RunnerStats:
         if any(q_len > 1 for q_len in self.replays_by_q_len):
             by_q_len = ", ".join(f"{n} of q_len {q_len}" for q_len, n in sorted(self.replays_by_q_len.items()))
             replays += f" ({by_q_len})"
-        if any(label != PLAIN for label in self.replays_by_variant):
-            by_variant = ", ".join(f"{n} {label}" for label, n in sorted(self.replays_by_variant.items()))
-            replays += f" (variants, both families: {by_variant})"
         return (
             f"{self.captures} captures ({self.warmup_captures} in warm-up), {replays}, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
-            f"({self.padding_fraction:.1%}){compiled}"
+            f"({self.padding_fraction:.1%}){compiled}{self._by_variant()}"
         )
+
+    def _by_variant(self) -> str:
+        """"; graph replays by variant: 3 plain, 2 lora=True", when any is not plain."""
+        if all(label == PLAIN for label in self.replays_by_variant):
+            return ""
+        counts = sorted(self.replays_by_variant.items(), key=lambda item: (item[0] != PLAIN, item[0]))
+        return "; graph replays by variant: " + ", ".join(f"{n} {label}" for label, n in counts)
