@@ -2,8 +2,10 @@
 (``graphmode.model.lora``), on the CPU emulator: each variant value gets its
 own graphs in every family, sharing the pool and the buffers; a step with
 every variant at its default replays the plain graphs and is counted so; an
-undeclared value is refused naming it. Every vendor's LoRA graphs are checked
-against eager by the conformance suite (``graphmode_conformance.variants``)."""
+undeclared value is refused naming it. The graph-equals-eager tests run on
+CUDA too where a GPU is present (the ``device`` fixture). Every vendor's LoRA
+graphs are checked against eager by the conformance suite
+(``graphmode_conformance.variants``)."""
 
 from __future__ import annotations
 
@@ -30,16 +32,16 @@ def test_batched_lora_is_each_rows_own_adapter():
     torch.testing.assert_close(batched_lora(x, per_token, a, b), expected)
 
 
-def _lora_setup(mode: str = "graph", per_token: bool = False, **options):
+def _lora_setup(mode: str = "graph", per_token: bool = False, device: torch.device | str = "cpu", **options):
     """A tiny setup whose model has 3 adapters, and a runner of ``mode`` with
     lora_ids declared (per sequence, or per token) and the "lora" variant."""
     if mode != "graph":
         options.update(capture_token_sizes=[2, 4, 8])
-    setup = tiny_setup(capture_batch_sizes=[2, 4, 8])
+    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], device=str(device))
     model = add_lora(setup.model, count=3, rank=2, seed=1)
     lora_ids = BufferSpec("lora_ids", torch.int32, shape=(TOKENS,) if per_token else (SEQUENCES,), padding=0)
     runner = graphmode.build_graph_runner(
-        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[2, 4, 8],
+        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device=device, capture_batch_sizes=[2, 4, 8],
         execute_mode=mode, step_inputs=[lora_ids], graph_variants={"lora": (False, True)}, **options,
     )
     return setup, model, runner
@@ -52,6 +54,7 @@ def _step(setup, model, runner, seqs, adapters, lora, per_token=False, prefill=N
     ids = torch.tensor(adapters, dtype=torch.int32)
     if per_token:
         ids = ids.repeat_interleave(step.attn_metadata.q_seqlens.cpu())
+    ids = ids.to(step.input_ids.device)
     with torch.inference_mode():
         graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
                        lora_ids=ids, lora=lora).clone()
@@ -76,9 +79,9 @@ def test_adapters_change_the_output_and_adapter_zero_is_none():
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)
-def test_lora_graphs_equal_eager_for_mixed_adapters_and_plain_steps_replay_the_plain_graphs(mode):
+def test_lora_graphs_equal_eager_for_mixed_adapters_and_plain_steps_replay_the_plain_graphs(mode, device):
     per_token = mode != "graph"  # piecewise segments see a step as rows of tokens
-    setup, model, runner = _lora_setup(mode, per_token)
+    setup, model, runner = _lora_setup(mode, per_token, device)
     seqs = [setup.engine.add() for _ in range(6)]
     _step(setup, model, runner, seqs, [0, 1, 2, 0, 3, 1], True, per_token, prefill=[3, 9, 1, 17, 5, 2])  # eager: 37 tokens
     steps = [
@@ -100,7 +103,7 @@ def test_lora_graphs_equal_eager_for_mixed_adapters_and_plain_steps_replay_the_p
     else:
         plain, lora = runner.graph(8), runner.graph(8, lora=True)
         assert plain is not None and lora is not None and plain is not lora
-        assert plain.graph.pool() is lora.graph.pool()  # one pool
+        assert plain.graph.pool() == lora.graph.pool()  # one pool (a token: a tuple of ids on CUDA)
         assert plain.meta.input_buffers["lora_ids"] is lora.meta.input_buffers["lora_ids"]  # one set of buffers
         assert lora.name == "bucket 8, lora=True"
     assert f"graph replays by variant: 1 plain, {2 + (mode == 'piecewise')} lora=True" in stats.summary()
@@ -131,8 +134,8 @@ def test_a_step_leaving_the_variant_out_runs_its_default():
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)
-def test_warmup_captures_every_variant_or_the_one_named(mode):
-    setup, model, runner = _lora_setup(mode, per_token=mode != "graph")
+def test_warmup_captures_every_variant_or_the_one_named(mode, device):
+    setup, model, runner = _lora_setup(mode, per_token=mode != "graph", device=device)
     with torch.inference_mode():
         runner.warmup(setup.graph_cache, progress=False, lora=False)
     captures = runner.stats.captures + runner.stats.piecewise_captures
