@@ -9,6 +9,10 @@ graphs are checked against eager by the conformance suite
 
 from __future__ import annotations
 
+import re
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from setups import tiny_setup
@@ -161,3 +165,44 @@ def test_bad_declarations_are_refused(variants, error):
     with pytest.raises(ConfigError, match=error):
         graphmode.RunnerConfig(4, 4, 16, "cpu", step_inputs=(BufferSpec("lora_ids", torch.int32),),
                                graph_variants=variants)
+
+
+def test_the_engines_doc_shows_graph_variants_as_this_test_runs_them():
+    setup = tiny_setup()
+    model, engine, cache = setup.model, setup.engine, setup.graph_cache
+    seqs = [engine.add() for _ in range(4)]
+    step = engine.prefill(seqs, [5, 9, 2, 7])
+    with torch.inference_mode():
+        model(step.input_ids, step.position_ids, cache, step.attn_metadata)  # eagerly, no adapters
+    adapter_of = dict(zip(seqs, [0, 2, 0, 1]))
+    with torch.inference_mode():
+        # --8<-- [start:graph_variants]
+        from graphmode.model.lora import add_lora
+        from graphmode.spec import SEQUENCES, BufferSpec
+
+        model = add_lora(model, count=3, rank=8)  # adapters 1, 2, 3 on every layer; id 0: none
+        runner = graphmode.build_graph_runner(
+            model, max_batches=8, max_blocks_per_seq=8, block_size=16,
+            step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)],
+            graph_variants={"lora": (False, True)},  # a keyword of the model, its default first
+        )
+        runner.warmup(cache)  # every bucket of both variants, into one pool
+
+        def decode(seqs):
+            step = engine.decode(seqs)
+            adapters = [adapter_of[s] for s in seqs]  # the scheduler's, on the host
+            ids = torch.tensor(adapters, dtype=torch.int32, device=step.input_ids.device)
+            return runner(step.input_ids, step.position_ids, cache, step.attn_metadata,
+                          lora_ids=ids, lora=any(adapters))  # no adapter in the step: the plain graphs
+
+        mixed = decode(seqs)  # adapters 0, 2, 0, 1 in one batch: bucket 4's lora=True graph
+        plain = decode(seqs[::2])  # adapters 0, 0: bucket 2's plain graph
+        assert runner.stats.replays_by_variant == {"lora=True": 1, "plain": 1}
+        # --8<-- [end:graph_variants]
+    assert mixed.shape == (1, 4, model.config.vocab_size) and plain.shape == (1, 2, model.config.vocab_size)
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text()
+    region = re.search(r"# --8<-- \[start:graph_variants\]\n(.*?)\n[ \t]*# --8<-- \[end:graph_variants\]",
+                       Path(__file__).read_text(), re.S)
+    assert region is not None
+    assert f"```python\n{textwrap.dedent(region.group(1)).strip()}\n```" in doc, \
+        "docs/engines.md's graph variants block is not this test's region word for word"
