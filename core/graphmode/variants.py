@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,8 +83,8 @@ class GraphVariants:
     key: a tuple of one declared value per keyword, in declared order (the
     empty tuple when none are declared); ``plain`` is every default."""
 
-    def __init__(self, declared: Mapping[str, tuple[Hashable, ...]]) -> None:
-        self.declared = dict(declared)
+    def __init__(self, declared: Mapping[str, Sequence[Hashable]]) -> None:
+        self.declared = {name: tuple(values) for name, values in declared.items()}
         self.plain: Key = tuple(values[0] for values in self.declared.values())
         self._labels: dict[Key, str] = {}
 
