@@ -70,13 +70,13 @@ __all__ = [
 # pytest collects inherited tests from the last base to the first: the quick,
 # precise hook-contract checks run first, the long equivalence runs last.
 class ConformanceTests(
+    GraphVariantTests,
     PlanningStateTests,
     MultiOutputTests,
     MemoryPoolTests,
     MultiTokenDecodeTests,
     PiecewiseTests,
     GraphEqualsEagerTests,
-    GraphVariantTests,
     StepInputsTests,
     ParameterUpdateTests,
     KVCacheIntegrityTests,

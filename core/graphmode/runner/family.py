@@ -64,7 +64,10 @@ class Captured(Protocol):
 
 
 class GraphFamily(Protocol):
-    """One kind of graph a runner captures and replays."""
+    """One kind of graph a runner captures and replays. Its graphs are keyed
+    on ``Shared.variant`` too (the engine's graph variants, LoRA on or off):
+    the runner sets it before each step and each warm-up of a variant, and a
+    graph of one variant never serves another's steps."""
 
     #: How statistics, errors and docs name it ("full", "piecewise").
     name: str
