@@ -40,6 +40,7 @@ from graphmode_conformance.planning import PlanningStateTests
 from graphmode_conformance.pool import MemoryPoolTests
 from graphmode_conformance.step_inputs import StepInputsTests
 from graphmode_conformance.unseen import UnseenByOutputsTests
+from graphmode_conformance.variants import GraphVariantTests
 
 __all__ = [
     "CapabilityTests",
@@ -48,6 +49,7 @@ __all__ = [
     "ConformanceTests",
     "DetectionTests",
     "GraphEqualsEagerTests",
+    "GraphVariantTests",
     "Harness",
     "HookContractTests",
     "KVCacheIntegrityTests",
@@ -68,6 +70,7 @@ __all__ = [
 # pytest collects inherited tests from the last base to the first: the quick,
 # precise hook-contract checks run first, the long equivalence runs last.
 class ConformanceTests(
+    GraphVariantTests,
     PlanningStateTests,
     MultiOutputTests,
     MemoryPoolTests,

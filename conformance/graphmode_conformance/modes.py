@@ -20,20 +20,28 @@ class ModeHarness(Harness):
     """The harness with checked steps of any kind (prefill, chunked prefill,
     decode) in any execute mode."""
 
+    def step_variant(self) -> dict[str, Any]:
+        """The graph variant keywords of the step being checked (the runner's
+        ``graph_variants``); none: the plain graphs."""
+        return {}
+
     def checked(self, seqs: list[int], inputs: StepInputs) -> None:
         """One step through the runner and eagerly, outputs and cache checked."""
         runner = self.runner
         mode = runner.config.execute_mode
+        variant = self.step_variant()
         if inputs.attn_metadata.is_decoding and mode != "piecewise" and runner.bucket_of(len(seqs)) is not None:
             bucket: int | None = runner.bucket_of(len(seqs))
             kind = f"batch {len(seqs)}, bucket {bucket}"
-            phase = "replay" if bucket in runner.captured_buckets else "capture"
+            phase = "capture" if bucket is None or runner.graph(bucket, **variant) is None else "replay"
         elif mode != "graph" and runner.piecewise is not None:
             bucket = runner.piecewise.bucket_of(inputs.num_tokens)
             kind = f"{inputs.num_tokens} tokens of {len(seqs)} sequences, token bucket {bucket}"
-            phase = "replay" if bucket in runner.piecewise.captured_buckets else "capture"
+            captured = bucket is not None and runner.piecewise.graph(bucket, **variant) is not None
+            phase = "replay" if captured else "capture"
         else:
             kind, phase = f"{inputs.num_tokens} tokens of {len(seqs)} sequences", "eager"
+        kind += "".join(f", {name}={value!r}" for name, value in variant.items())
         per_token = [s for s, n in zip(seqs, inputs.attn_metadata.q_seqlens.tolist()) for _ in range(n)]
         self._compared(
             inputs, phase, per_token,

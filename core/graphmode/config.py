@@ -7,6 +7,7 @@ allocated and may refuse it or fill in vendor options.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from graphmode.deprecated import renamed_keywords, warn_deprecated
 from graphmode.errors import ConfigError
 from graphmode.spec import MODEL_INPUTS, BufferSpec
+from graphmode.variants import clean_graph_variants
 
 __all__ = [
     "ENV_DEBUG",
@@ -140,6 +142,7 @@ class RunnerConfig:
     debug: bool = False
     capture_token_sizes: tuple[int, ...] | None = None
     max_q_len: int = 1
+    graph_variants: Mapping[str, Sequence[Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.host_staging not in (True, False, None):
@@ -161,6 +164,7 @@ class RunnerConfig:
         if wrong:
             raise ConfigError(f"step_inputs has {wrong!r}; declare each as graphmode.spec.BufferSpec(name, dtype, ...)")
         self.step_inputs = tuple(s.bound(MODEL_INPUTS) for s in self.step_inputs)
+        self.graph_variants = clean_graph_variants(self.graph_variants, tuple(s.name for s in self.step_inputs))
         self.debug = resolve_debug(self.debug)
         if self.capture_token_sizes is not None:
             from graphmode.piecewise.sizes import clean_token_sizes

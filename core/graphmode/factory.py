@@ -45,6 +45,7 @@ def build_graph_runner(
     debug: bool = False,
     capture_token_sizes: Sequence[int] | None = None,
     max_q_len: int = 1,
+    graph_variants: dict[str, Sequence[Any]] | None = None,
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -98,6 +99,11 @@ def build_graph_runner(
         (default) for one-token decode; ``1 + k`` to replay graphs for
         speculative verify or MTP steps of ``k`` draft tokens, keyed by
         (batch bucket, q_len) (docs/engines.md, "Speculative decoding").
+    graph_variants: keyword arguments of the model that pick among graphs of
+        their own, with their values, the default first:
+        ``{"lora": (False, True)}``; each step passes the keyword, each value
+        gets its own graphs sharing the pool and the buffers, and an
+        undeclared value is refused (docs/engines.md, "Graph variants").
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -121,6 +127,7 @@ def build_graph_runner(
         debug=debug,
         capture_token_sizes=tuple(capture_token_sizes) if capture_token_sizes is not None else None,
         max_q_len=max_q_len,
+        graph_variants=dict(graph_variants or {}),
     )
     return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)
 

@@ -18,6 +18,7 @@ from graphmode.context import AttnMetadata
 from graphmode.deprecated import renamed_keywords
 from graphmode.errors import InputError
 from graphmode.model.config import ModelConfig
+from graphmode.model.lora import LoraAdapters, lora_rows
 from graphmode.model.ops import AttentionOps, KVCache
 
 __all__ = ["LlamaModel"]
@@ -58,10 +59,15 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.ops = ops
         self.reduce = _identity  # an all-reduce when tensor parallel
+        self.qkv_lora: LoraAdapters | None = None  # set by graphmode.model.lora.add_lora
+        self.o_lora: LoraAdapters | None = None
 
-    def forward(self, hidden, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttnMetadata):
+    def forward(self, hidden, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttnMetadata, lora_ids=None):
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(
+        qkv = self.qkv_proj(hidden)
+        if lora_ids is not None and self.qkv_lora is not None:
+            qkv = qkv + self.qkv_lora(hidden, lora_ids)
+        q, k, v = qkv.split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
         )
         q = rotate(q.view(tokens, self.heads, self.head_dim), cos, sin)
@@ -73,7 +79,11 @@ class Attention(nn.Module):
             out = self.ops.paged_decode_attention(q, k_cache, v_cache, attn, self.scale)
         else:
             out = self.ops.prefill_attention(q, k_cache, v_cache, attn, self.scale)
-        return self.reduce(self.o_proj(out.reshape(tokens, self.heads * self.head_dim)))
+        out = out.reshape(tokens, self.heads * self.head_dim)
+        projected = self.o_proj(out)
+        if lora_ids is not None and self.o_lora is not None:
+            projected = projected + self.o_lora(out, lora_ids)
+        return self.reduce(projected)
 
 
 class DecoderLayer(nn.Module):
@@ -86,8 +96,8 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.reduce = _identity  # an all-reduce when tensor parallel
 
-    def forward(self, hidden, cos, sin, kv_cache, attn):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
+    def forward(self, hidden, cos, sin, kv_cache, attn, lora_ids=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn, lora_ids)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
         return hidden + self.reduce(self.down_proj(nn.functional.silu(gate) * up))
 
@@ -101,7 +111,11 @@ def embed(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tu
 
 
 class LlamaModel(nn.Module):
-    """The reference decoder. ``model.config`` is its :class:`ModelConfig`."""
+    """The reference decoder. ``model.config`` is its :class:`ModelConfig`.
+    With adapters (``graphmode.model.lora.add_lora``) its forward takes
+    ``lora_ids`` (adapter per sequence or per token, 0: none) and ``lora``
+    (whether the adapters run; a graph variant, ``graph_variants={"lora":
+    (False, True)}``)."""
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -120,6 +134,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
         self.tp_size = 1  # set by graphmode.model.parallel.shard_model
+        self.lora_count = 0  # adapters, set by graphmode.model.lora.add_lora
 
     def init_weights(self, seed: int = 0) -> LlamaModel:
         """Random weights (std 0.02, norms at 1), the same for every device."""
@@ -157,6 +172,8 @@ class LlamaModel(nn.Module):
         position_ids: torch.Tensor,
         past_key_values: KVCache,
         attn_metadata: AttnMetadata,
+        lora_ids: torch.Tensor | None = None,
+        lora: bool = False,
         **extras: Any,
     ) -> torch.Tensor:
         if len(past_key_values) != len(self.layers):  # zip would skip the missing layers
@@ -165,6 +182,19 @@ class LlamaModel(nn.Module):
                 "make the cache with model.make_kv_cache(num_blocks, block_size)"
             )
         hidden, cos, sin = embed(self, input_ids, position_ids)
+        rows = self._lora_rows(lora, lora_ids, attn_metadata, hidden.shape[0])
         for layer, kv_cache in zip(self.layers, past_key_values):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata, rows)
         return self.lm_head(self.norm(hidden))[None]
+
+    def _lora_rows(self, lora: bool, lora_ids: torch.Tensor | None, attn: AttnMetadata, tokens: int) -> Any:
+        """The adapter ids the layers group tokens by, or None: no adapters run."""
+        if not lora:  # the plain graph: lora_ids (if any) unread
+            return None
+        if not self.lora_count or lora_ids is None:
+            raise InputError(
+                f"lora=True, but the model has {self.lora_count} adapters and lora_ids is "
+                f"{'None' if lora_ids is None else 'given'}: add adapters (graphmode.model.lora.add_lora) and "
+                "pass lora_ids, or lora=False"
+            )
+        return lora_rows(lora_ids, attn, tokens)

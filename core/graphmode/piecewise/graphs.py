@@ -33,6 +33,7 @@ from graphmode.runner.common import capture_failed, inert_step, live_columns
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.staging import to_device
+from graphmode.variants import PLAIN, file_suffix
 
 __all__ = ["PIECEWISE_MODES", "PiecewiseGraph", "PiecewiseGraphs", "shape_only"]
 
@@ -49,14 +50,15 @@ class PiecewiseGraph:
     flatten_cache: Callable[[Any], list[Any]]
     extras: dict[str, Any]  # the extra inputs without a buffer, frozen by the segments
     in_warmup: bool = False
+    variant: str = PLAIN  # its graph variant's label (graphmode.variants)
 
     def __post_init__(self) -> None:
         self.memory = CacheMemory(self.cache_tensors, self.flatten_cache)  # their data pointers, checked at every replay
 
     @property
     def name(self) -> str:
-        """How errors name it: "token bucket 8 (piecewise)"."""
-        return f"token bucket {self.bucket} (piecewise)"
+        """How errors name it: "token bucket 8 (piecewise)", "token bucket 8 (piecewise, lora=True)"."""
+        return f"token bucket {self.bucket} (piecewise{', ' + self.variant if self.variant != PLAIN else ''})"
 
 
 class PiecewiseGraphs:
@@ -73,7 +75,8 @@ class PiecewiseGraphs:
         self.ops = find_attention_ops(shared.model)
         # With compile=True, the runner's compiled forward split at the break points.
         self._split = SplitForward(shared.forward, self.ops) if shared.compiled else None
-        self._graphs: dict[int, PiecewiseGraph] = {}
+        # By graph variant (graphmode.variants; one key when none are declared), then token bucket.
+        self._by_variant: dict[tuple[Any, ...], dict[int, PiecewiseGraph]] = {}
         self._buffers = BreakBuffers(self.sizes[-1])
         self._outputs = SharedOutputs(self.sizes[-1])
         declared = [spec for spec in shared.spec.buffers if spec.name in shared.declared_extras]
@@ -97,7 +100,7 @@ class PiecewiseGraphs:
         if ranks is not None and ranks.check_replays:
             # Before any collective: a rank in another token bucket would hang the rest.
             ranks.agree_on_step(tokens, bucket, "run", unit="tokens")
-        graph, debug = self._graphs.get(bucket), shared.debug
+        graph, debug = self._current().get(bucket), shared.debug
         if debug is not None:  # the same checks as a full graph's steps (graphmode.runner.debug)
             debug.check_step(inputs, batch, uniform=False)
         if graph is None:
@@ -110,6 +113,7 @@ class PiecewiseGraphs:
         self._inputs.fill(inputs, bucket)
         graph.pieces.replay(live)
         stats.piecewise_replays += 1
+        stats.replays_by_variant[graph.variant] += 1
         shared.count_tokens(tokens, bucket - tokens)
         return live_columns(graph.output, tokens)
 
@@ -119,20 +123,22 @@ class PiecewiseGraphs:
     def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report) -> None:
         """Every token bucket not captured yet, largest first, from inert
         steps of one token per sequence (query lengths do not matter here)."""
-        todo = self._todo()
+        todo, variant = self._todo(), self.shared.variant_label
+        suffix = f", {variant}" if variant != PLAIN else ""
         for index, bucket in enumerate(todo):
-            report(f"capturing piecewise token bucket {bucket} ({index + 1}/{len(todo)})", index + 1 == len(todo))
+            report(f"capturing piecewise token bucket {bucket}{suffix} ({index + 1}/{len(todo)})", index + 1 == len(todo))
             step = inert_step(self.shared, bucket, past_key_values, extras)
             self._capture(step, LiveStep(step.attn_metadata, bucket, bucket), warmup=True)
 
     def reset(self) -> None:
-        for graph in self._graphs.values():
-            graph.pieces.reset()
-        self._graphs.clear()
+        for graphs in self._by_variant.values():
+            for graph in graphs.values():
+                graph.pieces.reset()
+        self._by_variant.clear()
         self._outputs = SharedOutputs(self.sizes[-1])
 
     def captured(self) -> list[Captured]:
-        return list(self._graphs.values())
+        return [graph for graphs in self._by_variant.values() for graph in graphs.values()]
 
     # -- queries --------------------------------------------------------------
 
@@ -142,16 +148,24 @@ class PiecewiseGraphs:
 
     @property
     def captured_buckets(self) -> list[int]:
-        return list(self._graphs)
+        """The plain variant's captured token buckets, in capture order."""
+        return list(self._by_variant.get(self.shared.variants.plain, {}))
 
-    def graph(self, bucket: int) -> PiecewiseGraph | None:
-        """The captured piecewise graph of a token bucket, if captured."""
-        return self._graphs.get(bucket)
+    def graph(self, bucket: int, **variant: Any) -> PiecewiseGraph | None:
+        """The captured piecewise graph of a token bucket, if captured; of the
+        graph variant the keywords name (``graph(8, lora=True)``), the plain one without."""
+        _, key = self.shared.variants.of_step(variant)
+        return self._by_variant.get(key, {}).get(bucket)
+
+    def _current(self) -> dict[int, PiecewiseGraph]:
+        """The graphs of the variant of the step or warm-up in progress."""
+        return self._by_variant.setdefault(self.shared.variant, {})
 
     # -- capture --------------------------------------------------------------
 
     def _todo(self) -> list[int]:
-        return [bucket for bucket in reversed(self.sizes) if bucket not in self._graphs]
+        graphs = self._current()
+        return [bucket for bucket in reversed(self.sizes) if bucket not in graphs]
 
     def _capture(self, inputs: StepInputs, live: LiveStep, *, warmup: bool = False) -> Any:
         bucket, shared, ranks = live.bucket, self.shared, self.shared.ranks
@@ -184,17 +198,21 @@ class PiecewiseGraphs:
                 output = self._outputs.publish(forward(**static.as_kwargs()), bucket)
         except Exception as error:
             what = f"segment {len(capture.pieces.segments) + 1} of the piecewise graph of token bucket {bucket}"
+            if shared.variant_label != PLAIN:
+                what += f", {shared.variant_label}"
             capture_failed(error, shared, meta, bucket, what, self.setting)
         shared.adopt_pool(capture.pool)  # one pool for every graph of the runner, full and piecewise
         flatten = cache_flattener(static.past_key_values)
         frozen = shared.frozen_extras(inputs.extras)
-        graph = self._graphs[bucket] = PiecewiseGraph(
-            bucket, capture.pieces, output, meta, flatten(static.past_key_values), flatten, frozen, warmup
+        graph = self._current()[bucket] = PiecewiseGraph(
+            bucket, capture.pieces, output, meta, flatten(static.past_key_values), flatten, frozen, warmup,
+            shared.variant_label,
         )
         if shared.debug is not None:
             shared.debug.record(graph.name, graph.extras)
+            suffix = file_suffix(graph.variant)
             for index, segment in enumerate(graph.pieces.segments, 1):
-                shared.debug.dump(segment, f"tokens{bucket}-segment{index}", f"segment {index} of {graph.name}")
+                shared.debug.dump(segment, f"tokens{bucket}-segment{index}{suffix}", f"segment {index} of {graph.name}")
         shared.stats.piecewise_captures += 1
         return live_columns(warm_output, live.tokens)
 

@@ -30,6 +30,7 @@ from graphmode.runner.debug import StepChecker
 from graphmode.runner.stats import RunnerStats
 from graphmode.spec import GraphSpec
 from graphmode.staging import staging_refusal
+from graphmode.variants import PLAIN, GraphVariants
 
 if TYPE_CHECKING:
     from graphmode.distributed import RankSync
@@ -63,7 +64,10 @@ class Captured(Protocol):
 
 
 class GraphFamily(Protocol):
-    """One kind of graph a runner captures and replays."""
+    """One kind of graph a runner captures and replays. Its graphs are keyed
+    on ``Shared.variant`` too (the engine's graph variants, LoRA on or off):
+    the runner sets it before each step and each warm-up of a variant, and a
+    graph of one variant never serves another's steps."""
 
     #: How statistics, errors and docs name it ("full", "piecewise").
     name: str
@@ -113,6 +117,10 @@ class Shared:
     ranks: the :class:`graphmode.distributed.RankSync` of a tensor-parallel
         runner. declared_extras: the engine's declared step inputs (model
         keywords with a buffer, copied in every step rather than frozen).
+    variants: the engine's declared graph variants (``graphmode.variants``);
+        ``variant`` is the key of the step or warm-up in progress, set by the
+        runner (one step at a time), which every family keys its graphs on,
+        and ``variant_label`` how statistics and graph names name it.
     A vendor that cannot stage the inputs on the host is refused here when
     the config requires host staging, in every execute mode."""
 
@@ -139,9 +147,16 @@ class Shared:
         self.staging_refusal = staging_refusal(vendor, config.device)
         if config.host_staging and self.staging_refusal is not None:
             raise ConfigError(f"host_staging=True: {self.staging_refusal}; build the runner with host_staging=None or False")
+        self.variants = GraphVariants(config.graph_variants)
+        self.variant: tuple[Any, ...] = self.variants.plain
+        self.variant_label = PLAIN
         self.declared_extras = frozenset(
             path.split(".", 1)[1] for spec in spec.buffers for path in spec.contexts if path.startswith("extras.")
         )
+
+    def use_variant(self, key: tuple[Any, ...]) -> None:
+        """The variant of the step or warm-up about to run."""
+        self.variant, self.variant_label = key, self.variants.label(key)
 
     @property
     def forward(self) -> Any:

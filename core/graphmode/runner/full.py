@@ -32,6 +32,7 @@ from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.validate import check_cache_layout
 from graphmode.staging import HostStaging, to_device, to_host
+from graphmode.variants import PLAIN, file_suffix
 
 __all__ = ["CapturedGraph", "FullGraphs", "bucket_table"]
 
@@ -49,14 +50,16 @@ class CapturedGraph:
     flatten_cache: Callable[[Any], list[Any]]
     in_warmup: bool = False  # captured by warmup(), with the extras given to it
     q_len: int = 1  # new tokens per sequence
+    variant: str = PLAIN  # its graph variant's label (graphmode.variants)
 
     def __post_init__(self) -> None:
         self.memory = CacheMemory(self.cache_tensors, self.flatten_cache)  # their data pointers, checked at every replay
 
     @property
     def name(self) -> str:
-        """How errors name it: "bucket 8", or "bucket 8, q_len 3"."""
-        return f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "")
+        """How errors name it: "bucket 8", "bucket 8, q_len 3", "bucket 8, lora=True"."""
+        return f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "") + \
+            (f", {self.variant}" if self.variant != PLAIN else "")
 
 
 def bucket_table(vendor: Vendor, max_batches: int, capture_sizes: tuple[int, ...]) -> list[int | None]:
@@ -90,7 +93,8 @@ class FullGraphs:
         config, vendor = shared.config, shared.vendor
         self.shared = shared
         self.bucket_of = shared.bucket_of
-        self.graphs: dict[tuple[int, int], CapturedGraph] = {}  # by (bucket, q_len)
+        # By graph variant (graphmode.variants; one key when none are declared), then (bucket, q_len).
+        self.by_variant: dict[tuple[Any, ...], dict[tuple[int, int], CapturedGraph]] = {}
         self._outputs = SharedOutputs(config.max_tokens)
         # The replay path's hooks, without pluggy's dispatch where that changes nothing.
         self._fill_buffers = vendor.direct("graphmode_fill_buffers")
@@ -100,6 +104,15 @@ class FullGraphs:
         self.replay_guard = replay_guard(config.device)
         self.staging: HostStaging | None = None
         self._staging_decided = False
+
+    @property
+    def graphs(self) -> dict[tuple[int, int], CapturedGraph]:
+        """The plain variant's graphs, by (bucket, q_len)."""
+        return self.by_variant.setdefault(self.shared.variants.plain, {})
+
+    def _current(self) -> dict[tuple[int, int], CapturedGraph]:
+        """The graphs of the variant of the step or warm-up in progress."""
+        return self.by_variant.setdefault(self.shared.variant, {})
 
     # -- the protocol ----------------------------------------------------------
 
@@ -124,7 +137,7 @@ class FullGraphs:
             shared.ranks.agree_on_step(batch, bucket, "run")
         if shared.debug is not None:
             shared.debug.check_step(inputs, batch)
-        captured = self.graphs.get((bucket, q_len))
+        captured = self._current().get((bucket, q_len))
         if captured is None:
             return self._capture(inputs, batch, bucket)
         return self._replay(captured, inputs, batch)
@@ -136,9 +149,9 @@ class FullGraphs:
         todo = self._todo(q_lens)
         if todo and not self._staging_decided:
             self._decide_staging(on_host=False)  # no step seen: host_staging=None means off
-        many = self.shared.config.max_q_len > 1
+        many, variant = self.shared.config.max_q_len > 1, self.shared.variant_label
         for index, (bucket, q_len) in enumerate(todo):
-            name = f"bucket {bucket}" + (f", q_len {q_len}" if many else "")
+            name = f"bucket {bucket}" + (f", q_len {q_len}" if many else "") + (f", {variant}" if variant != PLAIN else "")
             report(f"capturing {name} ({index + 1}/{len(todo)})", index + 1 == len(todo))
             step = inert_step(self.shared, bucket, past_key_values, extras, q_len)
             # With host staging the step comes from the host, as an engine's steps do.
@@ -146,20 +159,22 @@ class FullGraphs:
             self._capture(step, bucket, bucket, warmup=True)
 
     def reset(self) -> None:
-        for captured in self.graphs.values():
-            captured.graph.reset()
-        self.graphs.clear()
+        for graphs in self.by_variant.values():
+            for captured in graphs.values():
+                captured.graph.reset()
+        self.by_variant.clear()
         self._outputs = SharedOutputs(self.shared.config.max_tokens)
 
     def captured(self) -> list[Captured]:
-        return list(self.graphs.values())
+        return [captured for graphs in self.by_variant.values() for captured in graphs.values()]
 
     # -- steps ----------------------------------------------------------------
 
     def _todo(self, q_lens: Sequence[int]) -> list[tuple[int, int]]:
+        graphs = self._current()
         return [
             (b, q) for q in sorted(set(q_lens), reverse=True) for b in reversed(self.shared.capture_sizes)
-            if (b, q) not in self.graphs
+            if (b, q) not in graphs
         ]
 
     def _placed(self, inputs: StepInputs, on_host: bool) -> StepInputs:
@@ -211,6 +226,7 @@ class FullGraphs:
             stats = shared.stats
             stats.replays += 1
             stats.replays_by_q_len[q_len] += 1
+            stats.replays_by_variant[captured.variant] += 1
             shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
             guard.running("graphmode_get_outputs")
             return self._get_outputs(meta=meta, batch_size=batch, num_tokens=batch * q_len)
@@ -249,17 +265,19 @@ class FullGraphs:
                 meta.output_buffers["output"] = self._outputs.publish(forward(**static.as_kwargs()), tokens)
         except Exception as error:
             name = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")
+            if shared.variant_label != PLAIN:
+                name += f", {shared.variant_label}"
             capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting)
         shared.adopt_pool(graph.pool())
         flatten = cache_flattener(static.past_key_values)
         frozen = shared.frozen_extras(inputs.extras)
-        captured = self.graphs[(bucket, q_len)] = CapturedGraph(
+        captured = self._current()[(bucket, q_len)] = CapturedGraph(
             bucket, graph, meta, static.past_key_values, frozen, flatten(static.past_key_values), flatten,
-            in_warmup=warmup, q_len=q_len,
+            in_warmup=warmup, q_len=q_len, variant=shared.variant_label,
         )
         if shared.debug is not None:
             shared.debug.record(captured.name, captured.extras)
-            shared.debug.dump(graph, f"bucket{bucket}-q{q_len}", f"bucket {bucket}")
+            shared.debug.dump(graph, f"bucket{bucket}-q{q_len}{file_suffix(captured.variant)}", f"bucket {bucket}")
         shared.stats.captures += 1
         if warmup:  # an inert step: no served tokens
             shared.stats.warmup_captures += 1

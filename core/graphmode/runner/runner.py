@@ -12,6 +12,7 @@ the KV cache's first check; warm-up and reset go to every family.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import threading
 from collections.abc import Iterator, Sequence
@@ -149,6 +150,11 @@ class GraphRunner:
             self._busy.release()
 
     def _step(self, inputs: StepInputs) -> Any:
+        variants = self._shared.variants
+        if variants:  # before any check: an undeclared variant is named first
+            extras, key = variants.of_step(inputs.extras)
+            inputs = dataclasses.replace(inputs, extras=extras)
+            self._shared.use_variant(key)
         batch, on_host = check_inputs(inputs, self.config)
         self._cache_fit(inputs.past_key_values)
         q_len = uniform_q_len(inputs.attn_metadata, batch, inputs.num_tokens)
@@ -184,7 +190,9 @@ class GraphRunner:
         families in reverse order (the later ones take the larger steps,
         whose activations take the pool first, as vLLM captures PIECEWISE
         before FULL); full graphs for each query length of ``q_lens``
-        (default: every one in 1..max_q_len), every bucket.
+        (default: every one in 1..max_q_len), every bucket; for every graph
+        variant (``graph_variants``), or only the value of a variant keyword
+        given in ``extras`` (``warmup(cache, lora=False)``: the plain graphs).
 
         The warm-up steps are inert: every slot is -1 (no KV write) and every
         row reads the reserved block 0, so no live cache block changes."""
@@ -200,12 +208,19 @@ class GraphRunner:
             )
         self._cache_fit(past_key_values)
         check_warmup_cache([c for family in self.families for c in family.captured()], past_key_values)
-        order = self.families[::-1]
-        count = sum(family.pending(wanted) for family in order)
+        order, shared = self.families[::-1], self._shared
+        # Every graph variant (graph_variants), or those the extras name; the plain one first.
+        variants = shared.variants.for_warmup(extras)
+        count = 0
+        for _, key in variants:
+            shared.use_variant(key)
+            count += sum(family.pending(wanted) for family in order)
         with _frozen_gc(), torch.inference_mode(), \
                 CaptureProgress(count, self.config.device, bar=progress) as report:
-            for family in order:
-                family.warmup(past_key_values, extras, wanted, report)
+            for variant_extras, key in variants:
+                shared.use_variant(key)
+                for family in order:
+                    family.warmup(past_key_values, variant_extras, wanted, report)
 
     @one_at_a_time("runner.reset()")
     def reset(self) -> None:
@@ -231,7 +246,8 @@ class GraphRunner:
 
     @property
     def captured_graphs(self) -> list[tuple[int, int]]:
-        """Every full graph's (bucket, q_len), in the order they were captured."""
+        """Every full graph's (bucket, q_len), in the order they were captured,
+        of the plain variant (``graph()`` finds the others' graphs)."""
         return list(self._full.graphs) if self._full is not None else []
 
     def bucket_of(self, batch_size: int) -> int | None:
@@ -241,9 +257,19 @@ class GraphRunner:
         return self._bucket_of[batch_size]
 
     @one_at_a_time("runner.graph()")
-    def graph(self, bucket: int, q_len: int = 1) -> CapturedGraph | None:
-        """The captured full graph of a bucket and query length, if captured."""
-        return self._full.graphs.get((bucket, q_len)) if self._full is not None else None
+    def graph(self, bucket: int, q_len: int = 1, **variant: Any) -> CapturedGraph | None:
+        """The captured full graph of a bucket and query length, if captured;
+        of the graph variant the keywords name (``graph(8, lora=True)``;
+        defaults for the rest), the plain one without."""
+        if self._full is None:
+            return None
+        variants = self._shared.variants
+        unknown = sorted(set(variant) - set(variants.declared))
+        if unknown:
+            raise InputError(f"runner.graph({bucket}, {q_len}, {unknown[0]}=...): not a declared graph variant "
+                             f"keyword; this runner's are {list(variants.declared)}")
+        _, key = variants.of_step(variant)
+        return self._full.by_variant.get(key, {}).get((bucket, q_len))
 
     def __repr__(self) -> str:
         compiled = ", compiled" if self._shared.compiled else ""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from graphmode.variants import PLAIN
+
 __all__ = ["EAGER_REASONS", "RunnerStats"]
 
 EAGER_REASONS = {
@@ -29,6 +31,9 @@ class RunnerStats:
         one-token decode; 1 + k for speculative verify of k draft tokens).
     piecewise_captures / piecewise_replays: the same for piecewise graphs
         (one per token bucket, however many segments), warm-up included.
+    replays_by_variant: replays of either family by graph variant
+        (``graph_variants``): "plain" for steps with every variant keyword at
+        its default (all of them when none is declared), "lora=True" for others.
     compile_seconds: with compile=True, host seconds spent in the compiled
         forward's warm-up calls before captures: Dynamo tracing, Inductor
         compilation and autotuning (on the first call of each shape it
@@ -44,6 +49,7 @@ class RunnerStats:
     piecewise_captures: int = 0
     piecewise_replays: int = 0
     replays_by_q_len: Counter = field(default_factory=Counter)
+    replays_by_variant: Counter = field(default_factory=Counter)
 
     @property
     def padding_fraction(self) -> float:
@@ -63,5 +69,12 @@ class RunnerStats:
         return (
             f"{self.captures} captures ({self.warmup_captures} in warm-up), {replays}, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
-            f"({self.padding_fraction:.1%}){compiled}"
+            f"({self.padding_fraction:.1%}){compiled}{self._by_variant()}"
         )
+
+    def _by_variant(self) -> str:
+        """"; graph replays by variant: 3 plain, 2 lora=True", when any is not plain."""
+        if all(label == PLAIN for label in self.replays_by_variant):
+            return ""
+        counts = sorted(self.replays_by_variant.items(), key=lambda item: (item[0] != PLAIN, item[0]))
+        return "; graph replays by variant: " + ", ".join(f"{n} {label}" for label, n in counts)

@@ -1,0 +1,100 @@
+"""Batched LoRA for the reference model: adapters mixed in one batch.
+
+Each sequence of a step may use another adapter (or none). The adapters of
+one projection are stacked, ``a`` (adapters + 1, in, rank) and ``b``
+(adapters + 1, rank, out), and adapter 0 is all zeros: "no adapter", which
+sequences without one and padding rows select, so a padding row never reads
+garbage. A step gathers each row's ``a`` and ``b`` by id and adds two
+batched matmuls to the projection: ``x @ A[id] @ B[id]``. No host reads, no
+shape that depends on the ids: it captures in a device graph, and the ids
+are a step input (``BufferSpec("lora_ids", torch.int32, padding=0)``) copied
+into the graph's buffer every step.
+
+Whether the adapters run at all is a graph variant (``graph_variants=
+{"lora": (False, True)}``): the model skips them with ``lora=False``, so a
+step without adapters replays a plain graph without the matmuls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphmode.context import AttnMetadata
+from graphmode.errors import InputError
+
+__all__ = ["LoraAdapters", "add_lora", "batched_lora", "lora_rows"]
+
+
+def batched_lora(x: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The adapters' contribution to a projection of ``x`` (T, in): (T, out).
+
+    ``ids`` (R,) int: the adapter of each of R groups of T / R consecutive
+    tokens (a sequence of a step where each sequence carries as many tokens;
+    R == T: one id per token). ``a`` (n, in, rank) and ``b`` (n, rank, out)
+    stack the adapters, gathered by id; one matmul each, batched over R."""
+    rows, tokens = ids.shape[0], x.shape[0]
+    grouped = x.reshape(rows, tokens // rows, x.shape[-1])
+    down = torch.bmm(grouped, a.index_select(0, ids))
+    return torch.bmm(down, b.index_select(0, ids)).reshape(tokens, b.shape[-1])
+
+
+def lora_rows(ids: torch.Tensor, attn: AttnMetadata, tokens: int) -> torch.Tensor:
+    """The ids as :func:`batched_lora` groups them, for a step of ``tokens``.
+
+    One id per token is used as it is. One id per sequence is used as it is
+    when every sequence carries the same number of tokens, which host facts
+    prove: a graph's context (maxima -1 or the graph's own query length; a
+    full graph's steps are uniform) or ``batch x max_q_seq_len == tokens``.
+    Otherwise (an eager prefill), it is expanded to one id per token from the
+    step's ``q_seqlens``. A piecewise graph's segments see every step as one
+    row per token: an engine in a piecewise mode passes one id per token."""
+    rows = ids.shape[0]
+    if rows == tokens:
+        return ids
+    if tokens % rows == 0 and (attn.max_q_seq_len < 0 or rows * attn.max_q_seq_len == tokens):
+        return ids
+    if attn.q_seqlens.shape[0] != rows:
+        raise InputError(
+            f"lora_ids has {rows} ids for a step of {attn.q_seqlens.shape[0]} sequences and {tokens} tokens: "
+            "pass one adapter id per sequence, or one per token"
+        )
+    return ids.repeat_interleave(attn.q_seqlens.to(ids.device).long(), output_size=tokens)
+
+
+class LoraAdapters(nn.Module):
+    """The stacked adapters of one projection; adapter 0 stays zero."""
+
+    def __init__(self, count: int, rank: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(count + 1, in_features, rank))
+        self.b = nn.Parameter(torch.zeros(count + 1, rank, out_features))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return batched_lora(x, ids, self.a, self.b)
+
+
+def add_lora(model: Any, count: int, rank: int = 4, seed: int = 0, std: float = 0.05) -> Any:
+    """``model`` (a :class:`graphmode.model.LlamaModel`) with ``count``
+    random adapters (ids 1..count; 0 is none) on every layer's qkv and output
+    projections, on the model's device and dtype. Its forward then takes
+    ``lora_ids`` (one int per sequence, or per token) and ``lora`` (False:
+    the adapters are skipped). Not for a tensor-parallel (sharded) model."""
+    if count < 1 or rank < 1:
+        raise ValueError(f"add_lora(count={count}, rank={rank}): both must be positive")
+    if getattr(model, "tp_size", 1) != 1:
+        raise ValueError("add_lora: the model is sharded (tensor parallel); add adapters before sharding is not supported either")
+    generator = torch.Generator().manual_seed(seed)
+    weight = model.embed_tokens.weight
+    for layer in model.layers:
+        attn = layer.self_attn
+        for name, proj in (("qkv_lora", attn.qkv_proj), ("o_lora", attn.o_proj)):
+            adapters = LoraAdapters(count, rank, proj.in_features, proj.out_features)
+            with torch.no_grad():
+                for param in (adapters.a, adapters.b):
+                    param[1:].copy_(torch.randn(param[1:].shape, generator=generator) * std)
+            setattr(attn, name, adapters.to(device=weight.device, dtype=weight.dtype))
+    model.lora_count = count
+    return model

@@ -1,0 +1,208 @@
+"""Graph variants (``graph_variants``) and the batched LoRA reference
+(``graphmode.model.lora``), on the CPU emulator: each variant value gets its
+own graphs in every family, sharing the pool and the buffers; a step with
+every variant at its default replays the plain graphs and is counted so; an
+undeclared value is refused naming it. The graph-equals-eager tests run on
+CUDA too where a GPU is present (the ``device`` fixture). Every vendor's LoRA
+graphs are checked against eager by the conformance suite
+(``graphmode_conformance.variants``)."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from setups import tiny_setup
+
+import graphmode
+from graphmode.errors import ConfigError, InputError
+from graphmode.model.lora import add_lora, batched_lora
+from graphmode.spec import SEQUENCES, TOKENS, BufferSpec
+
+GRAPH_MODES = ["graph", "piecewise", "full_and_piecewise"]
+
+
+def test_batched_lora_is_each_rows_own_adapter():
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 8, 2, generator=generator), torch.randn(4, 2, 6, generator=generator)
+    x = torch.randn(6, 8, generator=generator)  # 3 sequences of 2 tokens
+    ids = torch.tensor([2, 0, 3], dtype=torch.int32)
+    expected = torch.cat([x[2 * i:2 * i + 2] @ a[int(j)] @ b[int(j)] for i, j in enumerate(ids)])
+    torch.testing.assert_close(batched_lora(x, ids, a, b), expected)
+    per_token = ids.repeat_interleave(2)
+    torch.testing.assert_close(batched_lora(x, per_token, a, b), expected)
+
+
+def _lora_setup(mode: str = "graph", per_token: bool = False, device: torch.device | str = "cpu", **options):
+    """A tiny setup whose model has 3 adapters, and a runner of ``mode`` with
+    lora_ids declared (per sequence, or per token) and the "lora" variant."""
+    if mode != "graph":
+        options.update(capture_token_sizes=[2, 4, 8])
+    setup = tiny_setup(capture_batch_sizes=[2, 4, 8], device=str(device))
+    model = add_lora(setup.model, count=3, rank=2, seed=1)
+    lora_ids = BufferSpec("lora_ids", torch.int32, shape=(TOKENS,) if per_token else (SEQUENCES,), padding=0)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device=device, capture_batch_sizes=[2, 4, 8],
+        execute_mode=mode, step_inputs=[lora_ids], graph_variants={"lora": (False, True)}, **options,
+    )
+    return setup, model, runner
+
+
+def _step(setup, model, runner, seqs, adapters, lora, per_token=False, prefill=None):
+    """One step of ``seqs`` (decode, or a prefill of ``prefill`` tokens each)
+    through the runner and eagerly; ``adapters`` per sequence."""
+    step = setup.engine.prefill(seqs, prefill) if prefill else setup.engine.decode(seqs)
+    ids = torch.tensor(adapters, dtype=torch.int32)
+    if per_token:
+        ids = ids.repeat_interleave(step.attn_metadata.q_seqlens.cpu())
+    ids = ids.to(step.input_ids.device)
+    with torch.inference_mode():
+        graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+                       lora_ids=ids, lora=lora).clone()
+        eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata, lora_ids=ids, lora=lora)
+    return graph, eager
+
+
+def test_adapters_change_the_output_and_adapter_zero_is_none():
+    setup, model, runner = _lora_setup()
+    step = setup.engine.prefill([setup.engine.add() for _ in range(3)], [5, 2, 7])
+    call = dict(input_ids=step.input_ids, position_ids=step.position_ids, past_key_values=setup.eager_cache,
+                attn_metadata=step.attn_metadata)
+    with torch.inference_mode():
+        plain = model(**call)
+        none = model(**call, lora_ids=torch.zeros(3, dtype=torch.int32), lora=True)
+        mixed = model(**call, lora_ids=torch.tensor([0, 2, 0], dtype=torch.int32), lora=True)
+        per_token = model(**call, lora_ids=torch.tensor([0] * 5 + [2] * 2 + [0] * 7, dtype=torch.int32), lora=True)
+    torch.testing.assert_close(none, plain)
+    torch.testing.assert_close(mixed[:, :5], plain[:, :5])  # sequence 0: no adapter
+    assert not torch.allclose(mixed[:, 5:7], plain[:, 5:7], atol=1e-4)  # sequence 1: adapter 2
+    torch.testing.assert_close(mixed, per_token)  # per-sequence ids of a prefill, expanded from q_seqlens
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_lora_graphs_equal_eager_for_mixed_adapters_and_plain_steps_replay_the_plain_graphs(mode, device):
+    per_token = mode != "graph"  # piecewise segments see a step as rows of tokens
+    setup, model, runner = _lora_setup(mode, per_token, device)
+    seqs = [setup.engine.add() for _ in range(6)]
+    _step(setup, model, runner, seqs, [0, 1, 2, 0, 3, 1], True, per_token, prefill=[3, 9, 1, 17, 5, 2])  # eager: 37 tokens
+    steps = [
+        ([0, 1, 2, 0, 3, 1], True), ([0, 0, 0, 0, 0, 0], False), ([2, 0, 1, 0, 0, 3], True),
+        ([0, 0, 0, 0, 0, 0], False), ([1, 2, 0], True), ([0, 0, 0], False), ([3, 0, 0, 2, 0, 1], True),
+    ]
+    for adapters, lora in steps:
+        graph, eager = _step(setup, model, runner, seqs[:len(adapters)], adapters, lora, per_token)
+        torch.testing.assert_close(graph, eager)
+    if mode != "graph":  # a prefill of mixed adapters in piecewise graphs
+        graph, eager = _step(setup, model, runner, [setup.engine.add(), setup.engine.add()], [2, 1], True,
+                             per_token, prefill=[3, 2])
+        torch.testing.assert_close(graph, eager)
+    stats = runner.stats
+    # Buckets 8 and 4 (full) or token buckets 8 and 4 (piecewise): each variant captures both, then replays.
+    assert stats.replays_by_variant == {"plain": 1, "lora=True": 2 + (mode == "piecewise")}, stats.summary()
+    if mode == "piecewise":
+        assert runner.piecewise.graph(8) is not runner.piecewise.graph(8, lora=True) is not None
+    else:
+        plain, lora = runner.graph(8), runner.graph(8, lora=True)
+        assert plain is not None and lora is not None and plain is not lora
+        assert plain.graph.pool() == lora.graph.pool()  # one pool (a token: a tuple of ids on CUDA)
+        assert plain.meta.input_buffers["lora_ids"] is lora.meta.input_buffers["lora_ids"]  # one set of buffers
+        assert lora.name == "bucket 8, lora=True"
+    assert f"graph replays by variant: 1 plain, {2 + (mode == 'piecewise')} lora=True" in stats.summary()
+
+
+@pytest.mark.parametrize("mode", ["eager", *GRAPH_MODES])
+def test_an_undeclared_variant_value_is_refused_naming_it(mode):
+    setup, model, runner = _lora_setup(mode)
+    step = setup.engine.decode(setup.prefill(2, [9, 9]))  # the prefill: eager in every mode (18 tokens)
+    with torch.inference_mode(), pytest.raises(InputError) as refused:
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+               lora_ids=torch.tensor([1, 2], dtype=torch.int32), lora="yes")
+    message = str(refused.value)
+    assert "lora='yes' is not declared" in message and "(False, True)" in message
+    assert "graph_variants={'lora': (False, True, 'yes')}" in message  # the fix
+
+
+def test_a_step_leaving_the_variant_out_runs_its_default():
+    setup, model, runner = _lora_setup()
+    seqs = setup.prefill(2, [3, 4])
+    step = setup.engine.decode(seqs)
+    with torch.inference_mode():
+        graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+                       lora_ids=torch.tensor([1, 2], dtype=torch.int32)).clone()
+        eager = model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+    torch.testing.assert_close(graph, eager)
+    assert runner.graph(2) is not None and runner.graph(2, lora=True) is None
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_warmup_captures_every_variant_or_the_one_named(mode, device):
+    setup, model, runner = _lora_setup(mode, per_token=mode != "graph", device=device)
+    with torch.inference_mode():
+        runner.warmup(setup.graph_cache, progress=False, lora=False)
+    captures = runner.stats.captures + runner.stats.piecewise_captures
+    assert captures == 3 * len(runner.families)  # buckets (or token buckets) 8, 4, 2 of the plain variant
+    with torch.inference_mode():
+        runner.warmup(setup.graph_cache, progress=False)  # the rest: the lora=True variant's
+    assert runner.stats.captures + runner.stats.piecewise_captures == 2 * captures
+    seqs = setup.prefill(4, [2, 3, 4, 5])
+    graph, eager = _step(setup, model, runner, seqs, [1, 0, 3, 2], True, per_token=mode != "graph")
+    torch.testing.assert_close(graph, eager)
+    assert runner.stats.replays_by_variant["lora=True"] == 1
+
+
+@pytest.mark.parametrize(("variants", "error"), [
+    ({"lora": ()}, "graph_variants\\['lora'\\] is empty"),
+    ({"lora": (0, 1, True)}, "holds equal values"),
+    ({"lora": (False, torch.tensor(1))}, "not a tensor"),
+    ({"lora_ids": (False, True)}, "also declared in step_inputs"),
+    ({"attn_metadata": (False, True)}, "must be a model keyword argument name"),
+    (["lora"], "give a dict"),
+])
+def test_bad_declarations_are_refused(variants, error):
+    with pytest.raises(ConfigError, match=error):
+        graphmode.RunnerConfig(4, 4, 16, "cpu", step_inputs=(BufferSpec("lora_ids", torch.int32),),
+                               graph_variants=variants)
+
+
+def test_the_engines_doc_shows_graph_variants_as_this_test_runs_them():
+    setup = tiny_setup()
+    model, engine, cache = setup.model, setup.engine, setup.graph_cache
+    seqs = [engine.add() for _ in range(4)]
+    step = engine.prefill(seqs, [5, 9, 2, 7])
+    with torch.inference_mode():
+        model(step.input_ids, step.position_ids, cache, step.attn_metadata)  # eagerly, no adapters
+    adapter_of = dict(zip(seqs, [0, 2, 0, 1]))
+    with torch.inference_mode():
+        # --8<-- [start:graph_variants]
+        from graphmode.model.lora import add_lora
+        from graphmode.spec import SEQUENCES, BufferSpec
+
+        model = add_lora(model, count=3, rank=8)  # adapters 1, 2, 3 on every layer; id 0: none
+        runner = graphmode.build_graph_runner(
+            model, max_batches=8, max_blocks_per_seq=8, block_size=16,
+            step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)],
+            graph_variants={"lora": (False, True)},  # a keyword of the model, its default first
+        )
+        runner.warmup(cache)  # every bucket of both variants, into one pool
+
+        def decode(seqs):
+            step = engine.decode(seqs)
+            adapters = [adapter_of[s] for s in seqs]  # the scheduler's, on the host
+            ids = torch.tensor(adapters, dtype=torch.int32, device=step.input_ids.device)
+            return runner(step.input_ids, step.position_ids, cache, step.attn_metadata,
+                          lora_ids=ids, lora=any(adapters))  # no adapter in the step: the plain graphs
+
+        mixed = decode(seqs)  # adapters 0, 2, 0, 1 in one batch: bucket 4's lora=True graph
+        plain = decode(seqs[::2])  # adapters 0, 0: bucket 2's plain graph
+        assert runner.stats.replays_by_variant == {"lora=True": 1, "plain": 1}
+        # --8<-- [end:graph_variants]
+    assert mixed.shape == (1, 4, model.config.vocab_size) and plain.shape == (1, 2, model.config.vocab_size)
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text()
+    region = re.search(r"# --8<-- \[start:graph_variants\]\n(.*?)\n[ \t]*# --8<-- \[end:graph_variants\]",
+                       Path(__file__).read_text(), re.S)
+    assert region is not None
+    assert f"```python\n{textwrap.dedent(region.group(1)).strip()}\n```" in doc, \
+        "docs/engines.md's graph variants block is not this test's region word for word"
