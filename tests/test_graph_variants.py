@@ -113,6 +113,20 @@ def test_lora_graphs_equal_eager_for_mixed_adapters_and_plain_steps_replay_the_p
     assert f"graph replays by variant: 1 plain, {2 + (mode == 'piecewise')} lora=True" in stats.summary()
 
 
+def test_per_sequence_ids_with_an_unknown_longest_query_follow_q_seqlens():
+    """max_q_seq_len=-1 (unknown) proves nothing about the lengths: 8 tokens
+    of 2 sequences (5 + 3) are expanded from q_seqlens, not grouped 4 and 4."""
+    setup, model, _ = _lora_setup()
+    step = setup.engine.prefill([setup.engine.add(), setup.engine.add()], [5, 3])
+    attn = step.attn_metadata.replace(max_q_seq_len=-1, max_kv_seq_len=-1)
+    call = dict(input_ids=step.input_ids, position_ids=step.position_ids, past_key_values=setup.eager_cache,
+                lora=True)
+    with torch.inference_mode():
+        per_sequence = model(**call, attn_metadata=attn, lora_ids=torch.tensor([1, 2], dtype=torch.int32))
+        per_token = model(**call, attn_metadata=attn, lora_ids=torch.tensor([1] * 5 + [2] * 3, dtype=torch.int32))
+    torch.testing.assert_close(per_sequence, per_token)
+
+
 @pytest.mark.parametrize("mode", ["eager", *GRAPH_MODES])
 def test_an_undeclared_variant_value_is_refused_naming_it(mode):
     setup, model, runner = _lora_setup(mode)

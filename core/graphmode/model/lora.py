@@ -44,23 +44,34 @@ def batched_lora(x: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.T
 def lora_rows(ids: torch.Tensor, attn: AttnMetadata, tokens: int) -> torch.Tensor:
     """The ids as :func:`batched_lora` groups them, for a step of ``tokens``.
 
-    One id per token is used as it is. One id per sequence is used as it is
-    when every sequence carries the same number of tokens, which host facts
-    prove: a graph's context (maxima -1 or the graph's own query length; a
-    full graph's steps are uniform) or ``batch x max_q_seq_len == tokens``.
-    Otherwise (an eager prefill), it is expanded to one id per token from the
-    step's ``q_seqlens``. A piecewise graph's segments see every step as one
-    row per token: an engine in a piecewise mode passes one id per token."""
+    One id per token is used as it is. One id per sequence is grouped with
+    its sequence's tokens when host facts prove every sequence carries as
+    many (``batch x max_q_seq_len == tokens``), else expanded to one id per
+    token from the step's ``q_seqlens`` on the device (no host read, so a
+    full graph captures it and reads each replay's lengths).
+
+    In a piecewise graph's segments the step's metadata is shapes only
+    (``meta`` tensors), with no map from token to sequence, and a step input
+    declared per sequence arrives as the token bucket's rows (the live
+    sequences first, then padding): indistinguishable from one id per token.
+    So where piecewise graphs run, declare the ids per token, ``(TOKENS,)``,
+    and pass ``ids.repeat_interleave(q_seqlens)``."""
     rows = ids.shape[0]
     if rows == tokens:
-        return ids
-    if tokens % rows == 0 and (attn.max_q_seq_len < 0 or rows * attn.max_q_seq_len == tokens):
         return ids
     if attn.q_seqlens.shape[0] != rows:
         raise InputError(
             f"lora_ids has {rows} ids for a step of {attn.q_seqlens.shape[0]} sequences and {tokens} tokens: "
             "pass one adapter id per sequence, or one per token"
         )
+    if attn.q_seqlens.device.type == "meta":  # a piecewise segment: no map from token to sequence
+        raise InputError(
+            f"lora_ids has {rows} ids for {tokens} tokens in a piecewise graph, whose segments see a step "
+            "as rows of tokens: declare the ids per token, BufferSpec('lora_ids', torch.int32, "
+            "shape=(TOKENS,), padding=0), and pass ids.repeat_interleave(q_seqlens) at every step"
+        )
+    if attn.max_q_seq_len > 0 and rows * attn.max_q_seq_len == tokens:
+        return ids
     return ids.repeat_interleave(attn.q_seqlens.to(ids.device).long(), output_size=tokens)
 
 
