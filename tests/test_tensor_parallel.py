@@ -43,6 +43,14 @@ def test_ranks_running_different_batches_raise_instead_of_hanging():
     assert result.stdout.count(message) == 2
 
 
+def test_ranks_running_different_graph_variants_raise_instead_of_hanging():
+    result = torchrun("--scenario", "different-variants", "--batches", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    message = ("tensor-parallel ranks disagree on the step to run: rank 0: batch 2 (bucket 2, plain); "
+               "rank 1: batch 2 (bucket 2, microbatch=True)")
+    assert result.stdout.count(message) == 2, result.stdout
+
+
 def test_ranks_running_a_full_and_a_piecewise_graph_of_one_size_raise_instead_of_hanging():
     # Rank 0 decodes 8 sequences (full bucket 8), rank 1 prefills 8 tokens (token bucket 8).
     result = torchrun("--execute-mode", "full_and_piecewise", "--scenario", "different-families", "--batches", "8")

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rtol", type=float, default=None)
     parser.add_argument("--timeout", type=int, default=120, help="seconds before a collective counts as hung")
-    parser.add_argument("--scenario", choices=["agree", "different-capture-lists", "different-batches", "different-families"], default="agree")
+    parser.add_argument("--scenario", choices=["agree", "different-capture-lists", "different-batches", "different-families", "different-variants"],
+                        default="agree")
     parser.add_argument("--json", default=None)
     parser.add_argument("--execute-mode", default="graph", choices=["graph", "full_and_piecewise"],
                         help="full_and_piecewise: prefills in piecewise graphs (token buckets to 512), decodes in full graphs")
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             vendor=vendor.name, process_group=group, capture_batch_sizes=capture_sizes,
             execute_mode=args.execute_mode,
             capture_token_sizes=[8, 16, 32, 64, 128, 256, PIECEWISE_TOKENS] if args.execute_mode != "graph" else None,
+            # A graph variant the reference model ignores, so that ranks can disagree on it.
+            graph_variants={"microbatch": (False, True)} if args.scenario == "different-variants" else None,
         )
     except graphmode.GraphModeError as error:
         return report_scenario(args.scenario, rank, error)
@@ -126,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                     step = engine.decode(seqs[:-1]) if batch > 1 else step
                 if args.scenario == "different-families" and rank == 1:  # as many tokens as rank 0's sequences
                     step = engine.prefill([engine.add()], [batch])
+                variant = {"microbatch": rank == 1} if args.scenario == "different-variants" else {}
                 try:
-                    graph = runner(step.input_ids, step.position_ids, caches["graph"], step.attn_metadata).clone()
+                    graph = runner(step.input_ids, step.position_ids, caches["graph"], step.attn_metadata,
+                                   **variant).clone()
                 except graphmode.GraphModeError as error:
                     return report_scenario(args.scenario, rank, error)
                 eager = sharded(step.input_ids, step.position_ids, caches["eager"], step.attn_metadata)

@@ -10,6 +10,7 @@ raises an error naming every rank's value.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,30 +61,36 @@ class RankSync:
         self.check_replays = check_replays
         ranks = dist.get_process_group_ranks(group)
         self.control = dist.new_group(ranks=ranks, backend="gloo")
+        # How errors name a graph variant by its number (the runner sets its labels).
+        self.name_variant: Callable[[int], str] = lambda index: f"graph variant #{index}"
 
     def _gather(self, value: Any) -> list[Any]:
         values: list[Any] = [None] * self.world
         dist.all_gather_object(values, value, group=self.control)
         return values
 
-    def agree_on_setup(self, execute_mode: str, capture_sizes: tuple[int, ...], token_sizes: tuple[int, ...] = ()) -> None:
-        """Every rank captures the same graphs: the same mode, batch buckets
-        and (piecewise modes) token buckets."""
-        values = self._gather((execute_mode, list(capture_sizes), list(token_sizes)))
+    def agree_on_setup(self, execute_mode: str, capture_sizes: tuple[int, ...], token_sizes: tuple[int, ...] = (),
+                       variants: str = "") -> None:
+        """Every rank captures the same graphs: the same mode, batch buckets,
+        (piecewise modes) token buckets and graph variants (as text)."""
+        values = self._gather((execute_mode, list(capture_sizes), list(token_sizes), variants))
         if any(v != values[0] for v in values):
             listing = "; ".join(
                 f"rank {r}: {mode} mode, buckets {sizes}" + (f", token buckets {tokens}" if tokens else "")
-                for r, (mode, sizes, tokens) in enumerate(values)
+                + (f", graph_variants {declared}" if declared else "")
+                for r, (mode, sizes, tokens, declared) in enumerate(values)
             )
             raise ConfigError(
                 f"tensor-parallel ranks disagree on graph mode: {listing}. Every rank must capture the "
                 "same buckets in the same order: give every rank the same execute mode, "
-                "capture_batch_sizes, capture_token_sizes and vendor options"
+                "capture_batch_sizes, capture_token_sizes, graph_variants and vendor options"
             )
 
-    def agree_on_step(self, batch: int, bucket: int | None, what: str, unit: str = "batch") -> None:
+    def agree_on_step(self, batch: int, bucket: int | None, what: str, unit: str = "batch",
+                      variant: int = 0) -> None:
         """Every rank runs a step of the same size in the same graph (a
-        ``batch`` of sequences, or with ``unit="tokens"`` a token count), or
+        ``batch`` of sequences, or with ``unit="tokens"`` a token count) of
+        the same graph variant (``GraphVariants.index``; 0 the plain one), or
         raise naming each rank's."""
         # Normal tensors even inside the engine's torch.inference_mode(): gloo
         # in torch 2.5 writes the gathered values from outside inference mode,
@@ -91,18 +98,20 @@ class RankSync:
         # The unit tells the families apart: a full graph of batch 4 and a
         # piecewise graph of 4 tokens run other collectives.
         with torch.inference_mode(False):
-            mine = torch.tensor([_UNITS.index(unit), batch, bucket or 0], dtype=torch.int64)
+            mine = torch.tensor([_UNITS.index(unit), batch, bucket or 0, variant], dtype=torch.int64)
             everyone = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(everyone, mine, group=self.control)
         if any(not torch.equal(other, everyone[0]) for other in everyone):
             values = [tuple(t.tolist()) for t in everyone]
             listing = "; ".join(
-                f"rank {r}: {_UNITS[u]} {b} ({f'bucket {k}' if k else 'no graph'})" for r, (u, b, k) in enumerate(values)
+                f"rank {r}: {_UNITS[u]} {b} ({f'bucket {k}' if k else 'no graph'}"
+                f"{f', {self.name_variant(v)}' if any(value[3] for value in values) else ''})"
+                for r, (u, b, k, v) in enumerate(values)
             )
             raise InputError(
                 f"tensor-parallel ranks disagree on the step to {what}: {listing}. Every rank must run "
-                "the same step (the same sequences and tokens) at the same time; check how the engine sends "
-                "the schedule to its ranks"
+                "the same step (the same sequences and tokens, the same graph variant values) at the same "
+                "time; check how the engine sends the schedule to its ranks"
             )
 
     def barrier(self) -> None:

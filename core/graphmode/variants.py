@@ -100,6 +100,23 @@ class GraphVariants:
             )
         return label
 
+    def index(self, key: Key) -> int:
+        """The key as one number (tensor-parallel ranks compare it every
+        step): each value's place among its keyword's declared values, in
+        mixed radix."""
+        number = 0
+        for values, value in zip(self.declared.values(), key):
+            number = number * len(values) + values.index(value)
+        return number
+
+    def key_at(self, index: int) -> Key:
+        """The key :meth:`index` numbered ``index``."""
+        key: list[Any] = []
+        for values in reversed(list(self.declared.values())):
+            index, place = divmod(index, len(values))
+            key.append(values[place])
+        return tuple(reversed(key))
+
     def of_step(self, extras: dict[str, Any]) -> tuple[dict[str, Any], Key]:
         """The step's extras with every declared keyword set to its declared
         value object (the default where the step left it out), and its key.

@@ -99,7 +99,7 @@ class PiecewiseGraphs:
         ranks = shared.ranks
         if ranks is not None and ranks.check_replays:
             # Before any collective: a rank in another token bucket would hang the rest.
-            ranks.agree_on_step(tokens, bucket, "run", unit="tokens")
+            ranks.agree_on_step(tokens, bucket, "run", unit="tokens", variant=self.shared.variant_index)
         graph, debug = self._current().get(bucket), shared.debug
         if debug is not None:  # the same checks as a full graph's steps (graphmode.runner.debug)
             debug.check_step(inputs, batch, uniform=False)

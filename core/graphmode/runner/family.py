@@ -150,6 +150,7 @@ class Shared:
         self.variants = GraphVariants(config.graph_variants)
         self.variant: tuple[Any, ...] = self.variants.plain
         self.variant_label = PLAIN
+        self.variant_index = 0  # the plain variant's (GraphVariants.index), which ranks compare
         self.declared_extras = frozenset(
             path.split(".", 1)[1] for spec in spec.buffers for path in spec.contexts if path.startswith("extras.")
         )
@@ -157,6 +158,7 @@ class Shared:
     def use_variant(self, key: tuple[Any, ...]) -> None:
         """The variant of the step or warm-up about to run."""
         self.variant, self.variant_label = key, self.variants.label(key)
+        self.variant_index = self.variants.index(key)
 
     @property
     def forward(self) -> Any:
@@ -204,7 +206,7 @@ class Shared:
         collectives (disagreeing ranks would hang in them), unless they
         already agree on every step."""
         if self.ranks is not None and not self.ranks.check_replays:
-            self.ranks.agree_on_step(size, bucket, "capture", unit=unit)
+            self.ranks.agree_on_step(size, bucket, "capture", unit=unit, variant=self.variant_index)
 
     def warm_up(self, run: Callable[[], Any]) -> Any:
         """``run()``, a capture's warm-up forward; with ``compile=True`` its

@@ -134,7 +134,7 @@ class FullGraphs:
         shared = self.shared
         if shared.ranks is not None and shared.ranks.check_replays:
             # Before any collective: a rank on another graph would hang the rest.
-            shared.ranks.agree_on_step(batch, bucket, "run")
+            shared.ranks.agree_on_step(batch, bucket, "run", variant=shared.variant_index)
         if shared.debug is not None:
             shared.debug.check_step(inputs, batch)
         captured = self._current().get((bucket, q_len))

@@ -79,7 +79,10 @@ class GraphRunner:
             )
         if ranks is not None:
             token_sizes = tuple(self._piecewise.sizes) if self._piecewise is not None else ()
-            ranks.agree_on_setup(config.execute_mode, self.capture_sizes, token_sizes)
+            variants = self._shared.variants
+            ranks.agree_on_setup(config.execute_mode, self.capture_sizes, token_sizes,
+                                 repr(variants.declared) if variants else "")
+            ranks.name_variant = lambda index: variants.label(variants.key_at(index))
 
     # -- what the families share ------------------------------------------
 
@@ -165,7 +168,7 @@ class GraphRunner:
                 return family.run(inputs, batch, q_len, on_host)
         ranks = self._shared.ranks
         if ranks is not None and ranks.check_replays and self.families:
-            ranks.agree_on_step(batch, None, "run")  # a rank replaying while this one runs eagerly would hang
+            ranks.agree_on_step(batch, None, "run", variant=self._shared.variant_index)  # a rank replaying while this one runs eagerly would hang
         self.stats.eager_steps[reason] += 1  # the last family's reason, never None here
         if on_host:
             inputs = to_device(inputs, self.config.device)
