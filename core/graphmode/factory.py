@@ -45,6 +45,7 @@ def build_graph_runner(
     debug: bool = False,
     capture_token_sizes: Sequence[int] | None = None,
     max_q_len: int = 1,
+    share_pool_with: GraphRunner | None = None,
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -98,6 +99,12 @@ def build_graph_runner(
         (default) for one-token decode; ``1 + k`` to replay graphs for
         speculative verify or MTP steps of ``k`` draft tokens, keyed by
         (batch bucket, q_len) (docs/engines.md, "Speculative decoding").
+    share_pool_with: another runner on the same device whose graph memory
+        pool this runner's graphs share (a draft model's runner: its
+        target's), so that the two sets of graphs reuse one another's
+        intermediate memory. Their steps must then run one after another
+        on one stream, as one runner's do (docs/engines.md, "Draft-model
+        graphs").
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -122,7 +129,9 @@ def build_graph_runner(
         capture_token_sizes=tuple(capture_token_sizes) if capture_token_sizes is not None else None,
         max_q_len=max_q_len,
     )
-    return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)
+    return GraphRunner(
+        model, config, chosen, process_group=process_group, check_ranks=check_ranks, share_pool_with=share_pool_with,
+    )
 
 
 def _head_dim(model_config: Any) -> int | None:
