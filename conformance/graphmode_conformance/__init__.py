@@ -22,6 +22,7 @@ See docs/conformance.md.
 """
 
 from graphmode_conformance.detection import DetectionTests
+from graphmode_conformance.draft import DraftModelTests
 from graphmode_conformance.equivalence import GraphEqualsEagerTests
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure, Harness, Sizes
@@ -47,6 +48,7 @@ __all__ = [
     "ConformanceFixtures",
     "ConformanceTests",
     "DetectionTests",
+    "DraftModelTests",
     "GraphEqualsEagerTests",
     "Harness",
     "HookContractTests",
@@ -72,6 +74,7 @@ class ConformanceTests(
     MultiOutputTests,
     MemoryPoolTests,
     MultiTokenDecodeTests,
+    DraftModelTests,
     PiecewiseTests,
     GraphEqualsEagerTests,
     StepInputsTests,
