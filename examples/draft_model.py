@@ -24,6 +24,7 @@ hidden states, feeds ``accepted + 1`` tokens the same way: ``max_q_len=k + 1``.)
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,9 @@ class DraftModel:
     def __init__(self, runner: Any, kv_cache: Any, batch: Any) -> None:
         self.runner, self.kv_cache, self.batch = runner, kv_cache, batch
         self._seen: dict[int, _Seen] = {}
+        #: First steps by q_len, and the padding tokens they carried.
+        self.first_steps: Counter = Counter()
+        self.padding = 0
 
     def prefill(self, requests: list) -> None:
         """The new requests' prompts into the draft cache (an eager step)."""
@@ -77,6 +81,8 @@ class DraftModel:
         if not all(pending):
             raise RuntimeError("propose() twice without a verify step between: the draft cache has every token")
         q_len = max(map(len, pending))  # shorter ones padded: slot -1 writes nothing
+        self.first_steps[q_len] += 1
+        self.padding += sum(q_len - len(p) for p in pending)
         step = self.batch.inputs(requests, pending, starts, True, q_len=q_len)
         logits = self.runner(past_key_values=self.kv_cache, **step)
         last = torch.tensor([i * q_len + len(p) - 1 for i, p in enumerate(pending)], device=logits.device)

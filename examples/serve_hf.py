@@ -265,7 +265,8 @@ def run(args: argparse.Namespace) -> None:
           f"{generated} tokens in {seconds:.2f} s = {generated / seconds:.1f} tokens/s")
     print(f"steps: {dict(steps)}; runner: {runner.stats.summary()}")
     if isinstance(drafter, draft_model.DraftModel):
-        print(f"draft runner: {drafter.runner.stats.summary()}")
+        print(f"draft runner: {drafter.runner.stats.summary()}; first steps by q_len "
+              f"{dict(drafter.first_steps)}, {drafter.padding} padding tokens")
     print(f"request 0: {requests[0].output[:16]} ...")
 
 
