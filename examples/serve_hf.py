@@ -30,12 +30,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import draft_model  # examples/draft_model.py, beside this file
 import torch
 
 import graphmode
 from graphmode.integrations.huggingface import PRESETS, load_model, random_config
-
-import draft_model  # noqa: E402  (examples/, beside this file)
 
 
 @dataclass

@@ -15,7 +15,6 @@ import dataclasses
 import re
 import sys
 import textwrap
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -101,6 +100,7 @@ transformers = pytest.importorskip("transformers")
 
 import draft_model  # noqa: E402
 import serve_hf  # noqa: E402
+
 from graphmode.integrations.huggingface import load_model, random_config  # noqa: E402
 
 BLOCK_SIZE, WIDTH, MAX_BATCH, K = 4, 8, 4, 2
@@ -196,4 +196,4 @@ def test_docs_engines_shows_the_examples_code_word_for_word():
     section = section[:section.index("\n## ")]
     shown = [b.strip("\n") for b in re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)]
     assert shown == [regions["build"], regions["propose"]], "docs/engines.md's draft code and examples/draft_model.py differ"
-    assert Counter(regions) == Counter({"build": 1, "propose": 1})
+    assert sorted(regions) == ["build", "propose"], "every region of the example is shown"
