@@ -119,7 +119,7 @@ class DraftModelTests(ConformanceFixtures):
         where = f"vendor {target.vendor.name} on {target.device}{target.variant}, target and draft runners"
         check_one_pool(where, target.runner, drafter.runner)
 
-    def test_padded_first_steps_of_every_accepted_count(self, draft_pair):
+    def test_draft_first_steps_padded_for_every_accepted_count(self, draft_pair):
         """A drafter re-reading accepted tokens feeds accepted + 1 of them:
         q_len up to K + 1, any mix of live counts, padding never written."""
         target, drafter, refusal = draft_pair
