@@ -68,13 +68,15 @@ __all__ = [
 
 
 # pytest collects inherited tests from the last base to the first: the quick,
-# precise hook-contract checks run first, the long equivalence runs last.
+# precise hook-contract checks run first, the long equivalence runs last, and
+# the draft model's checks (two runners, whose failures a one-runner check
+# names more precisely) after all.
 class ConformanceTests(
+    DraftModelTests,
     PlanningStateTests,
     MultiOutputTests,
     MemoryPoolTests,
     MultiTokenDecodeTests,
-    DraftModelTests,
     PiecewiseTests,
     GraphEqualsEagerTests,
     StepInputsTests,
