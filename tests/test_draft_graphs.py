@@ -87,11 +87,16 @@ def test_reset_keeps_a_shared_pool_while_the_other_runner_holds_graphs():
     assert fresh is not pool and all(p is fresh for p in _pools(draft))
 
 
-def test_share_pool_with_something_else_than_a_runner_is_refused():
+def test_share_pool_with_something_else_than_a_runner_of_this_device_is_refused():
     model = build_reference_model(ModelConfig.tiny(), device="cpu")
+    sizes = dict(max_batches=2, max_blocks_per_seq=2, block_size=16)
     with pytest.raises(ConfigError, match="share_pool_with=EmulatedPool: pass the GraphRunner"):
-        graphmode.build_graph_runner(model, max_batches=2, max_blocks_per_seq=2, block_size=16,
-                                     share_pool_with=EmulatedPool())
+        graphmode.build_graph_runner(model, **sizes, share_pool_with=EmulatedPool())
+    first = graphmode.build_graph_runner(model, **sizes, device="cpu:0")
+    # Devices by index, as cuda:0 and cuda:1; an unindexed device is taken for any index of its type.
+    with pytest.raises(ConfigError, match="that runner's graphs are on cpu:0, this one's on cpu:1; a memory pool belongs"):
+        graphmode.build_graph_runner(model, **sizes, device="cpu:1", share_pool_with=first)
+    graphmode.build_graph_runner(model, **sizes, device="cpu", share_pool_with=first)
 
 
 # -- serving with a draft model -----------------------------------------------------

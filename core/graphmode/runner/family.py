@@ -123,8 +123,9 @@ class Shared:
     compiled: ``compile=True`` in a graph mode; ``forward`` is then the one
         ``torch.compile(model)`` every family's warm-ups and captures run.
     capture_sizes, bucket_of: the batch buckets and the table of the bucket
-        of every batch size (``bucket_of[batch]``). pool: the one memory pool of every graph of the runner
-        (and of the runners sharing it: ``pool_share``), set by the first capture. debug: the step checker in debug mode.
+        of every batch size (``bucket_of[batch]``). pool: the one memory pool
+        of every graph of the runner (and of the runners sharing it:
+        ``pool_share``), set by the first capture. debug: the step checker in debug mode.
     ranks: the :class:`graphmode.distributed.RankSync` of a tensor-parallel
         runner. declared_extras: the engine's declared step inputs (model
         keywords with a buffer, copied in every step rather than frozen).
@@ -204,10 +205,10 @@ class Shared:
 
     def join_pool(self, other: Shared) -> None:
         """Capture into ``other``'s pool from now on (before any capture)."""
-        if other.config.device != self.config.device:
+        mine, theirs = self.config.device, other.config.device
+        if mine.type != theirs.type or None not in (mine.index, theirs.index) and mine.index != theirs.index:
             raise ConfigError(
-                f"share_pool_with: that runner's graphs are on {other.config.device}, this one's on "
-                f"{self.config.device}; a memory pool belongs to one device. Share pools between runners of one device"
+                f"share_pool_with: that runner's graphs are on {theirs}, this one's on {mine}; a memory pool belongs to one device. Share pools between runners of one device"
             )
         self.pool_share.members.discard(self)
         self.pool_share = other.pool_share
