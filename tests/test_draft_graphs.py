@@ -172,6 +172,24 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path, capsys):
     )
 
 
+def test_serve_hf_serves_with_a_random_draft_model_of_a_smaller_config(tmp_path, capsys):
+    """``--draft-model DIR`` on the CPU: a random one-layer draft (hidden 32)
+    of the target's vocabulary, saved by transformers; the tokens are those
+    served without speculation, every draft step a graph step."""
+    torch.manual_seed(1)
+    small = random_config("llama-tiny", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    transformers.AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path)
+    common = ["--random-config", "llama-tiny", "--requests", "3", "--max-batch", "2", "--prompt-len", "5",
+              "--max-new-tokens", "8", "--block-size", "4"]
+    assert serve_hf.main(common) == 0
+    plain = capsys.readouterr().out.splitlines()
+    assert serve_hf.main([*common, "--draft-model", str(tmp_path), "--speculate", "2"]) == 0
+    drafted = capsys.readouterr().out.splitlines()
+    assert drafted[-1].startswith("request 0: [") and drafted[-1] == plain[-1]
+    assert "'verify': " in drafted[1] and "'decode'" not in drafted[1]
+    assert re.match(r"draft runner: \d+ captures .*, \d+ replays, eager steps: \d+ prefill; padding", drafted[2]), drafted[2]
+
+
 def test_draft_layers_must_leave_the_draft_smaller_than_the_target(capsys):
     assert serve_hf.main(["--random-config", "llama-tiny", "--draft-layers", "2", "--requests", "1"]) == 2
     assert "--draft-layers 2: the draft takes 1 to 1 of the target's 2 layers" in capsys.readouterr().err
