@@ -10,11 +10,16 @@ token, which verification rejects unless the model agrees), so every request
 of a verify step carries the same q_len and the step replays the graph of
 (batch bucket, q_len): the runner is built with ``max_q_len=K + 1``.
 Decoding is greedy, so the tokens are exactly those of plain greedy
-decoding, only fewer steps.
+decoding, only fewer steps. With ``--draft-model DIR`` (or ``--draft-layers
+N``) a small draft model proposes the K tokens instead, its own steps graph
+replays of a second runner sharing the target runner's memory pool
+(``draft_model.py``).
 
     python examples/serve_hf.py --model /path/to/hf-model-dir          # a local checkpoint
     python examples/serve_hf.py --random-config llama-1b --device cuda  # random 1B Llama
     python examples/serve_hf.py --random-config qwen3-tiny --speculate 3  # CPU emulator
+    python examples/serve_hf.py --model DIR --draft-model SMALL_DIR --speculate 3  # a draft model
+    python examples/serve_hf.py --random-config llama-tiny --draft-layers 1       # CPU emulator
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import draft_model  # examples/draft_model.py, beside this file
 import torch
 
 import graphmode
@@ -54,21 +60,33 @@ class PagedBatch:
         self.block_size, self.table_width, self.device = block_size, table_width, device
 
     def step(self, requests: list[Request], new_tokens: list[list[int]], is_decoding: bool) -> dict:
-        ids, positions, slots, starts = [], [], [], []
+        """The step appending ``new_tokens[i]`` to request i's cached tokens."""
+        inputs = self.inputs(requests, new_tokens, [r.cached for r in requests], is_decoding)
         for request, tokens in zip(requests, new_tokens):
+            request.cached += len(tokens)
+        return inputs
+
+    def inputs(self, requests: list, new_tokens: list[list[int]], cached: list[int], is_decoding: bool,
+               q_len: int | None = None) -> dict:
+        """The step feeding ``new_tokens[i]`` to request i at positions
+        ``cached[i]`` on (its blocks allocated as needed). With ``q_len``,
+        each request's tokens are padded to ``q_len`` by padding tokens that
+        write nothing (slot -1) at the positions after them, counted in
+        ``kv_seqlens``: every request carries ``q_len`` tokens (one graph's
+        step), its live tokens see exactly what they would unpadded, and the
+        padding tokens' logits mean nothing."""
+        ids, positions, slots, starts, lengths = [], [], [], [], []
+        for request, tokens, start in zip(requests, new_tokens, cached):
+            count = max(len(tokens), q_len or 0)
+            self.reserve(request, start + count)
             starts.append(len(ids))
-            for token in tokens:
-                if request.cached == len(request.blocks) * self.block_size:
-                    if len(request.blocks) == self.table_width or not self.free:
-                        raise RuntimeError("out of KV-cache blocks: raise --max-len or lower --max-batch")
-                    request.blocks.append(self.free.pop())
-                block, offset = divmod(request.cached, self.block_size)
-                ids.append(token)
-                positions.append(request.cached)
-                slots.append(request.blocks[block] * self.block_size + offset)
-                request.cached += 1
-        lengths = [len(tokens) for tokens in new_tokens]
-        kv_lens = [r.cached for r in requests]
+            lengths.append(count)
+            for i in range(count):
+                block, offset = divmod(start + i, self.block_size)
+                ids.append(tokens[min(i, len(tokens) - 1)])
+                positions.append(start + i)
+                slots.append(request.blocks[block] * self.block_size + offset if i < len(tokens) else -1)
+        kv_lens = [start + length for start, length in zip(cached, lengths)]
         table = [r.blocks + [0] * (self.table_width - len(r.blocks)) for r in requests]
 
         def tensor(values, dtype=torch.int32):
@@ -81,6 +99,13 @@ class PagedBatch:
         )
         return dict(input_ids=tensor([ids], torch.int64), position_ids=tensor([positions], torch.int64),
                     attn_metadata=attn)
+
+    def reserve(self, request, length: int) -> None:
+        """Give ``request`` the blocks that hold its first ``length`` tokens."""
+        while len(request.blocks) * self.block_size < length:
+            if len(request.blocks) == self.table_width or not self.free:
+                raise RuntimeError("out of KV-cache blocks: raise --max-len or lower --max-batch")
+            request.blocks.append(self.free.pop())
 
     def release(self, request: Request) -> None:
         self.free.extend(reversed(request.blocks))
@@ -103,11 +128,15 @@ def serve(runner, kv_cache, batch: PagedBatch, requests: list[Request], *, max_b
     (prefill, decode, verify) and of drafted and accepted tokens.
     ``observe(request, rows)``, if given, sees the logits rows that chose the
     tokens a step appended to a request (before truncation at the end).
-    ``drafter(tokens, k)`` proposes up to k tokens (n-gram lookup by default)."""
+    ``drafter(tokens, k)`` proposes up to k tokens (n-gram lookup by default);
+    or a batch drafter (``draft_model.DraftModel``: a draft model) has
+    ``prefill(requests)``, called after each prefill, and ``propose(requests,
+    k)``, up to k tokens for each request."""
     waiting = sorted(requests, key=lambda r: r.arrival)
     running: list[Request] = []
     steps: Counter = Counter()
     clock = 0
+    propose = getattr(drafter, "propose", None)
     while waiting or running:
         arrived = [r for r in waiting if r.arrival <= clock][: max_batch - len(running)]
         if arrived:  # prefill the newcomers (an eager step)
@@ -119,10 +148,15 @@ def serve(runner, kv_cache, batch: PagedBatch, requests: list[Request], *, max_b
                 waiting.remove(request)
                 if observe:
                     observe(request, rows[i : i + 1])
+            if propose is not None and speculate:
+                drafter.prefill(arrived)
             running += arrived
             steps["prefill"] += 1
         elif running:  # decode, or verify drafted tokens (graph replays either way)
-            drafts = [drafter(r.tokens, speculate) if speculate else [] for r in running]
+            if propose is not None and speculate:
+                drafts = propose(running, speculate)
+            else:
+                drafts = [drafter(r.tokens, speculate) if speculate else [] for r in running]
             # One q_len for every request: a graph step, not an eager one.
             longest = max(map(len, drafts))
             drafts = [d + [r.tokens[-1]] * (longest - len(d)) for r, d in zip(running, drafts)]
@@ -179,10 +213,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=8, help="the most requests decoding at once")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--speculate", type=int, default=0, metavar="K", help="verify up to K drafted tokens")
+    parser.add_argument("--speculate", type=int, default=None, metavar="K",
+                        help="verify up to K drafted tokens (default: 0; 3 with a draft model)")
+    drafter = parser.add_mutually_exclusive_group()
+    drafter.add_argument("--draft-model", metavar="DIR", help="a local HF causal LM of the target's vocabulary drafts")
+    drafter.add_argument("--draft-layers", type=int, metavar="N",
+                         help="the target's first N layers (with its embeddings and head) draft: random-weight runs")
+    parser.add_argument("--draft-eager", action="store_true", help="run the draft model's steps eagerly")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="run every step eagerly, for comparison")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    drafting = args.draft_model is not None or args.draft_layers is not None
+    if args.speculate is None:
+        args.speculate = 3 if drafting else 0
+    if drafting and args.speculate < 1:
+        parser.error(f"--speculate {args.speculate} with a draft model: it drafts K >= 1 tokens per step")
+    return args
 
 
 def run(args: argparse.Namespace) -> None:
@@ -197,6 +243,7 @@ def run(args: argparse.Namespace) -> None:
         execute_mode="eager" if args.eager else "graph", max_q_len=args.speculate + 1,
     )
     batch = PagedBatch(args.max_batch * width + 1, args.block_size, width, device)
+    drafter = make_drafter(args, model, runner, batch, args.max_batch * width + 1)
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     requests = [
@@ -207,7 +254,8 @@ def run(args: argparse.Namespace) -> None:
     eos = model.config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     begin = time.perf_counter()
-    steps = serve(runner, kv_cache, batch, requests, max_batch=args.max_batch, speculate=args.speculate, eos=eos)
+    steps = serve(runner, kv_cache, batch, requests, max_batch=args.max_batch, speculate=args.speculate, eos=eos,
+                  drafter=drafter)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - begin
@@ -215,7 +263,24 @@ def run(args: argparse.Namespace) -> None:
     print(f"{args.model or args.random_config} on {device} ({dtype}): {len(requests)} requests, "
           f"{generated} tokens in {seconds:.2f} s = {generated / seconds:.1f} tokens/s")
     print(f"steps: {dict(steps)}; runner: {runner.stats.summary()}")
+    if isinstance(drafter, draft_model.DraftModel):
+        print(f"draft runner: {drafter.runner.stats.summary()}; first steps by q_len "
+              f"{dict(drafter.first_steps)}, {drafter.padding} padding tokens")
     print(f"request 0: {requests[0].output[:16]} ...")
+
+
+def make_drafter(args: argparse.Namespace, model, runner, batch: PagedBatch, num_cache_blocks: int):
+    """The draft model of ``--draft-model`` or ``--draft-layers``, else prompt lookup."""
+    if args.draft_model is None and args.draft_layers is None:
+        return draft
+    if args.draft_model is not None:
+        weight = next(model.parameters())
+        small = load_model(args.draft_model, weight.device, weight.dtype, vendor=runner.vendor)
+    else:
+        small = draft_model.first_layers(model, args.draft_layers)
+    draft_model.check_vocabulary(model, small)
+    mode = "eager" if args.eager or args.draft_eager else "graph"
+    return draft_model.build_draft(small, runner, batch, num_cache_blocks, execute_mode=mode)
 
 
 if __name__ == "__main__":

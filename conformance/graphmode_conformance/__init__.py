@@ -22,6 +22,7 @@ See docs/conformance.md.
 """
 
 from graphmode_conformance.detection import DetectionTests
+from graphmode_conformance.draft import DraftModelTests
 from graphmode_conformance.equivalence import GraphEqualsEagerTests
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure, Harness, Sizes
@@ -48,6 +49,7 @@ __all__ = [
     "ConformanceFixtures",
     "ConformanceTests",
     "DetectionTests",
+    "DraftModelTests",
     "GraphEqualsEagerTests",
     "GraphVariantTests",
     "Harness",
@@ -68,8 +70,11 @@ __all__ = [
 
 
 # pytest collects inherited tests from the last base to the first: the quick,
-# precise hook-contract checks run first, the long equivalence runs last.
+# precise hook-contract checks run first, the long equivalence runs last, and
+# the draft model's checks (two runners, whose failures a one-runner check
+# names more precisely) after all.
 class ConformanceTests(
+    DraftModelTests,
     GraphVariantTests,
     PlanningStateTests,
     MultiOutputTests,

@@ -76,6 +76,7 @@ class Harness:
         seed: int = 0,
         vendor_options: Mapping[str, Any] | None = None,
         wrap: Callable[[Any], Any] | None = None,
+        share_pool_with: graphmode.GraphRunner | None = None,
         **runner_options: Any,
     ) -> Harness:
         """A runner of ``vendor`` at ``sizes`` (block size and capture list
@@ -84,7 +85,8 @@ class Harness:
         each step's longest sequence needs. ``wrap``: a function of the
         reference model giving the model under test (one reading engine step
         inputs, say); it keeps the model's ``ops``, ``config`` and
-        ``make_kv_cache``."""
+        ``make_kv_cache``. ``share_pool_with``: another harness's runner whose
+        memory pool this runner's graphs share (a draft model's runner)."""
         sizes = sizes.resolved(vendor)
         config = model_config or ModelConfig.tiny(sizes.dtype)
         runner_options.setdefault("capture_batch_sizes", sizes.capture_sizes)
@@ -102,6 +104,7 @@ class Harness:
                 num_layers=config.num_hidden_layers, **runner_options,
             ),
             vendor,
+            share_pool_with=share_pool_with,
         )
         engine = ReferenceEngine(
             sizes.cache_blocks, sizes.block, device, vocab_size=config.vocab_size, table_width=None, seed=seed + 1,

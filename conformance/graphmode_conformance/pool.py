@@ -47,10 +47,11 @@ def runner_graphs(runner: graphmode.GraphRunner) -> list[tuple[str, DeviceGraph]
     return graphs
 
 
-def check_one_pool(where: str, runner: graphmode.GraphRunner) -> None:
-    """Raise :class:`ConformanceFailure` unless every graph of ``runner`` was
-    captured into one pool (see the module's doc)."""
-    graphs = runner_graphs(runner)
+def check_one_pool(where: str, runner: graphmode.GraphRunner, *sharing: graphmode.GraphRunner) -> None:
+    """Raise :class:`ConformanceFailure` unless every graph of ``runner``
+    (and of the runners ``sharing`` its pool, built with ``share_pool_with``)
+    was captured into one pool (see the module's doc)."""
+    graphs = runner_graphs(runner) + [graph for other in sharing for graph in runner_graphs(other)]
     if len(graphs) < 2:
         return
     tokens = [graph.pool() for _, graph in graphs]

@@ -46,6 +46,7 @@ def build_graph_runner(
     capture_token_sizes: Sequence[int] | None = None,
     max_q_len: int = 1,
     graph_variants: dict[str, Sequence[Any]] | None = None,
+    share_pool_with: GraphRunner | None = None,
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -104,6 +105,12 @@ def build_graph_runner(
         ``{"lora": (False, True)}``; each step passes the keyword, each value
         gets its own graphs sharing the pool and the buffers, and an
         undeclared value is refused (docs/engines.md, "Graph variants").
+    share_pool_with: another runner on the same device whose graph memory
+        pool this runner's graphs share (a draft model's runner: its
+        target's), so that the two sets of graphs reuse one another's
+        intermediate memory. Their steps must then run one after another
+        on one stream, as one runner's do (docs/engines.md, "Draft-model
+        graphs").
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -129,7 +136,9 @@ def build_graph_runner(
         max_q_len=max_q_len,
         graph_variants=dict(graph_variants or {}),
     )
-    return GraphRunner(model, config, chosen, process_group=process_group, check_ranks=check_ranks)
+    return GraphRunner(
+        model, config, chosen, process_group=process_group, check_ranks=check_ranks, share_pool_with=share_pool_with,
+    )
 
 
 def _head_dim(model_config: Any) -> int | None:

@@ -16,6 +16,7 @@ the families import nothing of ``graphmode.runner.runner``.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from graphmode.distributed import RankSync
     from graphmode.runner.cache_checks import CacheMemory
 
-__all__ = ["Captured", "GraphFamily", "Report", "Shared"]
+__all__ = ["Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
 
 #: How warm-up reports progress: (a line, whether it is the last capture).
 Report = Callable[[str, bool], None]
@@ -105,6 +106,20 @@ class GraphFamily(Protocol):
         ...
 
 
+class PoolShare:
+    """The memory-pool token of one runner's graphs, or of several runners'
+    (``build_graph_runner(share_pool_with=...)``: a draft model's runner and
+    its target's). The first capture of any member sets it; every later
+    capture of every member captures into it. Their graphs then share
+    intermediate memory, so they must replay one after another on one stream,
+    as one runner's graphs do; results stay valid (each runner's outputs are
+    buffers no later capture reuses)."""
+
+    def __init__(self) -> None:
+        self.token: Any = None
+        self.members: weakref.WeakSet[Shared] = weakref.WeakSet()
+
+
 class Shared:
     """What every family of one runner shares, owned by the runner.
 
@@ -112,8 +127,9 @@ class Shared:
     compiled: ``compile=True`` in a graph mode; ``forward`` is then the one
         ``torch.compile(model)`` every family's warm-ups and captures run.
     capture_sizes, bucket_of: the batch buckets and the table of the bucket
-        of every batch size (``bucket_of[batch]``). pool: the one memory pool of every graph of the runner,
-        set by the first capture. debug: the step checker in debug mode.
+        of every batch size (``bucket_of[batch]``). pool: the one memory pool
+        of every graph of the runner (and of the runners sharing it:
+        ``pool_share``), set by the first capture. debug: the step checker in debug mode.
     ranks: the :class:`graphmode.distributed.RankSync` of a tensor-parallel
         runner. declared_extras: the engine's declared step inputs (model
         keywords with a buffer, copied in every step rather than frozen).
@@ -140,7 +156,10 @@ class Shared:
         self.compiled = config.compile and config.execute_mode != "eager"
         self._compiled_forward = compiled_forward(model, vendor, config, capture_sizes) if self.compiled else None
         self.stats = RunnerStats()
-        self.pool: Any = None
+        self.pool_share = PoolShare()
+        self.pool_share.members.add(self)
+        #: The runner's families (set by the runner), asked whether it still holds graphs.
+        self.families: Sequence[GraphFamily] = ()
         self.meta: GraphMeta | None = None
         self.debug = StepChecker(model, config.block_size) if config.debug else None
         #: Why the vendor cannot stage this runner's inputs on the host, or None.
@@ -191,10 +210,35 @@ class Shared:
             self.meta = meta
         return self.meta
 
+    @property
+    def pool(self) -> Any:
+        """The pool token every capture passes (None before the first)."""
+        return self.pool_share.token
+
     def adopt_pool(self, pool: Any) -> None:
         """The first capture's pool becomes every later graph's."""
-        if self.pool is None:
-            self.pool = pool
+        if self.pool_share.token is None:
+            self.pool_share.token = pool
+
+    def join_pool(self, other: Shared) -> None:
+        """Capture into ``other``'s pool from now on (before any capture)."""
+        mine, theirs = self.config.device, other.config.device
+        if mine.type != theirs.type or None not in (mine.index, theirs.index) and mine.index != theirs.index:
+            raise ConfigError(
+                f"share_pool_with: that runner's graphs are on {theirs}, this one's on {mine}; a memory pool belongs to one device. Share pools between runners of one device"
+            )
+        self.pool_share.members.discard(self)
+        self.pool_share = other.pool_share
+        self.pool_share.members.add(self)
+
+    def release_pool(self) -> None:
+        """After this runner dropped its graphs: forget the pool, unless a
+        runner sharing it still holds graphs in it (its memory lives on with
+        them; the next capture joins it, as a capture into a pool whose
+        graphs are all gone may not)."""
+        others = [m for m in self.pool_share.members if m is not self]
+        if not any(family.captured() for member in others for family in member.families):
+            self.pool_share.token = None
 
     def count_tokens(self, live: int, padding: int) -> None:
         """A graph step's live and padding tokens, in ``stats``."""

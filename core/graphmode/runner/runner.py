@@ -53,6 +53,7 @@ class GraphRunner:
         *,
         process_group: Any = None,
         check_ranks: str = "always",
+        share_pool_with: GraphRunner | None = None,
     ) -> None:
         self.config = config
         self.vendor = vendor
@@ -69,6 +70,14 @@ class GraphRunner:
         self._cache_fit = CacheFit(model, config.block_size)
         #: The execute mode's families (graphmode.runner.modes), tried in order for every step.
         self.families = build_families(self._shared)
+        self._shared.families = self.families
+        if share_pool_with is not None:
+            if not isinstance(share_pool_with, GraphRunner):
+                raise ConfigError(
+                    f"share_pool_with={type(share_pool_with).__name__}: pass the GraphRunner whose memory pool "
+                    "this runner's graphs should share (a draft model's runner: its target's runner)"
+                )
+            self._shared.join_pool(share_pool_with._shared)
         self._full = next((f for f in self.families if isinstance(f, FullGraphs)), None)
         self._piecewise = next((f for f in self.families if isinstance(f, PiecewiseGraphs)), None)
         if config.host_staging and self.families and self._full is None:  # eager mode stages nothing either way
@@ -227,13 +236,14 @@ class GraphRunner:
 
     @one_at_a_time("runner.reset()")
     def reset(self) -> None:
-        """Drop every graph, their captured parameters and the memory pool.
-        The next step of each bucket captures again (after a weight
+        """Drop every graph, their captured parameters and the memory pool
+        (a pool shared with another runner stays while that one holds
+        graphs in it). The next step of each bucket captures again (after a weight
         reload, say). A compiled forward is kept: it reads the weights as
         inputs, so weights changed in place need no recompilation."""
         for family in self.families:
             family.reset()
-        self._shared.pool = None
+        self._shared.release_pool()
         self._cache_fit.forget()
         module: Any = getattr(torch, self.config.device.type, None)
         if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
