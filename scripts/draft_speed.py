@@ -13,8 +13,8 @@ vocabulary) or ``--draft-layers N``: the target's first N layers with its
 embeddings, final norm and head (``examples/draft_model.first_layers``), a
 smaller config that agrees with a random target often enough to measure
 (an independently drawn random draft never would). Every runner is warmed up
-(all its graphs captured) and each configuration primed with a short
-untimed run before its timed one. Tokens that differ between runs are
+(all its graphs captured) and each configuration primed with the same
+workload, untimed, before its timed run. Tokens that differ between runs are
 judged by ``hf_parity.py``'s tolerance rule (a difference where the
 reference's top-2 margin is within twice the logit difference is numerics,
 not an error; bfloat16 runs can show such); the run fails on a violation.
@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
           f"batch up to {args.max_batch}, {args.prompt_len} prompt tokens, up to {args.new_tokens} new, K={args.speculate}")
     results = {}
     for name, mode in MODES.items():
-        run(target, small, args, mode, count=2, new_tokens=4)  # primed: kernels compiled, allocator warm
+        # Primed with the same workload untimed: every kernel of every shape it
+        # meets compiled or tuned, the allocator warm (a short priming left the
+        # first mode timed 1.4x slow on an H100).
+        run(target, small, args, mode, count=args.requests, new_tokens=args.new_tokens)
         requests, seconds, steps, summaries = run(target, small, args, mode, count=args.requests,
                                                   new_tokens=args.new_tokens)
         results[name] = tokens = [r.output for r in requests]
