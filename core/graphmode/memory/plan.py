@@ -63,7 +63,8 @@ class MemoryPlan:
     bytes: what the graphs took in the planning warm-up and gave back at its
         ``reset()``: what the real warm-up will take from the memory free
         after planning. families: the planning warm-up's parts (as in
-        :class:`GraphMemory`). kept: what the planning left in use (buffers
+        :class:`GraphMemory`), which add up to ``bytes + kept``: what each
+        family kept is not told apart. kept: what the planning left in use (buffers
         the runner keeps across ``reset()``: the input buffers, the
         piecewise break-point and step-input buffers, host staging's arena;
         and one-time costs of a process's first capture, such as cuBLAS's
@@ -83,14 +84,11 @@ class MemoryPlan:
         """The plan against a warm-up's figure, in words."""
         difference = actual.bytes - self.bytes
         share = f"{100 * difference / self.bytes:+.1f}%" if self.bytes else "n/a"
-        parts = ", ".join(
-            f"{name} {self.families.get(name, 0) / MiB:.1f} -> {actual.families.get(name, 0) / MiB:.1f} MiB"
-            for name in dict.fromkeys((*self.families, *actual.families))
-        )
+        parts = ", ".join(f"{name} {part / MiB:.1f} MiB" for name, part in actual.families.items())
         return (
             f"graph memory: planned {self.bytes / MiB:.1f} MiB, warm-up took {actual.bytes / MiB:.1f} MiB "
-            f"({difference / MiB:+.1f} MiB, {share}); by family, plan -> warm-up: {parts}; "
-            f"{actual.graphs} graphs ({actual.method})"
+            f"({difference / MiB:+.1f} MiB, {share}); warm-up by family: {parts}; "
+            f"{actual.graphs} graphs planned {self.graphs} ({actual.method})"
         )
 
 
