@@ -192,7 +192,12 @@ class GraphRunner:
         (default: every one in 1..max_q_len), every bucket.
 
         The warm-up steps are inert: every slot is -1 (no KV write) and every
-        row reads the reserved block 0, so no live cache block changes."""
+        row reads the reserved block 0, so no live cache block changes.
+
+        On a device that reports its free memory, the warm-up measures the
+        memory it takes (:attr:`graph_memory`), synchronising and emptying
+        the caching allocator's unused blocks before and after each family;
+        on the CPU emulator, after :meth:`plan_memory` only."""
         if not self.families:
             return
         limit = self.config.max_q_len
@@ -219,6 +224,7 @@ class GraphRunner:
 
     # -- graph memory (graphmode.memory) -----------------------------------
 
+    @one_at_a_time("runner.plan_memory()")
     def plan_memory(
         self, past_key_values: Any, *, q_lens: Sequence[int] | None = None, **extras: Any
     ) -> MemoryPlan:
