@@ -66,11 +66,11 @@ def test_a_plan_that_leaves_graphs_out_shows_against_the_warmup(model):
     the warm-up took beyond the plan, against a runner planned for both."""
     taken = {}
     for q_lens in ([1, 2], [1]):
-        runner = _runner(model, "full_and_piecewise")
+        runner = _runner(model, "graph")
         plan = runner.plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK), q_lens=q_lens)
         runner.warmup(model.make_kv_cache(num_cache_blocks=96, block_size=BLOCK))
         actual = runner.graph_memory
-        assert actual is not None and actual.graphs == 8 + 4 and plan.graphs == 4 * len(q_lens) + 4
+        assert actual is not None and actual.graphs == 8 and plan.graphs == 4 * len(q_lens)
         assert sum(plan.families.values()) == plan.bytes + plan.kept
         taken[len(q_lens)] = (plan.bytes, actual.bytes, runner.memory_report())
     (planned_all, took_all, _), (planned_one, took_one, report) = taken[2], taken[1]
@@ -83,11 +83,12 @@ def test_a_plan_from_a_runner_built_and_dropped_includes_its_buffers(model):
     """``graphmode.plan_graph_memory`` builds a runner, plans and drops it:
     its figure is what a new runner and its first warm-up take together."""
     probe = model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK)
-    plan = graphmode.plan_graph_memory(model, probe, execute_mode="full_and_piecewise", **ARGS)
+    arguments = {**ARGS, "max_q_len": 1, "execute_mode": "full_and_piecewise"}
+    plan = graphmode.plan_graph_memory(model, probe, **arguments)
     assert plan.kept == 0 and set(plan.families) == {"full", "piecewise"}
     kv_cache = model.make_kv_cache(num_cache_blocks=96, block_size=BLOCK)
     with MemoryMeter(torch.device("cpu")) as meter:
-        runner = _runner(model, "full_and_piecewise")
+        runner = graphmode.build_graph_runner(model, **arguments)
         runner.warmup(kv_cache)
         used = meter.used()
     assert plan.bytes == used
