@@ -56,6 +56,12 @@ def test_the_plan_on_a_probe_cache_is_what_the_warmup_into_the_real_cache_takes(
     assert plan.graphs == actual.graphs == sum(families.values()) == captured
     # The emulator is deterministic and the cache's size sizes no graph memory: the same bytes.
     assert plan.bytes == actual.bytes > 0
+    # What a family keeps beside its pool counts: the full graphs' shared logits (bucket 4 x q_len 2
+    # tokens, float32) live through every capture; the piecewise shared logits (token bucket 8) too.
+    vocab = model.config.vocab_size
+    for name, tokens in (("full", 4 * 2), ("piecewise", 8)):
+        if name in families:
+            assert actual.families[name] >= tokens * vocab * 4
     assert plan.kept > 0  # the input buffers the runner keeps across reset(): already out of the budget
     assert "(+0.0 MiB, +0.0%)" in runner.memory_report()
 
