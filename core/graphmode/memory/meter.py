@@ -1,7 +1,8 @@
 """How much device memory is in use, as an engine sizing its KV cache sees it.
 
 On a device whose torch module has ``mem_get_info`` (CUDA, and so MACA and
-PPU; torch_npu, torch_mlu) the meter reads the driver's free memory after
+PPU; ``torch.npu`` and ``torch.mlu`` have one of the same signature, called
+the same way but not run here) the meter reads the driver's free memory after
 synchronising and returning the caching allocator's unused blocks
 (``empty_cache``): what is in use is then what tensors, graph pools' reserved
 segments, the driver's own graph objects and loaded kernels hold, which is
@@ -15,7 +16,9 @@ noted with a weak reference, and what is in use is the bytes of those still
 alive. An emulated graph keeps every intermediate its capture allocated (its
 records replay into them), so the emulator holds more than a device pool,
 which reuses freed blocks; the meter counts what the emulator holds. Storages
-allocated before the meter was entered are not seen.
+allocated before the meter was entered are not seen. (A device module
+without ``mem_get_info`` gets the allocation record too: it sees tensors,
+not the driver's own memory.)
 """
 
 from __future__ import annotations

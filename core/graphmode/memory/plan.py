@@ -16,8 +16,8 @@ with ``compile=True`` too, at the cost of capturing twice.
 
 The graphs read the cache by address only: no activation, buffer or output
 is sized by the number of cache blocks, so a probe of a few blocks takes the
-same graph memory as the real cache (checked: ``scripts/graph_memory.py`` on
-a GPU, ``tests/test_graph_memory.py`` on the emulator).
+same graph memory as the real cache (``tests/test_graph_memory.py`` checks it
+on the emulator; ``scripts/graph_memory.py`` measures it on a GPU).
 """
 
 from __future__ import annotations
