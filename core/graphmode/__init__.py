@@ -50,6 +50,7 @@ _EXPORTS = {
     "ReplayError": "graphmode.errors",
     "VendorError": "graphmode.errors",
     "build_graph_runner": "graphmode.factory",
+    "plan_graph_memory": "graphmode.factory",
     "DeviceGraph": "graphmode.graphs",
     "GraphMeta": "graphmode.meta",
     "Vendor": "graphmode.plugins",
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
         ReplayError,
         VendorError,
     )
-    from graphmode.factory import build_graph_runner
+    from graphmode.factory import build_graph_runner, plan_graph_memory
     from graphmode.graphs import DeviceGraph
     from graphmode.meta import GraphMeta
     from graphmode.plugins import Vendor, VendorInfo, load_vendor, select_vendor
@@ -112,5 +113,6 @@ __all__ = [
     "build_graph_runner",
     "hookimpl",
     "load_vendor",
+    "plan_graph_memory",
     "select_vendor",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,11 +10,12 @@ import torch
 
 from graphmode.config import RunnerConfig
 from graphmode.deprecated import renamed_keywords
+from graphmode.memory import MemoryMeter, MemoryPlan
 from graphmode.plugins import select_vendor
 from graphmode.runner import GraphRunner
 from graphmode.spec import BufferSpec
 
-__all__ = ["build_graph_runner", "model_device"]
+__all__ = ["build_graph_runner", "model_device", "plan_graph_memory"]
 
 
 def model_device(model: Any) -> torch.device:
@@ -139,6 +141,34 @@ def build_graph_runner(
     return GraphRunner(
         model, config, chosen, process_group=process_group, check_ranks=check_ranks, share_pool_with=share_pool_with,
     )
+
+
+def plan_graph_memory(
+    model: Any,
+    past_key_values: Any,
+    *,
+    q_lens: Sequence[int] | None = None,
+    warmup_extras: dict[str, Any] | None = None,
+    **runner_arguments: Any,
+) -> MemoryPlan:
+    """The device memory the graphs of ``build_graph_runner(model,
+    **runner_arguments)`` will take, before the KV cache exists, from a
+    runner built, planned (:meth:`GraphRunner.plan_memory` on
+    ``past_key_values``, a probe cache of a few blocks) and dropped: for
+    comparing configurations (capture lists, execute modes) before building
+    the one to serve with. Its figure includes the buffers that runner kept,
+    since the runner that serves allocates them anew; planning the serving
+    runner itself (``runner.plan_memory``) costs one capture of every graph
+    less, and with ``compile=True`` one compilation less."""
+    device = torch.device(runner_arguments["device"]) if runner_arguments.get("device") else model_device(model)
+    with MemoryMeter(device) as meter:
+        runner = build_graph_runner(model, **runner_arguments)
+        planned = runner.plan_memory(past_key_values, q_lens=q_lens, **(warmup_extras or {}))
+        with_runner = meter.used()
+        del runner
+        gc.collect()
+        released = with_runner - meter.used()  # the buffers it kept, freed with it
+    return MemoryPlan(planned.bytes + released, planned.families, planned.kept - released, planned.warmup)
 
 
 def _head_dim(model_config: Any) -> int | None:

@@ -23,6 +23,8 @@ import torch
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
+from graphmode.memory.meter import device_module
+from graphmode.memory.plan import GraphMemory, MemoryPlan, WarmupMemory, plan
 from graphmode.meta import GraphMeta
 from graphmode.piecewise.graphs import PiecewiseGraphs
 from graphmode.plugins import Vendor
@@ -31,7 +33,7 @@ from graphmode.runner.family import Shared
 from graphmode.runner.full import CapturedGraph, FullGraphs, bucket_table
 from graphmode.runner.guard import busy, one_at_a_time
 from graphmode.runner.modes import build_families
-from graphmode.runner.progress import CaptureProgress
+from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
 from graphmode.runner.validate import check_inputs, check_model_ops, uniform_q_len
@@ -92,6 +94,9 @@ class GraphRunner:
             ranks.agree_on_setup(config.execute_mode, self.capture_sizes, token_sizes,
                                  repr(variants.declared) if variants else "")
             ranks.name_variant = lambda index: variants.label(variants.key_at(index))
+        self._memory_plan: MemoryPlan | None = None
+        self._graph_memory: GraphMemory | None = None
+        self._planning = False
 
     # -- what the families share ------------------------------------------
 
@@ -207,7 +212,12 @@ class GraphRunner:
         given in ``extras`` (``warmup(cache, lora=False)``: the plain graphs).
 
         The warm-up steps are inert: every slot is -1 (no KV write) and every
-        row reads the reserved block 0, so no live cache block changes."""
+        row reads the reserved block 0, so no live cache block changes.
+
+        On a device that reports its free memory, the warm-up measures the
+        memory it takes (:attr:`graph_memory`), synchronising and emptying
+        the caching allocator's unused blocks before and after each family;
+        on the CPU emulator, after :meth:`plan_memory` only."""
         if not self.families:
             return
         limit = self.config.max_q_len
@@ -228,11 +238,60 @@ class GraphRunner:
             shared.use_variant(key)
             count += sum(family.pending(wanted) for family in order)
         with _frozen_gc(), torch.inference_mode(), \
-                CaptureProgress(count, self.config.device, bar=progress) as report:
+                CaptureProgress(count, self.config.device, bar=progress) as report, \
+                WarmupMemory(self.config.device, self._measures_memory()) as memory:
             for variant_extras, key in variants:
                 shared.use_variant(key)
                 for family in order:
-                    family.warmup(past_key_values, variant_extras, wanted, report)
+                    with memory.family(family.name):
+                        family.warmup(past_key_values, variant_extras, wanted, report)
+        self._graph_memory = memory.result(count) or self._graph_memory
+        if self._memory_plan is not None and self._graph_memory is not None and not self._planning:
+            logger.info("%s", self._memory_plan.compare(self._graph_memory))
+
+    # -- graph memory (graphmode.memory) -----------------------------------
+
+    @one_at_a_time("runner.plan_memory()")
+    def plan_memory(
+        self, past_key_values: Any, *, q_lens: Sequence[int] | None = None, **extras: Any
+    ) -> MemoryPlan:
+        """The device memory :meth:`warmup` will take, before the KV cache
+        exists: warms up on ``past_key_values``, a probe cache of a few blocks
+        made like the real one (``model.make_kv_cache(4, block_size)``), with
+        the same ``q_lens`` and extras as the real warm-up, measures, and
+        resets. Call it before any capture; the next warm-up reports against
+        it (:meth:`memory_report`). See docs/engines.md, "Graph memory before
+        the KV cache"."""
+        self._planning = True
+        try:
+            self._memory_plan = plan(self, past_key_values, q_lens, extras)
+        finally:
+            self._planning = False
+        return self._memory_plan
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None:
+        """The last :meth:`plan_memory` result, or None."""
+        return self._memory_plan
+
+    @property
+    def graph_memory(self) -> GraphMemory | None:
+        """What the last measured :meth:`warmup` took: every warm-up on a
+        device that reports its free memory, on the CPU emulator those after
+        :meth:`plan_memory`; else None."""
+        return self._graph_memory
+
+    def memory_report(self) -> str:
+        """The plan against the last warm-up, in words (also logged at INFO
+        by the warm-up)."""
+        if self._memory_plan is None or self._graph_memory is None:
+            return "graph memory: " + ("no plan (call plan_memory() before warmup())" if self._memory_plan is None
+                                       else "planned, not warmed up yet")
+        return self._memory_plan.compare(self._graph_memory)
+
+    def _measures_memory(self) -> bool:
+        device = self.config.device
+        return device_module(device) is not None or self._planning or self._memory_plan is not None
 
     @one_at_a_time("runner.reset()")
     def reset(self) -> None:
