@@ -33,7 +33,8 @@ from graphmode.runner.modes import build_families
 from graphmode.runner.progress import CaptureProgress
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
-from graphmode.runner.validate import check_inputs, check_model_ops, uniform_q_len
+from graphmode.runner.step_checks import StepChecks
+from graphmode.runner.validate import check_model_ops, uniform_q_len
 from graphmode.staging import HostStaging, to_device
 
 __all__ = ["GraphRunner"]
@@ -66,6 +67,7 @@ class GraphRunner:
         self._shared = Shared(model, config, vendor, self.spec, self.capture_sizes, self._bucket_of, ranks)
         self._busy = threading.RLock()  # one step at a time (graphmode.runner.guard)
         self._cache_fit = CacheFit(model, config.block_size)
+        self._check_inputs = StepChecks(config)  # check_inputs, its per-layout part once per layout
         #: The execute mode's families (graphmode.runner.modes), tried in order for every step.
         self.families = build_families(self._shared)
         self._full = next((f for f in self.families if isinstance(f, FullGraphs)), None)
@@ -149,7 +151,7 @@ class GraphRunner:
             self._busy.release()
 
     def _step(self, inputs: StepInputs) -> Any:
-        batch, on_host = check_inputs(inputs, self.config)
+        batch, on_host = self._check_inputs(inputs)
         self._cache_fit(inputs.past_key_values)
         q_len = uniform_q_len(inputs.attn_metadata, batch, inputs.num_tokens)
         reason: str | None = "eager_mode"
