@@ -305,7 +305,9 @@ def fill(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
     """Copy the step's live rows into every written buffer and reset the rest
     of the bucket's rows (and the block-table columns right of a narrower
     table) to their padding: one fused copy per dtype."""
-    key = ("fill", batch, inputs.num_tokens, bucket, inputs.attn_metadata.block_offsets.shape[-1])
+    # With host staging a plan writes one mirror (its copies routed there once): one plan per mirror.
+    slot = meta.staging.slot if meta.staging is not None else 0
+    key = ("fill", batch, inputs.num_tokens, bucket, inputs.attn_metadata.block_offsets.shape[-1], slot)
     plan = meta.views.get(key)
     if plan is None:
         plan = meta.views[key] = _Plan(meta, inputs, batch, bucket)

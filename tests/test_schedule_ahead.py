@@ -1,0 +1,62 @@
+"""An engine that schedules ahead calls step N+1 before it reads step N's
+result. On the emulator's asynchronous, slowed device
+(``graphmode.emulator.stream``), replays and host staging's copies stay in
+flight while the host goes on: no step may read inputs written for a later
+one, and a step issued one ahead of the device does not wait for it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from setups import tiny_setup
+
+from graphmode.emulator import stream
+
+
+def _issued_ahead(setup, seqs, batches, delay):
+    """Each step's runner call, then its result read on the device (as an
+    engine samples before its next call), the host never waiting; then the
+    eager reference of every step, in order, on the eager cache."""
+    steps, results = [], []
+    with stream.asynchronous(delay=delay):
+        for batch in batches:
+            step = setup.engine.decode(seqs[:batch])
+            with torch.inference_mode():
+                output = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+            stream.launch(lambda output=output: results.append(output.clone()))
+            steps.append(step)
+    with torch.inference_mode():
+        for index, (step, graph) in enumerate(zip(steps, results)):
+            eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+            torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5, msg=f"step {index} (batch {batches[index]})")
+    assert setup.caches_close()
+
+
+def test_host_staged_steps_issued_ahead_on_a_slow_device_read_their_own_inputs():
+    setup = tiny_setup(max_batches=8, host_inputs=True, capture_batch_sizes=[4, 8])
+    seqs = setup.prefill(8)
+    for batch in (8, 3):  # both graphs captured, the device synchronous
+        graph, eager = setup.decode(seqs[:batch])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert setup.runner.staging is not None
+    # Within a bucket and across buckets; every step's copy and replay run
+    # 20 ms after the host launched them, so the host runs ahead until a
+    # mirror's copy has not run yet.
+    _issued_ahead(setup, seqs, [8, 7, 3, 8, 5, 2, 8, 6], delay=0.02)
+    assert setup.runner.stats.replays == 8
+
+
+def test_a_host_staged_step_issued_one_ahead_does_not_wait_for_the_device():
+    setup = tiny_setup(max_batches=4, host_inputs=True, capture_batch_sizes=[4])
+    seqs = setup.prefill(4)
+    setup.decode(seqs)  # the capture
+    slow = 0.3
+    with stream.asynchronous(delay=slow), torch.inference_mode():
+        calls = []
+        for _ in range(2):  # the second issued while the first is still queued
+            step = setup.engine.decode(seqs)
+            started = time.perf_counter()
+            setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+            calls.append(time.perf_counter() - started)
+    assert max(calls) < slow / 2, f"a runner call took {max(calls):.3f} s: it waited for the device"
