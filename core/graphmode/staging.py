@@ -107,6 +107,7 @@ class HostStaging:
         event = emulated_stream.Event if emulated else torch.cuda.Event
         self._copied: list[Any] = [event() for _ in range(SLOTS)]
         self._recorded = [False] * SLOTS
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket) -> (arena, mirror) views
         self._emulated = emulated
         meta.views.clear()  # views of the old buffers
         meta.staging = self
@@ -140,8 +141,12 @@ class HostStaging:
         into the arena, after the work launched before it (the previous
         replay: it never overwrites inputs a running graph reads), and record
         the mirror's event after it."""
-        end, slot = self.region(bucket), self.slot
-        arena, mirror = self.arena[:end], self.mirror[:end]
+        slot = self.slot
+        views = self._copies.get((slot, bucket))
+        if views is None:  # made once per mirror and bucket
+            end = self.region(bucket)
+            views = self._copies[(slot, bucket)] = (self.arena[:end], self.mirror[:end])
+        arena, mirror = views
         if self._emulated:
             emulated_stream.launch(functools.partial(arena.copy_, mirror))
         else:
