@@ -17,6 +17,9 @@ queue behind work, as in a served loop):
 - ``graphmode host``: the runner with host inputs (host staging: the same
   packed copy and replay, plus graphmode's checks).
 
+Part 3 (printed after part 1): the replay path part by part, timed in
+place, idle and busy, and the rest of the call beyond the parts.
+
 Part 2, per batch size, an engine loop of ``--steps`` steps. Each step
 samples on the device (argmax of the logits) and the engine reads the
 tokens on the host. ``--engine-us`` of host work per step (a busy wait: the
@@ -155,6 +158,67 @@ def per_call(workload: Workload, runners: dict[str, Any], batches: list[int], de
         print(f"{'':5} outputs of hand pinned and both graphmode paths differ by at most {differs:.3g}")
 
 
+def in_place(workload: Workload, runners: dict[str, Any], batches: list[int], device: Device, repeats: int) -> None:
+    """The runner's replay path part by part, timed in place, the same
+    calls in the same order as a runner call; what the call costs beyond
+    their sum is printed as "rest" (the call's own glue: keyword binding,
+    inference mode, the family lookup)."""
+    from graphmode.context import StepInputs
+    from graphmode.runner.cache_checks import check_same_objects
+    from graphmode.runner.validate import uniform_q_len
+
+    print(f"\nPart 3: the replay path in place, host microseconds, median of {repeats} "
+          "(idle / busy as in part 1)")
+    kv = workload.kv_cache
+    for batch in batches:
+        for kind, runner in runners.items():
+            step = workload.steps(batch, 2)[0]
+            step = to_host(step, device.device) if kind == "host" else step
+            attn = step.attn_metadata
+            runner(step.input_ids, step.position_ids, kv, attn)
+            family = runner._full
+            captured = runner.graph(runner.bucket_of(batch))
+            meta, bucket, staging = captured.meta, captured.bucket, family.staging
+            for busy in (False, True):
+                parts: dict[str, list[float]] = {}
+                for _ in range(repeats):
+                    device.sync()
+                    if busy:
+                        device.busy(1000)
+                    marks = [("start", time.perf_counter())]
+                    inputs = StepInputs(step.input_ids, step.position_ids, kv, attn, {})
+                    runner._busy.acquire(blocking=False)
+                    marks.append(("lock, inputs", time.perf_counter()))
+                    runner._check_inputs(inputs)
+                    marks.append(("checks", time.perf_counter()))
+                    runner._cache_fit(kv)
+                    uniform_q_len(attn, batch, inputs.num_tokens)
+                    family.refusal(inputs, batch, 1)
+                    marks.append(("cache fit, q_len, family", time.perf_counter()))
+                    check_same_objects(captured, inputs)
+                    marks.append(("same cache and extras", time.perf_counter()))
+                    if staging is not None:
+                        staging.begin()
+                        marks.append(("next mirror", time.perf_counter()))
+                    family._fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
+                    marks.append(("fill", time.perf_counter()))
+                    if staging is not None:
+                        staging.launch(bucket)
+                        marks.append(("packed copy + event", time.perf_counter()))
+                    captured.graph.replay()
+                    marks.append(("replay", time.perf_counter()))
+                    family._get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
+                    runner._busy.release()
+                    marks.append(("outputs, unlock", time.perf_counter()))
+                    for (_, then), (name, now) in zip(marks, marks[1:]):
+                        parts.setdefault(name, []).append(now - then)
+                medians = {name: statistics.median(values) * 1e6 for name, values in parts.items()}
+                whole = host_us(lambda: runner(step.input_ids, step.position_ids, kv, attn), device, repeats, busy)
+                listed = ", ".join(f"{name} {value:.1f}" for name, value in medians.items())
+                print(f"{batch:5d} {kind:4} {'busy' if busy else 'idle'}: call {whole:.1f} = {listed}, "
+                      f"rest {whole - sum(medians.values()):.1f}")
+
+
 class Loop:
     """One input kind's engine loop: the runner, its steps, how a step's
     input ids come from the previous step's sampled tokens."""
@@ -262,6 +326,7 @@ def main() -> None:
     with torch.inference_mode():
         runners = {"dev": runner(False), "host": runner(True)}
         per_call(workload, runners, batches, device, args.repeats)
+        in_place(workload, runners, batches, device, args.repeats)
         loops(workload, runners, batches, device, args.steps, args.engine_us, max(10, args.repeats // 10))
         # Graph against eager, one step of each kind at the largest batch.
         step = workload.steps(batches[-1], 2)[1]

@@ -52,11 +52,13 @@ class CapturedGraph:
 
     def __post_init__(self) -> None:
         self.memory = CacheMemory(self.cache_tensors, self.flatten_cache)  # their data pointers, checked at every replay
+        self._name = f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "")  # made once
+        self.replay_label = f"the replay of {type(self.graph).__name__}"  # what the replay guard names
 
     @property
     def name(self) -> str:
         """How errors name it: "bucket 8", or "bucket 8, q_len 3"."""
-        return f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "")
+        return self._name
 
 
 def bucket_table(vendor: Vendor, max_batches: int, capture_sizes: tuple[int, ...]) -> list[int | None]:
@@ -204,7 +206,7 @@ class FullGraphs:
             if self._update_params is not None:
                 guard.running("graphmode_update_graph_params")
                 self._update_params(graph=captured.graph, meta=meta, batch_size=batch, bucket=bucket)
-            guard.running(f"the replay of {type(captured.graph).__name__}")
+            guard.running(captured.replay_label)
             if staging is not None:
                 staging.launch(bucket)  # the mirror's one copy into the arena, ordered after the last replay
             captured.graph.replay()
