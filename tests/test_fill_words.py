@@ -71,3 +71,11 @@ def test_words_copy_int64_values_exactly():
     assert words.run(None, lambda inputs, index: step[index])
     assert wide.tolist() == [[2**40 + 5, -(2**35), 7], [-1, -1, -1]]
     assert narrow.tolist() == [1, -2, 3, 0]
+
+
+def test_a_strided_destination_keeps_the_per_dtype_copies():
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    groups = [([ids], [(0,)], []), ([table[:, :3]], [(1,)], [])]  # a narrower table: not contiguous
+    words, others = word_copy(groups)
+    assert words is None and others is groups

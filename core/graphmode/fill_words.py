@@ -86,7 +86,12 @@ def word_copy(groups: list[Group]) -> tuple[WordCopy | None, list[Group]]:
                 constants.append(_words(constant))
     except RuntimeError:  # a view without a contiguous last dimension
         return None, groups
-    words = WordCopy([*step_destinations, *constant_destinations], getters, constants)
+    destinations = [*step_destinations, *constant_destinations]
+    if not all(t.is_contiguous() for t in (*destinations, *constants)):
+        # A copy list holding one strided tensor (a block table narrower than its
+        # buffer) loses the fused kernel on a device: keep the per-dtype copies.
+        return None, groups
+    words = WordCopy(destinations, getters, constants)
     return words, [g for g in groups if not any(g is c for c in chosen)]
 
 
