@@ -17,7 +17,7 @@ import torch
 
 from graphmode.emulator.capture import CaptureSession, named_arguments
 from graphmode.emulator.recording import OpRecord, compile_steps
-from graphmode.emulator.stream import launch
+from graphmode.emulator.stream import launch, synchronize
 from graphmode.errors import CaptureError, ReplayError
 from graphmode.graphs.base import DeviceGraph
 
@@ -79,6 +79,7 @@ class EmulatedGraph(DeviceGraph):
             )
         if pool is not None and not isinstance(pool, EmulatedPool):
             raise CaptureError(f"pool={pool!r} is not a token from EmulatedGraph.pool()")
+        synchronize()  # as torch.cuda.graph does on entry: no launched work runs during a capture
         session = CaptureSession(self)
         session.start()
         self._session = session
