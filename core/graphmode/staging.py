@@ -264,11 +264,11 @@ def _aligned(size: int) -> int:
 def staging_refusal(vendor: Any, device: torch.device) -> str | None:
     """Why host staging cannot be used with ``vendor`` on ``device``, or None.
 
-    The in-graph copy overwrites the arena at every replay, so every write of
-    the vendor's fill hook must go through :func:`graphmode.buffers.stage`:
-    true of the built-in fill, and of plugins that declare the
-    ``host_staging`` capability. A live pinned-memory copy inside a capture
-    is checked on CUDA and the emulator only."""
+    The mirror's copy overwrites the arena before every replay, so every
+    write of the vendor's fill hook must go through
+    :func:`graphmode.buffers.stage`: true of the built-in fill, and of
+    plugins that declare the ``host_staging`` capability. The pinned copy and
+    its event ordering are checked on CUDA and the emulator only."""
     if device.type not in ("cuda", "cpu"):
         return f"host staging runs on CUDA and the cpu emulator, not {device.type}"
     fill = vendor.hook.graphmode_fill_buffers.get_hookimpls()
