@@ -50,7 +50,7 @@ _ROUTE_CACHE_LIMIT = 4096
 
 
 class HostStaging:
-    """The arena, its pinned mirror and the host copy of the padding values
+    """The arena, its pinned mirrors and the host copy of the padding values
     of one runner's device input buffers. Building it re-homes the device
     tensors of ``meta.input_buffers`` into the arena (same shapes, dtypes and
     values), and sets ``meta.staging``, through which
