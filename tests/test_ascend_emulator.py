@@ -246,6 +246,26 @@ def test_the_ascend_graph_waits_for_the_previous_replay_before_pushing_kv_length
     assert setup.runner.stats.replays == 3
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_the_kv_length_update_waits_on_an_event_and_the_host_never_waits(path, monkeypatch):
+    """The update is ordered after the previous replay on the device (the
+    update stream waits on an event recorded after it), not by a host
+    synchronisation: every replay stays in flight on the replay stream, and
+    the refusal of an unordered update (the test below) does not fire."""
+    monkeypatch.setenv("GRAPHMODE_ASCEND_UPDATE_PATH", path)
+    setup = tiny_setup("ascend")
+    seqs = setup.prefill(3, [2, 9, 17])
+    setup.decode(seqs)  # the capture
+    stream = npu.current_stream()
+    done, launched = stream.done, stream.launched
+    for _ in range(3):
+        graph, eager = setup.decode(seqs)
+        torch.testing.assert_close(graph, eager)
+    assert setup.runner.stats.replays == 3
+    assert stream.launched == launched + 3
+    assert stream.done == done, "the host waited for a replay (a synchronisation before the length update)"
+
+
 @pytest.mark.parametrize("path, where", [("graph_update", "NPUGraph.update"), ("task_group", "graph_task_update_begin")])
 def test_an_ascend_graph_that_skips_the_wait_is_refused_on_its_second_replay(path, where, monkeypatch):
     monkeypatch.setenv("GRAPHMODE_ASCEND_UPDATE_PATH", path)

@@ -124,3 +124,28 @@ def test_steps_passing_extras_that_warmup_was_not_given_are_told_to_pass_them_to
         eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata) * 2
     assert runner.stats.replays == 1
     torch.testing.assert_close(graph[:, :2], eager[:, :2], atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_of_a_layout_that_passed_before_is_still_checked_whole():
+    """The runner remembers the layouts of steps that passed
+    (graphmode.runner.step_checks): a later step of that layout is checked for
+    its host values, and one that differs in any tensor's dtype, shape or
+    placement is checked whole, with the errors of a first step."""
+    setup = tiny_setup()
+    step = _decode(setup)
+    _call(setup, step)  # the layout passed: remembered
+    checks = setup.runner._check_inputs
+    assert len(checks._passed) >= 1
+    with pytest.raises(InputError, match=r"^attn_metadata.kv_seqlens has dtype torch.float32; it must be an integer"):
+        _call(setup, step, kv_seqlens=step.attn_metadata.kv_seqlens.float())
+    with pytest.raises(InputError, match=r"^max_kv_seq_len=100000 is above the \d+ tokens a block table can address"):
+        _call(setup, step, max_kv_seq_len=100000)
+    with pytest.raises(InputError, match=r"^attn_metadata.max_q_seq_len is a float; it must be an int"):
+        _call(setup, step, max_q_seq_len=1.0)
+    host = step.attn_metadata.kv_seqlens_cpu
+    with pytest.raises(InputError, match=r"kv_seqlens_cpu holds 100000 \(sequence 0\), above the"):
+        _call(setup, step, max_kv_seq_len=-1, kv_seqlens_cpu=torch.full_like(host, 100000) if host is not None
+              else torch.full((2,), 100000, dtype=torch.int32))
+    marked = graphmode.emulator.mark_host(step.attn_metadata.q_seqlens.clone())
+    with pytest.raises(InputError, match=r"^attn_metadata.q_seqlens is on the host but input_ids is on cpu"):
+        _call(setup, step, q_seqlens=marked)

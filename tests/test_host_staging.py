@@ -186,13 +186,15 @@ def test_writing_the_mirror_waits_for_the_previous_replays_copy():
     runner = graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=2, block_size=16, device="cuda",
                                           host_staging=True, capture_batch_sizes=[4])
 
+    cache = [(torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda"))]  # the model reads none
+
     def step(value):
         attn = graphmode.AttnMetadata(
             is_decoding=True, block_offsets=torch.ones((4, 1), dtype=torch.int32),
             q_start_loc=torch.arange(4, dtype=torch.int32), q_seqlens=torch.ones(4, dtype=torch.int32),
             kv_seqlens=torch.ones(4, dtype=torch.int32), kv_start_indices=torch.full((4,), -1),
             max_q_seq_len=1, max_kv_seq_len=1)
-        return runner(torch.full((1, 4), value), torch.zeros((1, 4), dtype=torch.int64), None, attn)
+        return runner(torch.full((1, 4), value), torch.zeros((1, 4), dtype=torch.int64), cache, attn)
 
     with torch.inference_mode():
         step(0)  # capture

@@ -7,7 +7,7 @@ From the :class:`graphmode.spec.GraphSpec` in ``meta.spec``:
   and the padding of ``q_len_scaled`` buffers for every q_len above 1 into
   ``meta.q_len_padding``: :func:`q_len_paddings`);
 - :func:`fill` copies one step's live rows into the buffers and resets every
-  other row to its padding value, in one fused copy per dtype;
+  other row to its padding value, in one fused copy (fill_words: int64 as int32 words);
 - :func:`graph_context` builds the step the captured forward sees, every
   declared field a view of ``bucket`` rows of its buffer.
 
@@ -33,6 +33,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.deprecated import warn_deprecated
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
+from graphmode.fill_words import word_copy
 from graphmode.meta import GraphMeta
 from graphmode.spec import BLOCKS, BufferSpec
 
@@ -235,11 +236,17 @@ class _Plan:
             ([*targets, *(t for t, _ in consts)], getters, [s for _, s in consts])
             for targets, getters, consts in groups.values()
         ]
+        # The int64 and int32 groups as one copy where the step's sources allow (graphmode.fill_words).
+        self.words, self.others = word_copy(self.groups)
         self.staging = staging
 
     def run(self, inputs: StepInputs) -> None:
-        """This step's copies: one ``_foreach_copy_`` per group."""
-        for destinations, getters, constants in self.groups:
+        """This step's copies: one ``_foreach_copy_`` per group, the integer
+        groups' as one where the step's sources allow."""
+        groups = self.groups
+        if self.words is not None and self.words.run(inputs, self._source):
+            groups = self.others
+        for destinations, getters, constants in groups:
             sources = [self._source(inputs, *getter) for getter in getters]
             sources.extend(constants)
             torch._foreach_copy_(destinations, sources)
@@ -304,8 +311,10 @@ def _fusable(view: torch.Tensor) -> torch.Tensor:
 def fill(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
     """Copy the step's live rows into every written buffer and reset the rest
     of the bucket's rows (and the block-table columns right of a narrower
-    table) to their padding: one fused copy per dtype."""
-    key = ("fill", batch, inputs.num_tokens, bucket, inputs.attn_metadata.block_offsets.shape[-1])
+    table) to their padding: one fused copy per dtype, int64 and int32 as one."""
+    # With host staging a plan writes one mirror (its copies routed there once): one plan per mirror.
+    slot = meta.staging.slot if meta.staging is not None else 0
+    key = ("fill", batch, inputs.num_tokens, bucket, inputs.attn_metadata.block_offsets.shape[-1], slot)
     plan = meta.views.get(key)
     if plan is None:
         plan = meta.views[key] = _Plan(meta, inputs, batch, bucket)

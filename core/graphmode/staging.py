@@ -1,28 +1,32 @@
-"""Host staging: a runner's device input buffers fed from one pinned host mirror.
+"""Host staging: a runner's device input buffers fed from pinned host mirrors.
 
 With host staging, the device input buffers (what ``graphmode_make_buffers``
 returned on the device) are views of ONE device byte arena, and the arena has
-a pinned host mirror of identical layout. Every captured graph begins with one
-copy of the mirror into the arena: inside the capture, that copy is a memcpy
-node reading the pinned memory at its fixed address at every replay. A replay
-step is then: the host writes the step's rows into the mirror (CPU copies, no
-kernel launch), then ``graph.replay()``. Nothing is launched before the replay,
-which is what makes the launch path short.
+pinned host mirrors of identical layout (:data:`SLOTS` of them). A replay step
+is: the host writes the step's rows into a mirror (CPU copies, no kernel
+launch), launches one copy of that mirror into the arena
+(``arena[:n].copy_(mirror[:n], non_blocking=True)``), then
+``graph.replay()``: one packed copy and one launch, the hand-written floor.
 
 Layout: buffers in the order ``graphmode_make_buffers`` returned them, each at
 a 256-byte aligned offset, ``block_offsets`` (the largest) last, so that the
-graph of bucket ``b`` copies one prefix: every other buffer whole and the
+step of bucket ``b`` copies one prefix: every other buffer whole and the
 first ``b`` rows of the block table (the rows its context reads).
 
-Ordering: replays are asynchronous, so the host must not write the mirror
-while an earlier replay's copy has not run. An event is recorded on the
-stream after every replay and after the eager copy of a capture; the host
-waits on it before writing the mirror again.
+Ordering, without host waits for the device: the copy into the arena is
+launched on the stream after the previous replay, so it never overwrites
+inputs a running graph reads. The host must not write a mirror before the
+copy launched from it has run: steps take the mirrors in turn, an event is
+recorded after each copy, and a step waits on its mirror's event, recorded
+:data:`SLOTS` steps before. With two mirrors, a step issued while the
+previous one runs (an engine scheduling ahead) writes the other mirror and
+never waits; only a host two steps ahead of the device waits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,20 +34,23 @@ from typing import Any
 import torch
 
 from graphmode.context import REQUIRED_TENSORS, StepInputs
+from graphmode.emulator import stream as emulated_stream
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
 from graphmode.plugins.manager import DEFAULT_PLUGIN_NAME
 
-__all__ = ["ALIGNMENT", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
+__all__ = ["ALIGNMENT", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
 
 ALIGNMENT = 256
+#: Pinned mirrors, used in turn: a step written while the previous one runs never waits.
+SLOTS = 2
 _TABLE = "block_offsets"
 _ROUTE_CACHE_LIMIT = 4096
 
 
 class HostStaging:
-    """The arena, its pinned mirror and the host copy of the padding values
+    """The arena, its pinned mirrors and the host copy of the padding values
     of one runner's device input buffers. Building it re-homes the device
     tensors of ``meta.input_buffers`` into the arena (same shapes, dtypes and
     values), and sets ``meta.staging``, through which
@@ -69,14 +76,18 @@ class HostStaging:
         self.nbytes = _aligned(size)
         self.arena = torch.zeros(self.nbytes, dtype=torch.uint8, device=meta.device)
         if emulated:
-            self.mirror = mark_host(torch.zeros(self.nbytes, dtype=torch.uint8), pinned=True)
+            self.mirrors = [mark_host(torch.zeros(self.nbytes, dtype=torch.uint8), pinned=True) for _ in range(SLOTS)]
         else:
-            self.mirror = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            self.mirrors = [torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(SLOTS)]
         for name in names:
             old = meta.input_buffers[name]
             meta.input_buffers[name] = view = self._view(self.arena, name, old)
             view.copy_(old)
-        self.mirror.copy_(self.arena)
+        for mirror in self.mirrors:
+            mirror.copy_(self.arena)
+        #: The mirror the step under way writes (``mirrors[slot]``).
+        self.slot = 0
+        self.mirror = self.mirrors[0]
         # Host copies of the constant sources (padding, live values), found by storage.
         constants = [
             *meta.padding_buffers.values(), *meta.live_buffers.values(),
@@ -87,10 +98,17 @@ class HostStaging:
         }
         self._buffers = {name: meta.input_buffers[name] for name in names}
         self._arena_range = (self.arena.data_ptr(), self.arena.data_ptr() + self.nbytes)
-        self._routes: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # Per mirror: destination -> its view in that mirror.
+        self._slot_routes: list[dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in range(SLOTS)]
+        self._routes = self._slot_routes[0]
         self._host_sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Host staging runs on CUDA and the emulator only (see staging_refusal).
-        self._event: Any = None if emulated else torch.cuda.Event()
+        # An event per mirror, recorded after the copy launched from it.
+        event = emulated_stream.Event if emulated else torch.cuda.Event
+        self._copied: list[Any] = [event() for _ in range(SLOTS)]
+        self._recorded = [False] * SLOTS
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket) -> (arena, mirror) views
+        self._emulated = emulated
         meta.views.clear()  # views of the old buffers
         meta.staging = self
         _live.add(self)
@@ -99,35 +117,48 @@ class HostStaging:
         start = self.offsets[name]
         return memory[start:start + _nbytes(like)].view(like.dtype).view(like.shape)
 
-    # -- the copy every graph begins with -----------------------------------
+    # -- the copy before every replay -----------------------------------------
 
     def region(self, bucket: int) -> int:
-        """Bytes of the arena the graph of ``bucket`` copies: every buffer but
+        """Bytes of the arena the step of ``bucket`` copies: every buffer but
         the block table whole, and the block table's first ``bucket`` rows."""
         table = self._buffers.get(_TABLE)
         if table is None or table.shape[0] != self.max_batches:
             return self.nbytes
         return self.offsets[_TABLE] + bucket * table.stride(0) * table.element_size()
 
-    def copy_in(self, bucket: int) -> None:
-        """Copy the mirror's region for ``bucket`` into the arena: inside a
-        capture this is the graph's first node; outside, the eager copy a
-        capture's warm-up step reads."""
-        end = self.region(bucket)
-        self.arena[:end].copy_(self.mirror[:end], non_blocking=True)
+    def begin(self) -> None:
+        """Before a step writes a mirror: take the next mirror, waiting (on
+        the host) only until the copy launched from it :data:`SLOTS` steps
+        ago has run."""
+        slot = (self.slot + 1) % SLOTS
+        if self._recorded[slot]:
+            self._copied[slot].synchronize()
+        self.slot, self.mirror, self._routes = slot, self.mirrors[slot], self._slot_routes[slot]
 
-    # -- ordering -------------------------------------------------------------
-
-    def copied(self) -> None:
-        """Call after launching a replay (or the eager copy): the mirror may be
-        written again once this point of the stream is reached."""
-        if self._event is not None:
-            self._event.record()
+    def launch(self, bucket: int) -> None:
+        """Launch the copy of this step's mirror (its region for ``bucket``)
+        into the arena, after the work launched before it (the previous
+        replay: it never overwrites inputs a running graph reads), and record
+        the mirror's event after it."""
+        slot = self.slot
+        views = self._copies.get((slot, bucket))
+        if views is None:  # made once per mirror and bucket
+            end = self.region(bucket)
+            views = self._copies[(slot, bucket)] = (self.arena[:end], self.mirror[:end])
+        arena, mirror = views
+        if self._emulated:
+            emulated_stream.launch(functools.partial(arena.copy_, mirror))
+        else:
+            arena.copy_(mirror, non_blocking=True)
+        self._copied[slot].record()
+        self._recorded[slot] = True
 
     def wait(self) -> None:
-        """Block the host until the last launched copy of the mirror has run."""
-        if self._event is not None:
-            self._event.synchronize()
+        """Block the host until every launched copy of a mirror has run."""
+        for slot in range(SLOTS):
+            if self._recorded[slot]:
+                self._copied[slot].synchronize()
 
     # -- routing the step's copies --------------------------------------------
 
@@ -233,11 +264,11 @@ def _aligned(size: int) -> int:
 def staging_refusal(vendor: Any, device: torch.device) -> str | None:
     """Why host staging cannot be used with ``vendor`` on ``device``, or None.
 
-    The in-graph copy overwrites the arena at every replay, so every write of
-    the vendor's fill hook must go through :func:`graphmode.buffers.stage`:
-    true of the built-in fill, and of plugins that declare the
-    ``host_staging`` capability. A live pinned-memory copy inside a capture
-    is checked on CUDA and the emulator only."""
+    The mirror's copy overwrites the arena before every replay, so every
+    write of the vendor's fill hook must go through
+    :func:`graphmode.buffers.stage`: true of the built-in fill, and of
+    plugins that declare the ``host_staging`` capability. The pinned copy and
+    its event ordering are checked on CUDA and the emulator only."""
     if device.type not in ("cuda", "cpu"):
         return f"host staging runs on CUDA and the cpu emulator, not {device.type}"
     fill = vendor.hook.graphmode_fill_buffers.get_hookimpls()

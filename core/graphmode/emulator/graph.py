@@ -8,6 +8,7 @@ random operators draw fresh numbers, and a capture leaves no side effect.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from graphmode.emulator.capture import CaptureSession, named_arguments
 from graphmode.emulator.recording import OpRecord, compile_steps
+from graphmode.emulator.stream import launch, synchronize
 from graphmode.errors import CaptureError, ReplayError
 from graphmode.graphs.base import DeviceGraph
 
@@ -77,6 +79,7 @@ class EmulatedGraph(DeviceGraph):
             )
         if pool is not None and not isinstance(pool, EmulatedPool):
             raise CaptureError(f"pool={pool!r} is not a token from EmulatedGraph.pool()")
+        synchronize()  # as torch.cuda.graph does on entry: no launched work runs during a capture
         session = CaptureSession(self)
         session.start()
         self._session = session
@@ -112,11 +115,7 @@ class EmulatedGraph(DeviceGraph):
     def replay(self) -> None:
         if self._state != "captured":
             raise ReplayError(f"replay of a graph that is {self._state}; capture it first")
-        # A device replays without Python: no torch function mode (the
-        # runner's replay guard, a user's) sees the replayed operators.
-        with torch.inference_mode(), torch._C.DisableTorchFunction():
-            for step in self._compiled:
-                step()
+        launch(functools.partial(_run, self._compiled))  # at once, or on the device thread (emulator.stream)
         self.replays += 1
 
     def record_call(self, session: CaptureSession, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -171,6 +170,14 @@ class EmulatedGraph(DeviceGraph):
             for index, step in enumerate(_walk(self._steps)):
                 how = "replay" if id(step) in replayed else "skip"
                 out.write(f"{index:5d} {how:6s} {_describe(step)}\n")
+
+
+def _run(compiled: list) -> None:
+    # A device replays without Python: no torch function mode (the
+    # runner's replay guard, a user's) sees the replayed operators.
+    with torch.inference_mode(), torch._C.DisableTorchFunction():
+        for step in compiled:
+            step()
 
 
 def _output_tensors(outputs: Any) -> list[torch.Tensor]:

@@ -54,12 +54,14 @@ class CapturedGraph:
 
     def __post_init__(self) -> None:
         self.memory = CacheMemory(self.cache_tensors, self.flatten_cache)  # their data pointers, checked at every replay
+        self._name = f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "") + \
+            (f", {self.variant}" if self.variant != PLAIN else "")  # made once
+        self.replay_label = f"the replay of {type(self.graph).__name__}"  # what the replay guard names
 
     @property
     def name(self) -> str:
         """How errors name it: "bucket 8", "bucket 8, q_len 3", "bucket 8, lora=True"."""
-        return f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "") + \
-            (f", {self.variant}" if self.variant != PLAIN else "")
+        return self._name
 
 
 def bucket_table(vendor: Vendor, max_batches: int, capture_sizes: tuple[int, ...]) -> list[int | None]:
@@ -211,7 +213,7 @@ class FullGraphs:
             shared.debug.check_addresses(captured.name, captured.extras)
         meta, bucket, staging, q_len = captured.meta, captured.bucket, self.staging, captured.q_len
         if staging is not None:
-            staging.wait()  # the previous replay has copied the mirror: it may be written
+            staging.begin()  # the next mirror, whose last copy has run (a wait only two steps ahead)
         # No hook may read a device value on the host from here on.
         with self.replay_guard as guard:
             guard.running("graphmode_fill_buffers")
@@ -219,10 +221,10 @@ class FullGraphs:
             if self._update_params is not None:
                 guard.running("graphmode_update_graph_params")
                 self._update_params(graph=captured.graph, meta=meta, batch_size=batch, bucket=bucket)
-            guard.running(f"the replay of {type(captured.graph).__name__}")
-            captured.graph.replay()
+            guard.running(captured.replay_label)
             if staging is not None:
-                staging.copied()
+                staging.launch(bucket)  # the mirror's one copy into the arena, ordered after the last replay
+            captured.graph.replay()
             stats = shared.stats
             stats.replays += 1
             stats.replays_by_q_len[q_len] += 1
@@ -241,11 +243,11 @@ class FullGraphs:
         tokens = bucket * q_len  # the graph's, padding rows included
         meta = shared.graph_meta().for_graph()
         if staging is not None:
-            staging.wait()
+            staging.begin()
         hook.graphmode_fill_buffers(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
         if staging is not None:
-            staging.copy_in(bucket)  # the warm-up reads the arena
-            staging.copied()
+            staging.launch(bucket)  # the warm-up and the capture read the arena
+            staging.wait()  # once per capture: the warm-up may then read it on the host (the emulator)
         static = hook.graphmode_update_context(meta=meta, inputs=inputs, batch_size=batch, bucket=bucket)
         # The warm-up runs the real step outside any graph: its result is this
         # step's answer, and it leaves lazy initialisation (and compilation)
@@ -260,8 +262,6 @@ class FullGraphs:
             ranks.barrier()
         try:
             with graph.capture(pool=shared.pool):
-                if staging is not None:
-                    staging.copy_in(bucket)  # the graph's first node: the mirror, read live
                 meta.output_buffers["output"] = self._outputs.publish(forward(**static.as_kwargs()), tokens)
         except Exception as error:
             name = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")

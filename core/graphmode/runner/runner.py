@@ -36,7 +36,8 @@ from graphmode.runner.modes import build_families
 from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
-from graphmode.runner.validate import check_inputs, check_model_ops, uniform_q_len
+from graphmode.runner.step_checks import StepChecks
+from graphmode.runner.validate import check_model_ops, uniform_q_len
 from graphmode.staging import HostStaging, to_device
 
 __all__ = ["GraphRunner"]
@@ -70,6 +71,7 @@ class GraphRunner:
         self._shared = Shared(model, config, vendor, self.spec, self.capture_sizes, self._bucket_of, ranks)
         self._busy = threading.RLock()  # one step at a time (graphmode.runner.guard)
         self._cache_fit = CacheFit(model, config.block_size)
+        self._check_inputs = StepChecks(config)  # check_inputs, its per-layout part once per layout
         #: The execute mode's families (graphmode.runner.modes), tried in order for every step.
         self.families = build_families(self._shared)
         self._shared.families = self.families
@@ -172,7 +174,7 @@ class GraphRunner:
             extras, key = variants.of_step(inputs.extras)
             inputs = dataclasses.replace(inputs, extras=extras)
             self._shared.use_variant(key)
-        batch, on_host = check_inputs(inputs, self.config)
+        batch, on_host = self._check_inputs(inputs)
         self._cache_fit(inputs.past_key_values)
         q_len = uniform_q_len(inputs.attn_metadata, batch, inputs.num_tokens)
         reason: str | None = "eager_mode"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from graphmode.config import RunnerConfig
 from graphmode.context import REQUIRED_TENSORS, STEP_TENSORS, AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
+from graphmode.runner.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
 from graphmode.spec import BLOCKS, SEQUENCES, TOKENS
 
 __all__ = [
@@ -78,13 +78,7 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
             f"batch size {batch} is above max_batches={config.max_batches}; build the "
             f"runner with max_batches >= {batch}, or schedule fewer sequences per step"
         )
-    for name in ("max_q_seq_len", "max_kv_seq_len"):
-        value = getattr(attn, name)
-        if not hasattr(type(value), "__index__"):
-            raise InputError(
-                f"attn_metadata.{name} is {_described(value)}; it must be an int: the step's largest "
-                f"{'query' if name == 'max_q_seq_len' else 'KV'} length, or -1 when unknown"
-            )
+    _check_maxima_types(attn)
     width = attn.block_offsets.shape[-1]
     if width == 0:
         raise InputError(
@@ -99,29 +93,14 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
             f"max_blocks_per_seq={config.max_blocks_per_seq} (the block table's width, not the "
             f"KV cache's size); build the runner with max_blocks_per_seq >= {width}"
         )
-    capacity = config.max_blocks_per_seq * config.block_size
-    if attn.max_kv_seq_len > capacity:
-        raise InputError(
-            f"max_kv_seq_len={attn.max_kv_seq_len} is above the {capacity} tokens a "
-            f"block table can address (max_blocks_per_seq={config.max_blocks_per_seq} x "
-            f"block_size={config.block_size}); raise max_blocks_per_seq or shorten the sequence"
-        )
-    if attn.max_kv_seq_len > width * config.block_size:
-        raise InputError(
-            f"max_kv_seq_len={attn.max_kv_seq_len} is above the {width * config.block_size} tokens the step's "
-            f"block table addresses ({width} blocks x block_size={config.block_size}): kernels would read "
-            "past it. Give the longest sequence enough blocks (a wider table), or pass its real length"
-        )
+    _check_capacity(attn, width, config)
     tokens = _token_count(inputs)
     if tokens == 0:
         raise InputError(
             f"a step of {batch} sequences and 0 new tokens: every scheduled sequence adds at least one token. "
             "Leave sequences without new tokens out of the step, and do not call the runner for an empty one"
         )
-    if attn.is_decoding:
-        _check_decode(attn, batch, tokens)
-    else:
-        _check_maxima(attn, batch, tokens)
+    _check_lengths(attn, batch, tokens)
     device = config.device
     # is_cpu and get_device() (an int) are cheaper than building a device.
     emulated, index = device.type == "cpu", device.index
@@ -159,6 +138,54 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
                 f"{name} has shape {tuple(tensor.shape)}; a step of {batch} sequences "
                 f"and {tokens} tokens needs {shape}"
             )
+    _check_host_tensor(attn, batch)
+    check_values(inputs, config, batch, tokens, width)
+    return batch, bool(first_side and first_side[1])
+
+
+def _check_maxima_types(attn: AttnMetadata) -> None:
+    for name in ("max_q_seq_len", "max_kv_seq_len"):
+        value = getattr(attn, name)
+        if not hasattr(type(value), "__index__"):
+            raise InputError(
+                f"attn_metadata.{name} is {_described(value)}; it must be an int: the step's largest "
+                f"{'query' if name == 'max_q_seq_len' else 'KV'} length, or -1 when unknown"
+            )
+
+
+def check_scalars(attn: AttnMetadata, config: RunnerConfig, batch: int, tokens: int, width: int) -> None:
+    """The checks of a step's host values (its maxima), in the order
+    :func:`check_inputs` makes them, for a step whose tensors' shapes,
+    dtypes and placement are known to pass (``graphmode.runner.step_checks``)."""
+    _check_maxima_types(attn)
+    _check_capacity(attn, width, config)
+    _check_lengths(attn, batch, tokens)
+
+
+def _check_lengths(attn: AttnMetadata, batch: int, tokens: int) -> None:
+    if attn.is_decoding:
+        _check_decode(attn, batch, tokens)
+    else:
+        _check_maxima(attn, batch, tokens)
+
+
+def _check_capacity(attn: AttnMetadata, width: int, config: RunnerConfig) -> None:
+    capacity = config.max_blocks_per_seq * config.block_size
+    if attn.max_kv_seq_len > capacity:
+        raise InputError(
+            f"max_kv_seq_len={attn.max_kv_seq_len} is above the {capacity} tokens a "
+            f"block table can address (max_blocks_per_seq={config.max_blocks_per_seq} x "
+            f"block_size={config.block_size}); raise max_blocks_per_seq or shorten the sequence"
+        )
+    if attn.max_kv_seq_len > width * config.block_size:
+        raise InputError(
+            f"max_kv_seq_len={attn.max_kv_seq_len} is above the {width * config.block_size} tokens the step's "
+            f"block table addresses ({width} blocks x block_size={config.block_size}): kernels would read "
+            "past it. Give the longest sequence enough blocks (a wider table), or pass its real length"
+        )
+
+
+def _check_host_tensor(attn: AttnMetadata, batch: int) -> None:
     host = attn.kv_seqlens_cpu
     if host is not None and (not isinstance(host, torch.Tensor) or host.device.type != "cpu" or host.shape != (batch,)):
         if not isinstance(host, torch.Tensor):
@@ -170,11 +197,16 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
             f"attn_metadata.kv_seqlens_cpu has shape {tuple(host.shape)} on "
             f"{host.device}; it must be a ({batch},) host tensor or None"
         )
-    if host is not None and attn.max_kv_seq_len < 0:  # the length unknown: the host lengths say it
+
+
+def check_values(inputs: StepInputs, config: RunnerConfig, batch: int, tokens: int, width: int) -> None:
+    """The checks after the tensors' (host lengths when the maximum is
+    unknown, declared step inputs), which read values or extras every step."""
+    host = inputs.attn_metadata.kv_seqlens_cpu
+    if host is not None and inputs.attn_metadata.max_kv_seq_len < 0:  # the length unknown: the host lengths say it
         _check_host_lengths(host, width, config)
     if config.step_inputs and inputs.extras:
         _check_step_inputs(inputs, config, batch, tokens, width)
-    return batch, bool(first_side and first_side[1])
 
 
 def _check_host_lengths(host: torch.Tensor, width: int, config: RunnerConfig) -> None:
@@ -343,58 +375,3 @@ def check_model_ops(model: Any, vendor: Any) -> None:
             f"(build_reference_model(config, {vendor.name!r}) or the Hugging Face adapter's vendor={vendor.name!r}), "
             f"or the runner with vendor={contract!r}"
         )
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """Where one KV-cache tensor keeps its blocks, read from the attention
-    ops' ``cache_shape``: ``ndim`` dimensions, the block count in dimension
-    ``blocks_dim``, the tokens per block in ``block_size_dim``."""
-
-    layout: str
-    ndim: int
-    blocks_dim: int
-    block_size_dim: int
-
-
-def cache_geometry(model: Any) -> CacheGeometry | None:
-    """The cache geometry of the model's attention ops (``model.ops``), or
-    None when the model does not expose ops with a ``cache_shape``. The ops
-    are asked for the shape of a cache with distinct prime sizes, so that
-    each size's position is unambiguous whatever the layout."""
-    ops = getattr(model, "ops", None)
-    shape_of = getattr(ops, "cache_shape", None)
-    if shape_of is None:
-        return None
-    shape = tuple(shape_of(11, 13, 17, 19))  # num_blocks, block_size, kv_heads, head_dim
-    if shape.count(11) != 1 or shape.count(13) != 1:
-        return None
-    return CacheGeometry(getattr(ops, "layout", str(shape)), len(shape), shape.index(11), shape.index(13))
-
-
-def check_cache_layout(model: Any, tensors: list[Any], block_size: int) -> None:
-    """Refuse, once at capture, KV-cache tensors whose blocks hold another
-    number of tokens than the runner's ``block_size`` (or whose rank is not
-    the layout's): every slot and length the graph computes would address the
-    wrong tokens. Read from the shapes only, in the layout of the model's
-    attention ops; skipped for models that do not expose them."""
-    geometry = cache_geometry(model)
-    if geometry is None:
-        return
-    for index, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        if tensor.dim() != geometry.ndim:
-            raise InputError(
-                f"KV-cache tensor {index} has shape {tuple(tensor.shape)}, but the model's attention ops keep "
-                f"{geometry.ndim}-dimensional caches in the layout {geometry.layout}; make the cache with "
-                "the model's make_kv_cache"
-            )
-        found = tensor.shape[geometry.block_size_dim]
-        if found != block_size:
-            raise InputError(
-                f"KV-cache tensor {index} has shape {tuple(tensor.shape)}: blocks of {found} tokens "
-                f"(dimension {geometry.block_size_dim} of the layout {geometry.layout}), but the runner "
-                f"was built with block_size={block_size}; build the runner with block_size={found}, or "
-                f"make the cache with block_size={block_size}"
-            )

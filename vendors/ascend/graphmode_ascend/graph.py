@@ -24,9 +24,12 @@ graph_update path, torch_npu must also have recorded every FIA call (one
 before its ``.default`` fix records none); that is checked after capture.
 
 Ordering: the previous replay must be done reading a task's parameters before
-they change, so the update waits for the replay stream; and each replay's
-attention tasks wait on the event recorded after their update, so a replay
-never overtakes its update.
+they change, so the update stream waits (on the device) for an event recorded
+on the replay stream after that replay; the host does not wait (a
+synchronisation before every update, as vllm-ascend has, would give up
+host/device overlap: the next step could not be prepared while this one
+runs). Each replay's attention tasks wait on the event recorded after their
+update, so a replay never overtakes its update.
 
 Memory: the task-group state holds the tensors of each call weakly (as
 torch_npu's records do) and the calls of one graph share one workspace (as
@@ -340,6 +343,7 @@ class AscendGraph(DeviceGraph):
         self._open: contextlib.ExitStack | None = None
         self._capture: AttentionCapture | None = None
         self._records_before = 0
+        self._replayed: Any = None  # an event recorded on the replay stream after the last replay
 
     def capture_begin(self, pool: Any = None) -> None:
         with contextlib.ExitStack() as stack:
@@ -392,19 +396,33 @@ class AscendGraph(DeviceGraph):
             raise ReplayError("push_kv_lengths on an Ascend graph that was never captured")
         if self._capture.seen == 0:
             return  # no attention call: nothing holds kv lengths
-        # The last replay must be done with the tasks' parameters first.
-        self.runtime.current_stream().synchronize()
+        # The last replay must be done with the tasks' parameters first: the
+        # update stream waits for it on the device, the host goes on.
         if self.update_path == "graph_update":
+            self._after_last_replay(self.npu_graph.graph_dispatch_mode.update_stream)
             self.npu_graph.update(cpu_update_input=[{"actual_seq_lengths_kv": lengths}])
         else:
+            self._after_last_replay(self._capture.update_stream)
             self._capture.update(lengths)
+
+    def _after_last_replay(self, update_stream: Any) -> None:
+        """Order the work issued next on ``update_stream`` after the last
+        replay (its attention tasks have read their lengths), without a
+        host wait."""
+        if self._replayed is not None:
+            update_stream.wait_event(self._replayed)
 
     def replay(self) -> None:
         self.inner.replay()
+        if self._capture is not None and self._capture.seen:  # a later update waits for this replay
+            if self._replayed is None:
+                self._replayed = self.runtime.Event()
+            self._replayed.record(self.runtime.current_stream())
 
     def reset(self) -> None:
         self.inner.reset()
         self._capture = None
+        self._replayed = None
         self.captured.discard(self)
 
     def pool(self) -> Any:
