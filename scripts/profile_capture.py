@@ -13,13 +13,14 @@ own time.
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import time
 
+import graph_memory
 import torch
 
-import graphmode
 from graphmode.bench.cli import capture_cost
 from graphmode.bench.workload import Workload
 from graphmode.model import ModelConfig
@@ -49,35 +50,10 @@ def main() -> None:
 
 def pool_contents(workload: Workload) -> None:
     """The segments of the graph pool after capturing every bucket, and its
-    live blocks grouped by where they were allocated."""
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=200000)
-    runner = graphmode.build_graph_runner(
-        workload.model, max_batches=workload.max_batches, max_blocks_per_seq=workload.width,
-        block_size=workload.block_size, device=workload.device,
-    )
-    runner.warmup(workload.kv_cache, progress=False)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    segments = [s for s in snapshot["segments"] if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
-    total = sum(s["total_size"] for s in segments)
-    print(f"graph pool after capturing {len(runner.capture_sizes)} buckets: {len(segments)} segments, "
-          f"{total / 2**20:.1f} MiB")
-    sites: dict[str, list[int]] = {}
-    for segment in segments:
-        print(f"  segment {segment['total_size'] / 2**20:6.1f} MiB ({segment['segment_type']}), "
-              f"allocated {segment['allocated_size'] / 2**20:6.2f} MiB")
-        for block in segment["blocks"]:
-            if block["state"] != "active_allocated":
-                continue
-            frames = [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in block.get("frames", [])
-                      if "graphmode" in f["filename"] or "llama" in f["filename"]][:3]
-            sites.setdefault(" <- ".join(frames) or "(no Python frame)", []).append(block["size"])
-    print("  live blocks by allocation site (count, MiB):")
-    for site, sizes in sorted(sites.items(), key=lambda item: -sum(item[1])):
-        print(f"    {len(sizes):4d} {sum(sizes) / 2**20:8.2f}  {site}")
-    runner.reset()
+    live blocks grouped by where they were allocated (``graph_memory.py``'s
+    report, over this workload)."""
+    args = argparse.Namespace(max_batches=workload.max_batches, block_size=workload.block_size)
+    graph_memory.pool_contents(workload.model, workload.kv_cache, workload.width, args)
 
 
 if __name__ == "__main__":
