@@ -81,3 +81,20 @@ def tiny_setup(
         model.make_kv_cache(cache_blocks, block_size),
         runner,
     )
+
+
+def slow_gpu_model() -> Any:
+    """A model for ordering tests on a GPU: 200 dependent 512x512 matmuls
+    (long enough that the host runs ahead of the device), whose logits are
+    each token's input id, so a step shows which ids its graph read."""
+    torch.manual_seed(0)
+    weight = torch.randn(512, 512, device="cuda") / 512**0.5
+
+    def model(input_ids, position_ids, past_key_values, attn_metadata):
+        x = weight[:, :1].T.repeat(input_ids.shape[1], 1) * 0
+        for _ in range(200):
+            x = torch.tanh(x @ weight)
+        return (x.sum(-1, keepdim=True) * 0 + input_ids[0, :, None].float())[None]
+
+    return model
+

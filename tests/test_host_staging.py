@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from setups import tiny_setup
+from setups import slow_gpu_model, tiny_setup
 
 import graphmode
 from graphmode import ConfigError, InputError
@@ -174,15 +174,7 @@ def test_to_host_marks_host_memory_on_the_emulator():
 def test_writing_the_mirror_waits_for_the_previous_replays_copy():
     """Two host-staged steps back to back, the first one's graph slow: the
     second step's mirror write must not reach the first graph's copy."""
-    torch.manual_seed(0)
-    weight = torch.randn(512, 512, device="cuda") / 512**0.5
-
-    def model(input_ids, position_ids, past_key_values, attn_metadata):
-        x = weight[:, :1].T.repeat(input_ids.shape[1], 1) * 0
-        for _ in range(200):  # long enough that the host runs ahead
-            x = torch.tanh(x @ weight)
-        return (x.sum(-1, keepdim=True) * 0 + input_ids[0, :, None].float())[None]
-
+    model = slow_gpu_model()
     runner = graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=2, block_size=16, device="cuda",
                                           host_staging=True, capture_batch_sizes=[4])
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from setups import tiny_setup
+from setups import slow_gpu_model, tiny_setup
 
 import graphmode
 from graphmode.emulator import stream
@@ -69,15 +69,7 @@ def test_device_inputs_from_the_previous_steps_result_on_a_gpu():
     """Each step's input ids are the previous step's result plus one, computed
     on the device and never read on the host until the end: the fill's copies
     run after the previous replay in stream order, so step N reads N-1's ids."""
-    torch.manual_seed(0)
-    weight = torch.randn(512, 512, device="cuda") / 512**0.5
-
-    def model(input_ids, position_ids, past_key_values, attn_metadata):
-        x = weight[:, :1].T.repeat(input_ids.shape[1], 1) * 0
-        for _ in range(200):  # long enough that the host runs ahead
-            x = torch.tanh(x @ weight)
-        return (x.sum(-1, keepdim=True) * 0 + input_ids[0, :, None].float())[None]
-
+    model = slow_gpu_model()
     runner = graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=2, block_size=16, device="cuda",
                                           host_staging=False, capture_batch_sizes=[4])
     attn = graphmode.AttnMetadata(
