@@ -23,6 +23,7 @@ not the driver's own memory.)
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -68,7 +69,10 @@ class MemoryMeter:
             self._record.__exit__(*exc)
 
     def used(self) -> int:
-        """Bytes in use now."""
+        """Bytes in use now. Unreachable objects are collected first: memory
+        held only by a reference cycle (freed at Python's next collection, not
+        at once) is not in use."""
+        gc.collect()
         if self.module is not None:
             self.module.synchronize(self.device)
             self.module.empty_cache()
