@@ -36,8 +36,10 @@ Two input kinds: ``dev``, the next step's input ids are the tokens sampled
 on the device (as vLLM's async scheduling passes them), the rest of the step
 on the device; ``host``, host-built steps through host staging (the tokens
 given, as in teacher forcing: host staging cannot take device tokens).
-Printed: H (the engine's time plus the host time of the runner call and the
-sampling launch, the device idle), D (device time of one
+Printed: H (the host's work in one iteration, the device idle: the
+engine's time, the runner call and the sampling launch, the hand-off of the
+sampled tokens to pinned memory with its event, and the read of a finished
+step's tokens), D (device time of one
 step's work, measured between events with the device kept busy, so without
 launch gaps), the loops' step times, and ahead / max(H, D). The tokens of
 the two loops are compared at every step (same inputs, same graphs), and
@@ -259,15 +261,20 @@ class Loop:
         for index in range(count):
             sampled = self.call(index, sampled)
             slot = index % 2
-            self.pinned[slot].copy_(sampled, non_blocking=True)  # read on the device, before the next call
-            event = self.events[slot]
-            if event is not None:
-                event.record()
+            self.hand_off(slot, sampled)
             if index:
                 tokens.append(self._read(1 - slot))  # the previous step's tokens, done by now or soon
             spin(engine_us)  # schedule the next step while this one runs
         tokens.append(self._read((count - 1) % 2))
         return (time.perf_counter() - started) / count * 1e6, tokens
+
+    def hand_off(self, slot: int, sampled: torch.Tensor) -> None:
+        """The sampled tokens copied to pinned memory on the device, before
+        the next call, and the event the host will wait on to read them."""
+        self.pinned[slot].copy_(sampled, non_blocking=True)
+        event = self.events[slot]
+        if event is not None:
+            event.record()
 
     def _read(self, slot: int) -> list[int]:
         event = self.events[slot]
@@ -290,8 +297,14 @@ def loops(workload: Workload, runners: dict[str, Any], batches: list[int], devic
             device.sync()
             step_device = statistics.median(device.device_us(lambda: loop.call(1, None)) for _ in range(repeats))
             engine = step_device if engine_us is None else engine_us
-            # H: the engine's part plus the call and the sampling launch, the device idle.
+            # H: the host's work in one iteration of the loop that schedules ahead,
+            # the device idle: the engine's part, the call and the sampling launch,
+            # the hand-off (the copy to pinned memory and its event), and the read
+            # of a step already done (in the loop, the previous one).
             work = host_us(lambda: loop.call(1, None), device, repeats, False)
+            sampled = loop.call(1, None)
+            work += host_us(lambda: loop.hand_off(0, sampled), device, repeats, False)
+            work += host_us(lambda: loop._read(0), device, repeats, False)
             plain, plain_tokens = loop.plain(count, engine)
             ahead, ahead_tokens = loop.ahead(count, engine)
             host = engine + work
