@@ -237,17 +237,22 @@ class FullGraphs:
             stats.replays_by_variant[captured.variant] += 1
             shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
             guard.running("graphmode_get_outputs")
-            if not self._output_views:
-                return self._get_outputs(meta=meta, batch_size=batch, num_tokens=batch * q_len)
-            view = captured.results.get(batch)
-            if view is None:
-                view = self._get_outputs(meta=meta, batch_size=batch, num_tokens=batch * q_len)
-                if not isinstance(view, torch.Tensor):  # a structure of outputs: made every step
-                    return view
-                captured.results[batch] = view
-            # A new tensor object each step (an engine may change a result's shape in place),
-            # over the same memory: an alias costs less host time than slicing the output.
-            return view.detach()
+            return self.result(captured, batch)
+
+    def result(self, captured: CapturedGraph, batch: int) -> Any:
+        """The result of a replay of ``captured`` for ``batch`` sequences
+        (``graphmode_get_outputs``)."""
+        if not self._output_views:
+            return self._get_outputs(meta=captured.meta, batch_size=batch, num_tokens=batch * captured.q_len)
+        view = captured.results.get(batch)
+        if view is None:
+            view = self._get_outputs(meta=captured.meta, batch_size=batch, num_tokens=batch * captured.q_len)
+            if not isinstance(view, torch.Tensor):  # a structure of outputs: made every step
+                return view
+            captured.results[batch] = view
+        # A new tensor object each step (an engine may change a result's shape in place),
+        # over the same memory: an alias costs less host time than slicing the output.
+        return view.detach()
 
     def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
         shared = self.shared
