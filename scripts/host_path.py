@@ -209,7 +209,7 @@ def in_place(workload: Workload, runners: dict[str, Any], batches: list[int], de
                         marks.append(("packed copy + event", time.perf_counter()))
                     captured.graph.replay()
                     marks.append(("replay", time.perf_counter()))
-                    family._get_outputs(meta=meta, batch_size=batch, num_tokens=batch)
+                    family.result(captured, batch)
                     runner._busy.release()
                     marks.append(("outputs, unlock", time.perf_counter()))
                     for (_, then), (name, now) in zip(marks, marks[1:]):

@@ -56,6 +56,23 @@ def test_replay_result_is_a_view_of_the_graph_output_valid_until_the_next_step()
     assert first.data_ptr() == second.data_ptr()
 
 
+def test_a_result_reshaped_in_place_leaves_the_next_steps_result_as_it_was():
+    # The replay's output view is made once per batch size; each step gets its own tensor over it.
+    setup = tiny_setup()
+    seqs = setup.prefill(3)
+    setup.decode(seqs)
+    results = []
+    with torch.inference_mode():
+        for _ in range(2):
+            step = setup.engine.decode(seqs)
+            result = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+            results.append((result, tuple(result.shape), result.stride()))
+            result.squeeze_(0)  # an engine's own shape change, in place
+    (first, shape, stride), (second, second_shape, second_stride) = results
+    assert first is not second and first.data_ptr() == second.data_ptr()
+    assert (second_shape, second_stride) == (shape, stride) and shape == (1, 3, setup.model.config.vocab_size)
+
+
 def test_prefill_runs_eagerly_and_matches_the_model():
     setup = tiny_setup()
     seqs = [setup.engine.add() for _ in range(3)]

@@ -23,6 +23,7 @@ naming what replaces them (``DEPRECATED``).
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -201,7 +202,7 @@ class _Plan:
                         padding.narrow(row, 0, live).narrow(dim, width, tail),
                     ))
             shape = _shape(spec, value)
-            if target.numel() != _numel(shape):
+            if target.numel() != math.prod(shape):
                 raise InputError(
                     f"step input {spec.name!r} has shape {shape}; its buffer takes {tuple(target.shape)} for "
                     f"{batch} sequences and {tokens} tokens (declared shape {spec.shape})"
@@ -222,14 +223,17 @@ class _Plan:
             sourced = [(m, d, _on_host(g, spec, meta), shape, spec) for (m, _), (d, g, shape, spec)
                        in zip(staging.route([(d, d) for d, *_ in self.sourced], host_sources=False), self.sourced)]
             constant = staging.route(constant)
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list, list, list]] = {}
+        # Host memory (the mirror) takes every dtype in one list: a host _foreach_copy_ copies pair by pair.
+        mirror = staging.on_host if staging is not None else None
+        key = lambda t: (t.device, None if mirror is not None and mirror(t) else t.dtype)  # noqa: E731
+        groups: dict[tuple[torch.device, torch.dtype | None], tuple[list, list, list]] = {}
         for target, original, get, shape, spec in sourced:
-            group = groups.setdefault((target.device, target.dtype), ([], [], []))
+            group = groups.setdefault(key(target), ([], [], []))
             group[0].append(target)
             # A destination staged through the mirror takes host sources only.
             group[1].append((get, shape, spec, original if target is not original else None))
         for target, source in constant:
-            group = groups.setdefault((target.device, target.dtype), ([], [], []))
+            group = groups.setdefault(key(target), ([], [], []))
             group[2].append((target, source))
         # Destinations: the step's rows first, then the constant copies.
         self.groups = [
@@ -237,7 +241,9 @@ class _Plan:
             for targets, getters, consts in groups.values()
         ]
         # The int64 and int32 groups as one copy where the step's sources allow (graphmode.fill_words).
-        self.words, self.others = word_copy(self.groups)
+        typed = [group for (_, dtype), group in zip(groups, self.groups) if dtype is not None]
+        self.words, others = word_copy(typed)
+        self.others = [group for (_, dtype), group in zip(groups, self.groups) if dtype is None] + others
         self.staging = staging
 
     def run(self, inputs: StepInputs) -> None:
@@ -288,13 +294,6 @@ def _shape(spec: BufferSpec, value: Any) -> tuple[int, ...]:
             f"of dtype {spec.dtype} (it fills a buffer of declared shape {spec.shape})"
         )
     return tuple(value.shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _fusable(view: torch.Tensor) -> torch.Tensor:

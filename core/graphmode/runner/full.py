@@ -20,6 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from graphmode import default
 from graphmode.context import StepInputs
 from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
@@ -57,6 +60,7 @@ class CapturedGraph:
         self._name = f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "") + \
             (f", {self.variant}" if self.variant != PLAIN else "")  # made once
         self.replay_label = f"the replay of {type(self.graph).__name__}"  # what the replay guard names
+        self.results: dict[int, torch.Tensor] = {}  # the built-in outputs hook's view, by token count
 
     @property
     def name(self) -> str:
@@ -101,6 +105,8 @@ class FullGraphs:
         # The replay path's hooks, without pluggy's dispatch where that changes nothing.
         self._fill_buffers = vendor.direct("graphmode_fill_buffers")
         self._get_outputs = vendor.direct("graphmode_get_outputs")
+        # The built-in hook returns a view of the output: made once per token count, aliased per step.
+        self._output_views = self._get_outputs is default.graphmode_get_outputs
         update = vendor.hook.graphmode_update_graph_params
         self._update_params = update if update.get_hookimpls() else None
         self.replay_guard = replay_guard(config.device)
@@ -231,7 +237,22 @@ class FullGraphs:
             stats.replays_by_variant[captured.variant] += 1
             shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
             guard.running("graphmode_get_outputs")
-            return self._get_outputs(meta=meta, batch_size=batch, num_tokens=batch * q_len)
+            return self.result(captured, batch)
+
+    def result(self, captured: CapturedGraph, batch: int) -> Any:
+        """The result of a replay of ``captured`` for ``batch`` sequences
+        (``graphmode_get_outputs``)."""
+        if not self._output_views:
+            return self._get_outputs(meta=captured.meta, batch_size=batch, num_tokens=batch * captured.q_len)
+        view = captured.results.get(batch)
+        if view is None:
+            view = self._get_outputs(meta=captured.meta, batch_size=batch, num_tokens=batch * captured.q_len)
+            if not isinstance(view, torch.Tensor):  # a structure of outputs: made every step
+                return view
+            captured.results[batch] = view
+        # A new tensor object each step (an engine may change a result's shape in place),
+        # over the same memory: an alias costs less host time than slicing the output.
+        return view.detach()
 
     def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
         shared = self.shared

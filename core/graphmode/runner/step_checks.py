@@ -35,8 +35,8 @@ class StepChecks:
     def __init__(self, config: RunnerConfig) -> None:
         self.config = config
         self._emulated = config.device.type == "cpu"
-        # layout -> (batch, tokens, width, on_host)
-        self._passed: dict[Any, tuple[int, int, int, bool]] = {}
+        # layout -> (batch, tokens, width, on_host, the most KV tokens its table and the runner address)
+        self._passed: dict[Any, tuple[int, int, int, bool, int]] = {}
 
     def __call__(self, inputs: StepInputs) -> tuple[int, bool]:
         attn = inputs.attn_metadata
@@ -47,12 +47,19 @@ class StepChecks:
             if key is not None:
                 if len(self._passed) >= _LIMIT:
                     self._passed.clear()
-                width = attn.block_offsets.shape[-1]
-                self._passed[key] = (batch, inputs.input_ids.shape[1], width, on_host)
+                width, config = attn.block_offsets.shape[-1], self.config
+                limit = min(config.max_blocks_per_seq, width) * config.block_size
+                self._passed[key] = (batch, inputs.input_ids.shape[1], width, on_host, limit)
             return batch, on_host
-        batch, tokens, width, on_host = known
-        check_scalars(attn, self.config, batch, tokens, width)
-        check_values(inputs, self.config, batch, tokens, width)
+        batch, tokens, width, on_host, limit = known
+        q_max, kv_max = attn.max_q_seq_len, attn.max_kv_seq_len
+        # The usual decode step (int maxima, one token per sequence, the longest within the
+        # table) passes check_scalars, tested here in a line; any other takes it whole.
+        if type(q_max) is not int or type(kv_max) is not int or kv_max > limit or q_max != 1 \
+                or tokens != batch or not attn.is_decoding:
+            check_scalars(attn, self.config, batch, tokens, width)
+        if attn.kv_seqlens_cpu is not None or inputs.extras:
+            check_values(inputs, self.config, batch, tokens, width)
         return batch, on_host
 
     def _key(self, inputs: StepInputs, attn: AttnMetadata) -> Any:
