@@ -6,7 +6,9 @@ Needs a GPU.
     python scripts/profile_prefill_step.py --cases 1x128,16x2048
 
 Warms the runner up (every bucket captured, compiled first), times the step
-(median of 10 replays, device synchronised), then records one replay with
+(median of 10 replays, device synchronised; and when the call returns, the
+host's part: a step whose call returns just before the step ends is
+host-bound), then records one replay with
 torch.profiler and prints the kernel count, the device's busy time within
 the step's span, and the kernels grouped by name (total time, count).
 """
@@ -39,12 +41,13 @@ def main() -> None:
     mode.runner.warmup(workload.kv_cache, progress=False)
     print(f"warm-up {time.perf_counter() - started:.1f} s, of which compiling {mode.runner.stats.compile_seconds:.1f} s")
     for case in cases:
-        steps, times = workload.steps(case, 12), []
+        steps, times, returns = workload.steps(case, 12), [], []
         with torch.inference_mode():
             for step in steps[:11]:
                 torch.cuda.synchronize()
                 begun = time.perf_counter()
                 mode(step)
+                returns.append(time.perf_counter() - begun)  # the host's part: every launch made
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - begun)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
@@ -53,7 +56,8 @@ def main() -> None:
         kernels = [event for event in recorded.events() if event.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(event.device_time for event in kernels) / 1e3
         span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
-        print(f"{case.name}: median step {statistics.median(times[1:]) * 1e3:.3f} ms; {len(kernels)} kernels, "
+        print(f"{case.name}: median step {statistics.median(times[1:]) * 1e3:.3f} ms (the call returns after "
+              f"{statistics.median(returns[1:]) * 1e3:.3f} ms); {len(kernels)} kernels, "
               f"device busy {busy:.3f} ms of a {span:.3f} ms span")
         by_name: dict[str, list[float]] = collections.defaultdict(list)
         for event in kernels:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from graphmode.kernels.triton_prefill import opaque_paged_prefill
+from graphmode.kernels.triton_prefill import opaque_paged_prefill, paged_prefill
 from graphmode.model.ops import ReferenceAttentionOps
 
 __all__ = ["TritonAttentionOps", "paged_decode", "triton_available", "write_kv"]
@@ -233,14 +233,20 @@ class TritonAttentionOps(ReferenceAttentionOps):
         if not self._runs_triton(query) or query.shape[0] != attn.block_offsets.shape[0]:
             return super().paged_decode_attention(query, k_cache, v_cache, attn, scale)
         head_dim = query.shape[-1]
-        return _paged_decode_op(query, self.block_view(k_cache, head_dim), self.block_view(v_cache, head_dim),
-                                attn.block_offsets, self._decode_limit(attn).reshape(-1), float(scale))
+        # The opaque operator only under torch.compile: eagerly (a piecewise
+        # break point) it is dispatcher work around the same launch.
+        decode = _paged_decode_op if torch.compiler.is_compiling() else paged_decode
+        return decode(query, self.block_view(k_cache, head_dim), self.block_view(v_cache, head_dim),
+                      attn.block_offsets, self._decode_limit(attn).reshape(-1), float(scale))
 
     def prefill_attention(self, query, k_cache, v_cache, attn, scale, out=None):
         if not self._runs_triton(query):
             result = super().prefill_attention(query, k_cache, v_cache, attn, scale)
             return result if out is None else out.copy_(result)
         head_dim = query.shape[-1]
-        return opaque_paged_prefill()(
+        # torch.compiler.disable's wrapper only under torch.compile: eagerly (a
+        # piecewise break point, every layer) it is Dynamo's bookkeeping per call.
+        prefill = opaque_paged_prefill() if torch.compiler.is_compiling() else paged_prefill
+        return prefill(
             query, self.block_view(k_cache, head_dim), self.block_view(v_cache, head_dim), attn.block_offsets,
             attn.q_start_loc, attn.q_seqlens, attn.kv_seqlens, attn.max_q_seq_len, float(scale), out)
