@@ -39,9 +39,11 @@ given, as in teacher forcing: host staging cannot take device tokens).
 Printed: H (the host's work in one iteration, the device idle: the
 engine's time, the runner call and the sampling launch, the hand-off of the
 sampled tokens to pinned memory with its event, and the read of a finished
-step's tokens), D (device time of one
-step's work, measured between events with the device kept busy, so without
-launch gaps), the loops' step times, and ahead / max(H, D). The tokens of
+step's tokens), Hb (the same with the call and the hand-off launched behind
+queued device work, as the loop that schedules ahead launches them), D
+(device time of one step's work, measured between events with the device
+kept busy, so without launch gaps), the loops' step times, and ahead /
+max(H, D) and ahead / max(Hb, D). The tokens of
 the two loops are compared at every step (same inputs, same graphs), and
 one step's logits against eager.
 """
@@ -286,9 +288,9 @@ class Loop:
 def loops(workload: Workload, runners: dict[str, Any], batches: list[int], device: Device, count: int,
           engine_us: float | None, repeats: int) -> None:
     print(f"\nPart 2: engine loops of {count} steps, microseconds per step; H: host time of one iteration (device "
-          "idle), D: device time of one step")
-    print(f"{'batch':>5} {'inputs':6} {'engine':>7} {'H':>8} {'D':>8} {'H+D':>8} {'max':>8} {'plain':>8} {'ahead':>8} "
-          f"{'ahead/max':>10} {'same tokens':>12}")
+          "idle), Hb: the same behind queued device work, D: device time of one step; max: max(H, D)")
+    print(f"{'batch':>5} {'inputs':6} {'engine':>7} {'H':>8} {'Hb':>8} {'D':>8} {'H+D':>8} {'max':>8} {'plain':>8} "
+          f"{'ahead':>8} {'ahead/max':>10} {'/max(Hb,D)':>11} {'same tokens':>12}")
     for batch in batches:
         for kind in ("dev", "host"):
             loop = Loop(kind, runners[kind], workload, batch, count, device)
@@ -301,17 +303,23 @@ def loops(workload: Workload, runners: dict[str, Any], batches: list[int], devic
             # the device idle: the engine's part, the call and the sampling launch,
             # the hand-off (the copy to pinned memory and its event), and the read
             # of a step already done (in the loop, the previous one).
-            work = host_us(lambda: loop.call(1, None), device, repeats, False)
             sampled = loop.call(1, None)
-            work += host_us(lambda: loop.hand_off(0, sampled), device, repeats, False)
-            work += host_us(lambda: loop._read(0), device, repeats, False)
+
+            def work(busy: bool) -> float:
+                return (host_us(lambda: loop.call(1, None), device, repeats, busy)
+                        + host_us(lambda: loop.hand_off(0, sampled), device, repeats, busy)
+                        + host_us(lambda: loop._read(0), device, repeats, False))
+
+            # Hb: the same work launched behind queued device work, as the loop
+            # that schedules ahead launches it (a launch then costs the host more).
+            host, host_busy = engine + work(False), engine + work(True)
             plain, plain_tokens = loop.plain(count, engine)
             ahead, ahead_tokens = loop.ahead(count, engine)
-            host = engine + work
-            top = max(host, step_device)
+            top, top_busy = max(host, step_device), max(host_busy, step_device)
             same = plain_tokens == ahead_tokens
-            print(f"{batch:5d} {kind:6} {engine:7.1f} {host:8.1f} {step_device:8.1f} {host + step_device:8.1f} "
-                  f"{top:8.1f} {plain:8.1f} {ahead:8.1f} {ahead / top:10.2f} {str(same):>12}")
+            print(f"{batch:5d} {kind:6} {engine:7.1f} {host:8.1f} {host_busy:8.1f} {step_device:8.1f} "
+                  f"{host + step_device:8.1f} {top:8.1f} {plain:8.1f} {ahead:8.1f} {ahead / top:10.2f} "
+                  f"{ahead / top_busy:11.2f} {str(same):>12}")
 
 
 def main() -> None:
