@@ -142,6 +142,8 @@ def test_a_step_of_a_layout_that_passed_before_is_still_checked_whole():
         _call(setup, step, max_kv_seq_len=100000)
     with pytest.raises(InputError, match=r"^attn_metadata.max_q_seq_len is a float; it must be an int"):
         _call(setup, step, max_q_seq_len=1.0)
+    with pytest.raises(InputError, match=r"^attn_metadata.max_kv_seq_len is a bool; it must be an int"):
+        _call(setup, step, max_kv_seq_len=True)
     with pytest.raises(InputError, match=r"^is_decoding=True, but 2 new tokens for 2 sequences with max_q_seq_len=2"):
         _call(setup, step, max_q_seq_len=2)
     host = step.attn_metadata.kv_seqlens_cpu

@@ -133,6 +133,9 @@ def test_kv_lengths_past_the_block_table_are_refused_from_host_facts(vendor, mod
 @pytest.mark.parametrize("field, value, message", [
     ("max_kv_seq_len", None, r"attn_metadata.max_kv_seq_len is None; it must be an int"),
     ("max_q_seq_len", 1.0, r"attn_metadata.max_q_seq_len is a float; it must be an int"),
+    # A bool is an int to Python (True is 1): a flag passed by mistake would pass as a length.
+    ("max_kv_seq_len", True, r"attn_metadata.max_kv_seq_len is a bool; it must be an int"),
+    ("max_q_seq_len", True, r"attn_metadata.max_q_seq_len is a bool; it must be an int"),
 ])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_host_maximum_that_is_not_an_int_is_named(mode, field, value, message):

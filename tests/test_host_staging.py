@@ -197,6 +197,36 @@ def test_writing_the_mirror_waits_for_the_previous_replays_copy():
     assert [int(o[0, 0, 0]) for o in outputs] == list(range(1, 20))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the ordering hazard needs an asynchronous device")
+def test_pinned_host_inputs_without_host_staging_may_be_rewritten_once_the_call_returns():
+    """An engine with persistent pinned input buffers (vLLM's CpuGpuBuffer)
+    writes them for its next step as soon as a call returns. Without host
+    staging the step goes to the device in non_blocking copies, which read
+    pinned memory only when the device reaches them (behind the previous
+    step's slow graph): each step must still see its own ids."""
+    model = slow_gpu_model()
+    runner = graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=2, block_size=16, device="cuda",
+                                          host_staging=False, capture_batch_sizes=[4])
+    cache = [(torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda"))]  # the model reads none
+    ids = torch.zeros((1, 4), dtype=torch.int64).pin_memory()  # the engine's buffer, reused every step
+    attn = graphmode.AttnMetadata(
+        is_decoding=True, block_offsets=torch.ones((4, 1), dtype=torch.int32),
+        q_start_loc=torch.arange(4, dtype=torch.int32), q_seqlens=torch.ones(4, dtype=torch.int32),
+        kv_seqlens=torch.ones(4, dtype=torch.int32), kv_start_indices=torch.full((4,), -1),
+        max_q_seq_len=1, max_kv_seq_len=1)
+    positions = torch.zeros((1, 4), dtype=torch.int64)
+    with torch.inference_mode():
+        runner(ids, positions, cache, attn)  # capture
+        outputs = []
+        for value in range(1, 20):
+            ids.fill_(value)
+            outputs.append(runner(ids, positions, cache, attn).clone())  # queued behind the replay
+            ids.fill_(-1)  # the engine writes its buffer again once the call returned
+        torch.cuda.synchronize()
+    assert runner.staging is None and runner.stats.replays == 19
+    assert [int(o[0, 0, 0]) for o in outputs] == list(range(1, 20))
+
+
 def test_host_staging_is_refused_in_piecewise_mode():
     # Host staging feeds the full decode graphs; piecewise graphs copy host steps to the device.
     with pytest.raises(ConfigError, match=r"host_staging=True with execute_mode='piecewise': host staging .* feeds "

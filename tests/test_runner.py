@@ -73,6 +73,27 @@ def test_a_result_reshaped_in_place_leaves_the_next_steps_result_as_it_was():
     assert (second_shape, second_stride) == (shape, stride) and shape == (1, 3, setup.model.config.vocab_size)
 
 
+def test_a_result_changed_in_place_leaves_the_next_steps_result_right():
+    # docs/engines.md: an in-place change (inside inference mode) writes the shared output buffer,
+    # which the next replay overwrites whole.
+    setup = tiny_setup()
+    seqs = setup.prefill(3)
+    setup.decode(seqs)
+    step = setup.engine.decode(seqs)
+    with torch.inference_mode():
+        result = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+        setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+        result.fill_(float("nan"))  # an engine's own in-place work on its logits
+    graph, eager = setup.decode(seqs)
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert setup.runner.stats.replays == 2  # the NaN-filled result and this one
+    step = setup.engine.decode(seqs)
+    result = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    assert result.is_inference()  # outside inference mode, PyTorch refuses the in-place change (clone first)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        result.mul_(2)
+
+
 def test_prefill_runs_eagerly_and_matches_the_model():
     setup = tiny_setup()
     seqs = [setup.engine.add() for _ in range(3)]

@@ -13,6 +13,7 @@ import torch
 from setups import slow_gpu_model, tiny_setup
 
 import graphmode
+from graphmode.context import REQUIRED_TENSORS
 from graphmode.emulator import stream
 
 
@@ -47,6 +48,39 @@ def test_host_staged_steps_issued_ahead_on_a_slow_device_read_their_own_inputs()
     # mirror's copy has not run yet.
     _issued_ahead(setup, seqs, [8, 7, 3, 8, 5, 2, 8, 6], delay=0.02)
     assert setup.runner.stats.replays == 8
+
+
+def test_host_staged_inputs_may_be_rewritten_as_soon_as_the_call_returns():
+    """An engine with persistent host buffers (vLLM's CpuGpuBuffer) writes its
+    next step into the same tensors right after a call returns, while that
+    step's copy and replay are still queued: the call has copied them into
+    its mirror on the host (docs/engines.md, Scheduling ahead)."""
+    setup = tiny_setup(max_batches=8, host_inputs=True, capture_batch_sizes=[4, 8])
+    seqs = setup.prefill(6)
+    for batch in (6, 3):  # both graphs captured, the device synchronous
+        setup.decode(seqs[:batch])
+    buffers = setup.engine.decode(seqs[:6])  # the engine's host tensors, reused by every step
+    tensors = lambda step: [step.input_ids, step.position_ids,  # noqa: E731
+                            *(getattr(step.attn_metadata, name) for name in REQUIRED_TENSORS)]
+    steps, results = [], []
+    with stream.asynchronous(delay=0.02):
+        for batch in (6, 5, 6, 3, 6):
+            step = setup.engine.decode(seqs[:batch])
+            mine = [held[tuple(slice(0, size) for size in new.shape)] for held, new in zip(tensors(buffers), tensors(step))]
+            for held, new in zip(mine, tensors(step)):
+                held.copy_(new)
+            attn = step.attn_metadata.replace(**dict(zip(REQUIRED_TENSORS, mine[2:])))
+            with torch.inference_mode():
+                output = setup.runner(mine[0], mine[1], setup.graph_cache, attn)
+            stream.launch(lambda output=output: results.append(output.clone()))
+            for held in mine:
+                held.fill_(0)  # the engine starts on its next step at once
+            steps.append(step)
+    with torch.inference_mode():
+        for index, (step, graph) in enumerate(zip(steps, results)):
+            eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+            torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5, msg=f"step {index}")
+    assert setup.caches_close() and setup.runner.stats.replays == 5
 
 
 def test_a_host_staged_step_issued_one_ahead_does_not_wait_for_the_device():

@@ -320,11 +320,21 @@ def to_host(inputs: StepInputs, device: torch.device) -> StepInputs:
 
 def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     """``inputs`` with its per-step host tensors copied to ``device`` (a copy
-    on the emulator, whose "device" memory is unmarked CPU memory)."""
+    on the emulator, whose "device" memory is unmarked CPU memory).
+
+    The engine's host tensors may be written as soon as the call returns.
+    A ``non_blocking`` copy from pageable memory has read it when it returns
+    (the driver stages it); one from pinned memory reads it when the device
+    reaches the copy, later: an engine reusing a pinned buffer (vLLM's
+    ``CpuGpuBuffer``) would have its next step's values read. A pinned
+    tensor is therefore first copied on the host into pinned memory of the
+    runner's, which the caching host allocator keeps until the copy has run."""
     if device.type == "cpu":
         move: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.clone
     else:
         def move(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.is_pinned():
+                tensor = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
             return tensor.to(device, non_blocking=True)
     return _moved(inputs, move)
 

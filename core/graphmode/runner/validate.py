@@ -146,7 +146,8 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
 def _check_maxima_types(attn: AttnMetadata) -> None:
     for name in ("max_q_seq_len", "max_kv_seq_len"):
         value = getattr(attn, name)
-        if not hasattr(type(value), "__index__"):
+        # A bool is an index too (True is 1): a flag passed by mistake would pass as a length.
+        if not hasattr(type(value), "__index__") or isinstance(value, bool):
             raise InputError(
                 f"attn_metadata.{name} is {_described(value)}; it must be an int: the step's largest "
                 f"{'query' if name == 'max_q_seq_len' else 'KV'} length, or -1 when unknown"
