@@ -100,6 +100,21 @@ def test_a_plan_from_a_runner_built_and_dropped_includes_its_buffers(model):
     assert plan.bytes == used
 
 
+def test_until_the_warmup_the_report_says_so_rather_than_compare_the_plan_with_itself(model):
+    """The planning warm-up is the plan's (``plan.warmup``), not the runner's
+    warm-up: before the real ``warmup()``, ``graph_memory`` is None and the
+    report says the warm-up has not run (it compared the plan with itself:
+    "warm-up took" the planned bytes, +0.0%)."""
+    runner = _runner(model, "graph")
+    plan = runner.plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK), q_lens=[1])
+    assert plan.warmup.graphs == 4 and plan.bytes > 0
+    assert runner.graph_memory is None
+    assert runner.memory_report() == f"graph memory: planned {plan.bytes / 2**20:.1f} MiB, not warmed up yet"
+    runner.warmup(model.make_kv_cache(num_cache_blocks=8, block_size=BLOCK), q_lens=[1])
+    assert runner.graph_memory is not None and runner.graph_memory.graphs == 4
+    assert "warm-up took" in runner.memory_report()
+
+
 def test_planning_is_refused_once_graphs_are_captured_and_is_zero_in_eager_mode(model):
     runner = _runner(model, "graph")
     runner.warmup(model.make_kv_cache(num_cache_blocks=8, block_size=BLOCK), q_lens=[1])

@@ -269,6 +269,7 @@ class GraphRunner:
             self._memory_plan = plan(self, past_key_values, q_lens, extras)
         finally:
             self._planning = False
+        self._graph_memory = None  # the planning warm-up's figure is the plan's (plan.warmup), not a warm-up's
         return self._memory_plan
 
     @property
@@ -280,15 +281,17 @@ class GraphRunner:
     def graph_memory(self) -> GraphMemory | None:
         """What the last measured :meth:`warmup` took: every warm-up on a
         device that reports its free memory, on the CPU emulator those after
-        :meth:`plan_memory`; else None."""
+        :meth:`plan_memory`; else None (None again after :meth:`plan_memory`
+        until the next warm-up: the planning warm-up is ``plan.warmup``)."""
         return self._graph_memory
 
     def memory_report(self) -> str:
         """The plan against the last warm-up, in words (also logged at INFO
         by the warm-up)."""
-        if self._memory_plan is None or self._graph_memory is None:
-            return "graph memory: " + ("no plan (call plan_memory() before warmup())" if self._memory_plan is None
-                                       else "planned, not warmed up yet")
+        if self._memory_plan is None:
+            return "graph memory: no plan (call plan_memory() before warmup())"
+        if self._graph_memory is None:
+            return f"graph memory: planned {self._memory_plan.bytes / 2**20:.1f} MiB, not warmed up yet"
         return self._memory_plan.compare(self._graph_memory)
 
     def _measures_memory(self) -> bool:
