@@ -139,6 +139,36 @@ def test_an_undeclared_variant_value_is_refused_naming_it(mode):
     assert "graph_variants={'lora': (False, True, 'yes')}" in message  # the fix
 
 
+@pytest.mark.parametrize("value, what", [(torch.tensor(True), "a torch.bool tensor of shape ()"),
+                                         ([True], "a list, which is not hashable")])
+def test_a_tensor_or_unhashable_variant_value_is_refused_with_a_fix_that_works(value, what):
+    """An engine may compute the flag on the device (``(ids != 0).any()``):
+    the fix is a host value, not declaring the tensor (which the declaration
+    refuses)."""
+    setup, model, runner = _lora_setup()
+    step = setup.engine.decode(setup.prefill(2, [3, 4]))
+    with torch.inference_mode(), pytest.raises(InputError) as refused:
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+               lora_ids=torch.tensor([1, 2], dtype=torch.int32), lora=value)
+    message = str(refused.value)
+    assert f"graph variant lora is {what}" in message, message
+    assert "pass one of the declared host values (False, True)" in message and "graph_variants=" not in message
+
+
+def test_a_value_equal_to_a_declared_one_runs_its_graphs_and_the_model_gets_the_declared_object():
+    """Values match as dict keys do (``1 == True``, ``numpy.True_ == True``):
+    ``lora=1`` replays the ``lora=True`` graph, and the model receives ``True``."""
+    setup, model, runner = _lora_setup()
+    seqs = setup.prefill(2, [3, 4])
+    for value in (True, 1):
+        step = setup.engine.decode(seqs)
+        with torch.inference_mode():
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+                   lora_ids=torch.tensor([1, 2], dtype=torch.int32), lora=value)
+    assert runner.stats.captures == 1 and runner.stats.replays_by_variant == {"lora=True": 1}
+    assert runner.graph(2, lora=True).extras["lora"] is True
+
+
 def test_a_step_leaving_the_variant_out_runs_its_default():
     setup, model, runner = _lora_setup()
     seqs = setup.prefill(2, [3, 4])
