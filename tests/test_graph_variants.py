@@ -169,6 +169,22 @@ def test_a_value_equal_to_a_declared_one_runs_its_graphs_and_the_model_gets_the_
     assert runner.graph(2, lora=True).extras["lora"] is True
 
 
+def test_float_ids_are_refused_rather_than_truncated_into_the_int_buffer():
+    """A graph step copied float ids into the int32 buffer (1.7 -> adapter 1)
+    where an eager step's ``index_select`` refuses them: refused in both,
+    naming the dtypes and the fix."""
+    setup, model, runner = _lora_setup()
+    seqs = setup.prefill(2, [3, 4])
+    for step in (setup.engine.decode(seqs), setup.engine.prefill([setup.engine.add()], [5])):  # graph, eager
+        with torch.inference_mode(), pytest.raises(InputError) as refused:
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+                   lora_ids=torch.tensor([1.7] * step.attn_metadata.q_seqlens.shape[0]), lora=True)
+        message = str(refused.value)
+        assert "step input 'lora_ids' is torch.float32, declared torch.int32" in message, message
+        assert ".to(torch.int32)" in message
+    assert runner.stats.captures == 0
+
+
 def test_a_step_leaving_the_variant_out_runs_its_default():
     setup, model, runner = _lora_setup()
     seqs = setup.prefill(2, [3, 4])
