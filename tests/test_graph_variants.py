@@ -185,6 +185,29 @@ def test_float_ids_are_refused_rather_than_truncated_into_the_int_buffer():
     assert runner.stats.captures == 0
 
 
+@pytest.mark.parametrize("bad", [4, -1])
+def test_an_id_past_the_adapters_is_refused_by_an_eager_step_and_fails_a_replay(bad):
+    """Adapters 1..3: id 4 (or -1) would be another adapter's weights if
+    anything wrapped it. An eager step with host ids refuses it naming the
+    id, its sequence and the limit; a graph replay cannot read the ids, and
+    its index_select fails (on a GPU, a device-side assert): never a result."""
+    setup, model, runner = _lora_setup()
+    seqs = setup.prefill(2, [3, 4])
+    step = setup.engine.prefill([setup.engine.add()], [5])  # eager
+    with torch.inference_mode(), pytest.raises(InputError) as refused:
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+               lora_ids=torch.tensor([bad], dtype=torch.int32), lora=True)
+    message = str(refused.value)
+    assert f"lora_ids holds {bad} (sequence or token 0), outside 0..3" in message, message
+    assert "add_lora(model, count=" in message  # the fix
+    ids = torch.tensor([1, bad], dtype=torch.int32)
+    with torch.inference_mode():
+        runner.warmup(setup.graph_cache, progress=False, lora=True)
+        step = setup.engine.decode(seqs)
+        with pytest.raises(IndexError, match="index out of range"):  # the emulator's replay
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True)
+
+
 def test_a_step_leaving_the_variant_out_runs_its_default():
     setup, model, runner = _lora_setup()
     seqs = setup.prefill(2, [3, 4])
