@@ -115,6 +115,21 @@ def test_until_the_warmup_the_report_says_so_rather_than_compare_the_plan_with_i
     assert "warm-up took" in runner.memory_report()
 
 
+def test_a_probe_in_another_layout_is_refused_as_a_layout_not_as_a_block_size(model):
+    """A probe in another layout ([blocks, kv_heads, block_size, head_dim])
+    puts its 2 KV heads where the layout keeps the block size: the error
+    names the layout and make_kv_cache, not "build the runner with block_size=2"."""
+    runner = _runner(model, "graph")
+    probe = [(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+             for k, v in model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK)]
+    with pytest.raises(graphmode.InputError) as refused:
+        runner.plan_memory(probe)
+    message = str(refused.value)
+    assert "another head count, head size or layout would be misread" in message, message
+    assert "block_size=2" not in message
+    assert runner.graph_memory is None and runner.memory_plan is None
+
+
 def test_planning_is_refused_once_graphs_are_captured_and_is_zero_in_eager_mode(model):
     runner = _runner(model, "graph")
     runner.warmup(model.make_kv_cache(num_cache_blocks=8, block_size=BLOCK), q_lens=[1])

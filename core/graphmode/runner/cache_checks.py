@@ -192,7 +192,12 @@ class CacheFit:
         self._last, self._last_leaves = _UNSEEN, []
 
     def _check(self, past_key_values: Any, leaves: list[Any]) -> None:
+        # The shapes against the model's first, block size aside, then the block size: a cache in another
+        # layout (its KV heads where the block size belongs) is a layout error, not a block size to build with.
+        self._check_against_model(past_key_values, leaves)
         check_cache_layout(self.model, leaves, self.block_size)
+
+    def _check_against_model(self, past_key_values: Any, leaves: list[Any]) -> None:
         expected = self._reference()
         if expected is None:
             return
@@ -208,17 +213,19 @@ class CacheFit:
                 f"past_key_values holds {len(leaves)} tensors, but the model's make_kv_cache gives "
                 f"{len(expected)}; make the cache with model.make_kv_cache(num_cache_blocks, block_size)"
             )
-        blocks = self.geometry.blocks_dim if self.geometry is not None else 0
+        assert self.geometry is not None  # _reference() gives tensors only with it
+        blocks, block_size = self.geometry.blocks_dim, self.geometry.block_size_dim
         for index, (tensor, want) in enumerate(zip(leaves, expected)):
             if not isinstance(tensor, torch.Tensor):
                 continue
             shape, wanted = list(tensor.shape), list(want.shape)
             if len(shape) == len(wanted):
-                shape[blocks] = wanted[blocks] = -1
+                shape[blocks] = wanted[blocks] = shape[block_size] = wanted[block_size] = -1
             if shape != wanted:
                 raise InputError(
                     f"KV-cache tensor {index} has shape {tuple(tensor.shape)}, but the model's make_kv_cache "
-                    f"gives {tuple(want.shape)} (blocks aside: dimension {blocks} is the block count) in the "
+                    f"gives {tuple(want.shape)} (blocks aside: dimension {blocks} is the block count, "
+                    f"{block_size} the block size) in the "
                     "layout of its attention ops: another head count, head size or layout would be misread. "
                     "Make the cache with model.make_kv_cache(num_cache_blocks, block_size)"
                 )
