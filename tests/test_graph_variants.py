@@ -208,6 +208,18 @@ def test_an_id_past_the_adapters_is_refused_by_an_eager_step_and_fails_a_replay(
             runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True)
 
 
+def test_looking_up_a_graph_by_an_undeclared_variant_keyword_is_refused_in_both_families():
+    """``runner.piecewise.graph(4, loras=True)`` (a typo) gave the plain
+    graph, where ``runner.graph`` refused the keyword."""
+    setup, model, runner = _lora_setup("full_and_piecewise", per_token=True)
+    for lookup, call in ((runner.graph, "runner.graph(4, 1, "), (runner.piecewise.graph, "runner.piecewise.graph(4, ")):
+        with pytest.raises(InputError) as refused:
+            lookup(4, loras=True)
+        assert str(refused.value) == (f"{call}loras=...): not a declared graph variant keyword; this runner's "
+                                      "are ['lora']"), str(refused.value)
+    assert runner.graph(4, lora=True) is None and runner.piecewise.graph(4, lora=True) is None
+
+
 def test_a_step_leaving_the_variant_out_runs_its_default():
     setup, model, runner = _lora_setup()
     seqs = setup.prefill(2, [3, 4])

@@ -129,6 +129,16 @@ class GraphVariants:
             key.append(value)
         return extras, tuple(key)
 
+    def key_of(self, named: dict[str, Any], call: str) -> Key:
+        """The key a graph lookup names (``runner.graph(8, lora=True)``:
+        ``call`` is "runner.graph(8, 1"), the default for the keywords left
+        out; an undeclared keyword is refused, not left out."""
+        unknown = sorted(set(named) - set(self.declared))
+        if unknown:
+            raise InputError(f"{call}, {unknown[0]}=...): not a declared graph variant keyword; this runner's "
+                             f"are {list(self.declared)}")
+        return self.of_step(named)[1]
+
     def for_warmup(self, extras: dict[str, Any]) -> list[tuple[dict[str, Any], Key]]:
         """The variants ``warmup(**extras)`` captures: every combination of
         the declared values, but only the given value of a keyword passed in

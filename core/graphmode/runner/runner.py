@@ -340,12 +340,7 @@ class GraphRunner:
         defaults for the rest), the plain one without."""
         if self._full is None:
             return None
-        variants = self._shared.variants
-        unknown = sorted(set(variant) - set(variants.declared))
-        if unknown:
-            raise InputError(f"runner.graph({bucket}, {q_len}, {unknown[0]}=...): not a declared graph variant "
-                             f"keyword; this runner's are {list(variants.declared)}")
-        _, key = variants.of_step(variant)
+        key = self._shared.variants.key_of(variant, f"runner.graph({bucket}, {q_len}")
         return self._full.by_variant.get(key, {}).get((bucket, q_len))
 
     def __repr__(self) -> str:
