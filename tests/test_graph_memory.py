@@ -135,8 +135,11 @@ def test_planning_is_refused_once_graphs_are_captured_and_is_zero_in_eager_mode(
     runner.warmup(model.make_kv_cache(num_cache_blocks=8, block_size=BLOCK), q_lens=[1])
     with pytest.raises(graphmode.ConfigError, match=r"plan_memory\(\) on a runner that has captured graphs"):
         runner.plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK))
-    eager = _runner(model, "eager").plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK))
+    eager_runner = _runner(model, "eager")
+    eager = eager_runner.plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK))
     assert eager.bytes == 0 and eager.families == {}
+    eager_runner.warmup(model.make_kv_cache(num_cache_blocks=8, block_size=BLOCK))  # nothing to capture
+    assert eager_runner.memory_report() == "graph memory: none (execute mode 'eager': no graphs)"
 
 
 def _engines_block() -> str:

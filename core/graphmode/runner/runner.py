@@ -288,6 +288,8 @@ class GraphRunner:
     def memory_report(self) -> str:
         """The plan against the last warm-up, in words (also logged at INFO
         by the warm-up)."""
+        if not self.families:
+            return "graph memory: none (execute mode 'eager': no graphs)"
         if self._memory_plan is None:
             return "graph memory: no plan (call plan_memory() before warmup())"
         if self._graph_memory is None:
