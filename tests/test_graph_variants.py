@@ -220,6 +220,24 @@ def test_looking_up_a_graph_by_an_undeclared_variant_keyword_is_refused_in_both_
     assert runner.graph(4, lora=True) is None and runner.piecewise.graph(4, lora=True) is None
 
 
+def test_a_step_adding_an_undeclared_keyword_is_told_which_and_how_to_declare_it():
+    """A keyword a graph did not capture (the engine forgot to declare it):
+    the error names it and the declarations that take a per-step value."""
+    setup, model, runner = _lora_setup()
+    seqs = setup.prefill(2, [3, 4])
+    ids = torch.tensor([1, 2], dtype=torch.int32)
+    with torch.inference_mode():
+        step = setup.engine.decode(seqs)
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True)
+        step = setup.engine.decode(seqs)  # the graph of bucket 2, lora=True again, with one keyword more
+        with pytest.raises(InputError) as refused:
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True,
+                   microbatch=True)
+    message = str(refused.value)
+    assert "captured with ['lora'] (this step adds ['microbatch'])" in message, message
+    assert "graph_variants={'microbatch': (...)}" in message and "step_inputs=[BufferSpec('microbatch'" in message
+
+
 def test_a_step_leaving_the_variant_out_runs_its_default():
     setup, model, runner = _lora_setup()
     seqs = setup.prefill(2, [3, 4])

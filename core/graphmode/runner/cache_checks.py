@@ -145,16 +145,24 @@ def check_same_objects(captured: Any, inputs: StepInputs) -> None:
 def _refuse_other_extras(captured: Any, given: list[str]) -> None:
     """A step passing other undeclared extra inputs (by name) than the graph captured."""
     then = sorted(captured.extras)
+    new, missing = sorted(set(given) - set(then)), sorted(set(then) - set(given))
+    differs = " (this step " + ", ".join(([f"adds {new}"] if new else []) + ([f"lacks {missing}"] if missing else [])) + ")"
     if captured.in_warmup:
         fix = (
             "runner.warmup() captures with the extras given to it: pass the ones the steps pass, "
             "runner.warmup(past_key_values, " + ", ".join(f"{n}=..." for n in given) + ")"
         )
     else:
-        fix = "pass the same extra inputs at every decode step, or call runner.reset() to capture again"
+        name = (new or missing)[0]
+        fix = (
+            "Pass the same extra inputs at every step, or declare one whose value changes: a tensor as a step "
+            f"input (build_graph_runner(step_inputs=[BufferSpec({name!r}, ...)]), a host value that picks "
+            f"the graph as a graph variant (graph_variants={{{name!r}: (...)}}); or call runner.reset() to "
+            "capture again"
+        )
     raise InputError(
         f"this step passes extra model inputs {given}, but the graph of {captured.name} was captured "
-        f"with {then}{' (by warmup())' if captured.in_warmup else ''}: graphs freeze extra inputs. {fix}"
+        f"with {then}{' (by warmup())' if captured.in_warmup else ''}{differs}: graphs freeze extra inputs. {fix}"
     )
 
 
