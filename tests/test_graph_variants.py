@@ -238,6 +238,20 @@ def test_a_step_adding_an_undeclared_keyword_is_told_which_and_how_to_declare_it
     assert "graph_variants={'microbatch': (...)}" in message and "step_inputs=[BufferSpec('microbatch'" in message
 
 
+def test_a_hugging_face_model_refuses_graph_variants_when_the_runner_is_built():
+    """The adapter's forward takes no keyword beyond the model contract: a
+    declared variant (or step input) reached it at the first step."""
+    pytest.importorskip("transformers")
+    from graphmode.integrations.huggingface import load_model, random_config
+
+    model = load_model(random_config("llama-tiny"))
+    for declared in ({"graph_variants": {"lora": (False, True)}},
+                     {"step_inputs": [BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)]}):
+        with pytest.raises(ConfigError, match=r"the Hugging Face adapter's forward takes no keyword beyond the "
+                           r"model contract, so .*\['lora(_ids)?'\].*: build the runner without"):
+            graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=4, block_size=16, **declared)
+
+
 def test_a_step_leaving_the_variant_out_runs_its_default():
     setup, model, runner = _lora_setup()
     seqs = setup.prefill(2, [3, 4])
