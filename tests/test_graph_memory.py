@@ -100,13 +100,46 @@ def test_a_plan_from_a_runner_built_and_dropped_includes_its_buffers(model):
     assert plan.bytes == used
 
 
+def test_until_the_warmup_the_report_says_so_rather_than_compare_the_plan_with_itself(model):
+    """The planning warm-up is the plan's (``plan.warmup``), not the runner's
+    warm-up: before the real ``warmup()``, ``graph_memory`` is None and the
+    report says the warm-up has not run (it compared the plan with itself:
+    "warm-up took" the planned bytes, +0.0%)."""
+    runner = _runner(model, "graph")
+    plan = runner.plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK), q_lens=[1])
+    assert plan.warmup.graphs == 4 and plan.bytes > 0
+    assert runner.graph_memory is None
+    assert runner.memory_report() == f"graph memory: planned {plan.bytes / 2**20:.1f} MiB, not warmed up yet"
+    runner.warmup(model.make_kv_cache(num_cache_blocks=8, block_size=BLOCK), q_lens=[1])
+    assert runner.graph_memory is not None and runner.graph_memory.graphs == 4
+    assert "warm-up took" in runner.memory_report()
+
+
+def test_a_probe_in_another_layout_is_refused_as_a_layout_not_as_a_block_size(model):
+    """A probe in another layout ([blocks, kv_heads, block_size, head_dim])
+    puts its 2 KV heads where the layout keeps the block size: the error
+    names the layout and make_kv_cache, not "build the runner with block_size=2"."""
+    runner = _runner(model, "graph")
+    probe = [(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+             for k, v in model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK)]
+    with pytest.raises(graphmode.InputError) as refused:
+        runner.plan_memory(probe)
+    message = str(refused.value)
+    assert "another head count, head size or layout would be misread" in message, message
+    assert "block_size=2" not in message
+    assert runner.graph_memory is None and runner.memory_plan is None
+
+
 def test_planning_is_refused_once_graphs_are_captured_and_is_zero_in_eager_mode(model):
     runner = _runner(model, "graph")
     runner.warmup(model.make_kv_cache(num_cache_blocks=8, block_size=BLOCK), q_lens=[1])
     with pytest.raises(graphmode.ConfigError, match=r"plan_memory\(\) on a runner that has captured graphs"):
         runner.plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK))
-    eager = _runner(model, "eager").plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK))
+    eager_runner = _runner(model, "eager")
+    eager = eager_runner.plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK))
     assert eager.bytes == 0 and eager.families == {}
+    eager_runner.warmup(model.make_kv_cache(num_cache_blocks=8, block_size=BLOCK))  # nothing to capture
+    assert eager_runner.memory_report() == "graph memory: none (execute mode 'eager': no graphs)"
 
 
 def _engines_block() -> str:

@@ -139,6 +139,119 @@ def test_an_undeclared_variant_value_is_refused_naming_it(mode):
     assert "graph_variants={'lora': (False, True, 'yes')}" in message  # the fix
 
 
+@pytest.mark.parametrize("value, what", [(torch.tensor(True), "a torch.bool tensor of shape ()"),
+                                         ([True], "a list, which is not hashable")])
+def test_a_tensor_or_unhashable_variant_value_is_refused_with_a_fix_that_works(value, what):
+    """An engine may compute the flag on the device (``(ids != 0).any()``):
+    the fix is a host value, not declaring the tensor (which the declaration
+    refuses)."""
+    setup, model, runner = _lora_setup()
+    step = setup.engine.decode(setup.prefill(2, [3, 4]))
+    with torch.inference_mode(), pytest.raises(InputError) as refused:
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+               lora_ids=torch.tensor([1, 2], dtype=torch.int32), lora=value)
+    message = str(refused.value)
+    assert f"graph variant lora is {what}" in message, message
+    assert "pass one of the declared host values (False, True)" in message and "graph_variants=" not in message
+
+
+def test_a_value_equal_to_a_declared_one_runs_its_graphs_and_the_model_gets_the_declared_object():
+    """Values match as dict keys do (``1 == True``, ``numpy.True_ == True``):
+    ``lora=1`` replays the ``lora=True`` graph, and the model receives ``True``."""
+    setup, model, runner = _lora_setup()
+    seqs = setup.prefill(2, [3, 4])
+    for value in (True, 1):
+        step = setup.engine.decode(seqs)
+        with torch.inference_mode():
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+                   lora_ids=torch.tensor([1, 2], dtype=torch.int32), lora=value)
+    assert runner.stats.captures == 1 and runner.stats.replays_by_variant == {"lora=True": 1}
+    assert runner.graph(2, lora=True).extras["lora"] is True
+
+
+def test_float_ids_are_refused_rather_than_truncated_into_the_int_buffer():
+    """A graph step copied float ids into the int32 buffer (1.7 -> adapter 1)
+    where an eager step's ``index_select`` refuses them: refused in both,
+    naming the dtypes and the fix."""
+    setup, model, runner = _lora_setup()
+    seqs = setup.prefill(2, [3, 4])
+    for step in (setup.engine.decode(seqs), setup.engine.prefill([setup.engine.add()], [5])):  # graph, eager
+        with torch.inference_mode(), pytest.raises(InputError) as refused:
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+                   lora_ids=torch.tensor([1.7] * step.attn_metadata.q_seqlens.shape[0]), lora=True)
+        message = str(refused.value)
+        assert "step input 'lora_ids' is torch.float32, declared torch.int32" in message, message
+        assert ".to(torch.int32)" in message
+    assert runner.stats.captures == 0
+
+
+@pytest.mark.parametrize("bad", [4, -1])
+def test_an_id_past_the_adapters_is_refused_by_an_eager_step_and_fails_a_replay(bad):
+    """Adapters 1..3: id 4 (or -1) would be another adapter's weights if
+    anything wrapped it. An eager step with host ids refuses it naming the
+    id, its sequence and the limit; a graph replay cannot read the ids, and
+    its index_select fails (on a GPU, a device-side assert): never a result."""
+    setup, model, runner = _lora_setup()
+    seqs = setup.prefill(2, [3, 4])
+    step = setup.engine.prefill([setup.engine.add()], [5])  # eager
+    with torch.inference_mode(), pytest.raises(InputError) as refused:
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata,
+               lora_ids=torch.tensor([bad], dtype=torch.int32), lora=True)
+    message = str(refused.value)
+    assert f"lora_ids holds {bad} (sequence or token 0), outside 0..3" in message, message
+    assert "add_lora(model, count=" in message  # the fix
+    ids = torch.tensor([1, bad], dtype=torch.int32)
+    with torch.inference_mode():
+        runner.warmup(setup.graph_cache, progress=False, lora=True)
+        step = setup.engine.decode(seqs)
+        with pytest.raises(IndexError, match="index out of range"):  # the emulator's replay
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True)
+
+
+def test_looking_up_a_graph_by_an_undeclared_variant_keyword_is_refused_in_both_families():
+    """``runner.piecewise.graph(4, loras=True)`` (a typo) gave the plain
+    graph, where ``runner.graph`` refused the keyword."""
+    setup, model, runner = _lora_setup("full_and_piecewise", per_token=True)
+    for lookup, call in ((runner.graph, "runner.graph(4, 1, "), (runner.piecewise.graph, "runner.piecewise.graph(4, ")):
+        with pytest.raises(InputError) as refused:
+            lookup(4, loras=True)
+        assert str(refused.value) == (f"{call}loras=...): not a declared graph variant keyword; this runner's "
+                                      "are ['lora']"), str(refused.value)
+    assert runner.graph(4, lora=True) is None and runner.piecewise.graph(4, lora=True) is None
+
+
+def test_a_step_adding_an_undeclared_keyword_is_told_which_and_how_to_declare_it():
+    """A keyword a graph did not capture (the engine forgot to declare it):
+    the error names it and the declarations that take a per-step value."""
+    setup, model, runner = _lora_setup()
+    seqs = setup.prefill(2, [3, 4])
+    ids = torch.tensor([1, 2], dtype=torch.int32)
+    with torch.inference_mode():
+        step = setup.engine.decode(seqs)
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True)
+        step = setup.engine.decode(seqs)  # the graph of bucket 2, lora=True again, with one keyword more
+        with pytest.raises(InputError) as refused:
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True,
+                   microbatch=True)
+    message = str(refused.value)
+    assert "captured with ['lora'] (this step adds ['microbatch'])" in message, message
+    assert "graph_variants={'microbatch': (...)}" in message and "step_inputs=[BufferSpec('microbatch'" in message
+
+
+def test_a_hugging_face_model_refuses_graph_variants_when_the_runner_is_built():
+    """The adapter's forward takes no keyword beyond the model contract: a
+    declared variant (or step input) reached it at the first step."""
+    pytest.importorskip("transformers")
+    from graphmode.integrations.huggingface import load_model, random_config
+
+    model = load_model(random_config("llama-tiny"))
+    for declared in ({"graph_variants": {"lora": (False, True)}},
+                     {"step_inputs": [BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)]}):
+        with pytest.raises(ConfigError, match=r"the Hugging Face adapter's forward takes no keyword beyond the "
+                           r"model contract, so .*\['lora(_ids)?'\].*: build the runner without"):
+            graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=4, block_size=16, **declared)
+
+
 def test_a_step_leaving_the_variant_out_runs_its_default():
     setup, model, runner = _lora_setup()
     seqs = setup.prefill(2, [3, 4])

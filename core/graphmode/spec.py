@@ -92,7 +92,8 @@ class BufferSpec:
         ``attn_metadata.vendor_fields[name]`` (an input of its own kernels),
         or, declared by an engine (``step_inputs``), the model keyword
         argument ``name`` (``extras``).
-    dtype: its element type; a step's values are converted on copy.
+    dtype: its element type; a step's values are converted on copy (an
+        engine's floating-point values for an integer dtype are refused).
     shape: its dimensions: integers and the symbols TOKENS (one row per new
         token), SEQUENCES (one row per sequence) and BLOCKS (the block
         table's width). Exactly one of TOKENS and SEQUENCES, the row

@@ -129,6 +129,16 @@ class GraphVariants:
             key.append(value)
         return extras, tuple(key)
 
+    def key_of(self, named: dict[str, Any], call: str) -> Key:
+        """The key a graph lookup names (``runner.graph(8, lora=True)``:
+        ``call`` is "runner.graph(8, 1"), the default for the keywords left
+        out; an undeclared keyword is refused, not left out."""
+        unknown = sorted(set(named) - set(self.declared))
+        if unknown:
+            raise InputError(f"{call}, {unknown[0]}=...): not a declared graph variant keyword; this runner's "
+                             f"are {list(self.declared)}")
+        return self.of_step(named)[1]
+
     def for_warmup(self, extras: dict[str, Any]) -> list[tuple[dict[str, Any], Key]]:
         """The variants ``warmup(**extras)`` captures: every combination of
         the declared values, but only the given value of a keyword passed in
@@ -141,10 +151,19 @@ class GraphVariants:
 
     @staticmethod
     def _declared_value(name: str, values: tuple[Hashable, ...], value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) and isinstance(value, Hashable):
-            for declared in values:
-                if declared == value:
-                    return declared
+        """The declared value equal to ``value``, matched as dict keys are
+        (``1 == True``: ``lora=1`` is ``lora=True``), else refused."""
+        if isinstance(value, torch.Tensor) or not isinstance(value, Hashable):
+            what = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                    else f"a {type(value).__name__}, which is not hashable")
+            raise InputError(
+                f"graph variant {name} is {what}: a variant picks the graph on the host, before the step "
+                f"runs, so pass one of the declared host values {values!r} (from the scheduler's host data, "
+                "e.g. any(adapters); reading a device tensor's value would synchronise every step)"
+            )
+        for declared in values:
+            if declared == value:
+                return declared
         raise InputError(
             f"graph variant {name}={value!r} is not declared: this runner captures graphs for {name} in "
             f"{values!r} only. Pass one of those, or declare the value with the others, "

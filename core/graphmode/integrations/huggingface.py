@@ -220,7 +220,16 @@ class HuggingFaceModel(nn.Module):
         """Refuse, when a runner is built for this model, a block table that
         can address more tokens than a layer's sliding window (the paged
         kernels attend to the whole sequence), and graph modes for a forward
-        no graph can capture (the probe saw a value-sized operator)."""
+        no graph can capture (the probe saw a value-sized operator), and
+        keywords the forward would refuse at every step (graph variants,
+        step inputs)."""
+        keywords = [*config.graph_variants, *(spec.name for spec in config.step_inputs)]
+        if keywords:
+            raise ConfigError(
+                f"the Hugging Face adapter's forward takes no keyword beyond the model contract, so {keywords} "
+                "(graph_variants, step_inputs) would be refused at every step: build the runner without them "
+                "(LoRA graphs: graphmode.model.lora on the reference model)"
+            )
         self.support.check_table(config.max_blocks_per_seq, config.block_size)
         self.support.check_graphs(config.execute_mode)
 

@@ -197,4 +197,4 @@ class LlamaModel(nn.Module):
                 f"{'None' if lora_ids is None else 'given'}: add adapters (graphmode.model.lora.add_lora) and "
                 "pass lora_ids, or lora=False"
             )
-        return lora_rows(lora_ids, attn, tokens)
+        return lora_rows(lora_ids, attn, tokens, self.lora_count)

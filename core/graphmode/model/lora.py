@@ -25,7 +25,7 @@ from torch import nn
 from graphmode.context import AttnMetadata
 from graphmode.errors import InputError
 
-__all__ = ["LoraAdapters", "add_lora", "batched_lora", "lora_rows"]
+__all__ = ["LoraAdapters", "add_lora", "batched_lora", "check_ids", "lora_rows"]
 
 
 def batched_lora(x: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -41,8 +41,10 @@ def batched_lora(x: torch.Tensor, ids: torch.Tensor, a: torch.Tensor, b: torch.T
     return torch.bmm(down, b.index_select(0, ids)).reshape(tokens, b.shape[-1])
 
 
-def lora_rows(ids: torch.Tensor, attn: AttnMetadata, tokens: int) -> torch.Tensor:
-    """The ids as :func:`batched_lora` groups them, for a step of ``tokens``.
+def lora_rows(ids: torch.Tensor, attn: AttnMetadata, tokens: int, count: int | None = None) -> torch.Tensor:
+    """The ids as :func:`batched_lora` groups them, for a step of ``tokens``;
+    ids outside ``0..count`` refused where reading them costs nothing
+    (:func:`check_ids`).
 
     One id per token is used as it is. One id per sequence is grouped with
     its sequence's tokens when host facts prove every sequence carries as
@@ -56,6 +58,8 @@ def lora_rows(ids: torch.Tensor, attn: AttnMetadata, tokens: int) -> torch.Tenso
     sequences first, then padding): indistinguishable from one id per token.
     So where piecewise graphs run, declare the ids per token, ``(TOKENS,)``,
     and pass ``ids.repeat_interleave(q_seqlens)``."""
+    if count is not None:
+        check_ids(ids, count)
     rows = ids.shape[0]
     if rows == tokens:
         return ids
@@ -73,6 +77,35 @@ def lora_rows(ids: torch.Tensor, attn: AttnMetadata, tokens: int) -> torch.Tenso
     if attn.max_q_seq_len > 0 and rows * attn.max_q_seq_len == tokens:
         return ids
     return ids.repeat_interleave(attn.q_seqlens.to(ids.device).long(), output_size=tokens)
+
+
+def check_ids(ids: torch.Tensor, count: int) -> None:
+    """Refuse an id outside ``0..count`` where that reads no device: host
+    ids outside any capture or trace (eager steps on the host). A graph reads
+    its ids from a device buffer, unread by the host: there, and for device
+    ids, an id past the adapters fails ``index_select`` (the emulator's
+    IndexError, a GPU's device-side assert), so it never reads another
+    adapter's weights."""
+    if ids.device.type != "cpu" or not ids.numel() or _tracing(ids):
+        return
+    outside = ((ids < 0) | (ids > count)).nonzero()
+    if outside.numel():
+        row = int(outside[0, 0])
+        raise InputError(
+            f"lora_ids holds {int(ids[row])} (sequence or token {row}), outside 0..{count}: the model has "
+            f"{count} adapters (ids 1..{count}; 0: none). Pass ids in 0..{count}, or add more adapters "
+            f"(add_lora(model, count=...))"
+        )
+
+
+def _tracing(ids: torch.Tensor) -> bool:
+    """Whether the ids are symbolic or captured, their values unreadable (an
+    emulated capture refuses host reads; a fake tensor has none)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from graphmode.emulator import current_session
+
+    return isinstance(ids, FakeTensor) or torch.compiler.is_compiling() or current_session() is not None
 
 
 class LoraAdapters(nn.Module):

@@ -154,7 +154,7 @@ class PiecewiseGraphs:
     def graph(self, bucket: int, **variant: Any) -> PiecewiseGraph | None:
         """The captured piecewise graph of a token bucket, if captured; of the
         graph variant the keywords name (``graph(8, lora=True)``), the plain one without."""
-        _, key = self.shared.variants.of_step(variant)
+        key = self.shared.variants.key_of(variant, f"runner.piecewise.graph({bucket}")
         return self._by_variant.get(key, {}).get(bucket)
 
     def _current(self) -> dict[int, PiecewiseGraph]:

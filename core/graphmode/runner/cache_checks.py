@@ -145,16 +145,24 @@ def check_same_objects(captured: Any, inputs: StepInputs) -> None:
 def _refuse_other_extras(captured: Any, given: list[str]) -> None:
     """A step passing other undeclared extra inputs (by name) than the graph captured."""
     then = sorted(captured.extras)
+    new, missing = sorted(set(given) - set(then)), sorted(set(then) - set(given))
+    differs = " (this step " + ", ".join(([f"adds {new}"] if new else []) + ([f"lacks {missing}"] if missing else [])) + ")"
     if captured.in_warmup:
         fix = (
             "runner.warmup() captures with the extras given to it: pass the ones the steps pass, "
             "runner.warmup(past_key_values, " + ", ".join(f"{n}=..." for n in given) + ")"
         )
     else:
-        fix = "pass the same extra inputs at every decode step, or call runner.reset() to capture again"
+        name = (new or missing)[0]
+        fix = (
+            "Pass the same extra inputs at every step, or declare one whose value changes: a tensor as a step "
+            f"input (build_graph_runner(step_inputs=[BufferSpec({name!r}, ...)]), a host value that picks "
+            f"the graph as a graph variant (graph_variants={{{name!r}: (...)}}); or call runner.reset() to "
+            "capture again"
+        )
     raise InputError(
         f"this step passes extra model inputs {given}, but the graph of {captured.name} was captured "
-        f"with {then}{' (by warmup())' if captured.in_warmup else ''}: graphs freeze extra inputs. {fix}"
+        f"with {then}{' (by warmup())' if captured.in_warmup else ''}{differs}: graphs freeze extra inputs. {fix}"
     )
 
 
@@ -192,7 +200,12 @@ class CacheFit:
         self._last, self._last_leaves = _UNSEEN, []
 
     def _check(self, past_key_values: Any, leaves: list[Any]) -> None:
+        # The shapes against the model's first, block size aside, then the block size: a cache in another
+        # layout (its KV heads where the block size belongs) is a layout error, not a block size to build with.
+        self._check_against_model(past_key_values, leaves)
         check_cache_layout(self.model, leaves, self.block_size)
+
+    def _check_against_model(self, past_key_values: Any, leaves: list[Any]) -> None:
         expected = self._reference()
         if expected is None:
             return
@@ -208,17 +221,19 @@ class CacheFit:
                 f"past_key_values holds {len(leaves)} tensors, but the model's make_kv_cache gives "
                 f"{len(expected)}; make the cache with model.make_kv_cache(num_cache_blocks, block_size)"
             )
-        blocks = self.geometry.blocks_dim if self.geometry is not None else 0
+        assert self.geometry is not None  # _reference() gives tensors only with it
+        blocks, block_size = self.geometry.blocks_dim, self.geometry.block_size_dim
         for index, (tensor, want) in enumerate(zip(leaves, expected)):
             if not isinstance(tensor, torch.Tensor):
                 continue
             shape, wanted = list(tensor.shape), list(want.shape)
             if len(shape) == len(wanted):
-                shape[blocks] = wanted[blocks] = -1
+                shape[blocks] = wanted[blocks] = shape[block_size] = wanted[block_size] = -1
             if shape != wanted:
                 raise InputError(
                     f"KV-cache tensor {index} has shape {tuple(tensor.shape)}, but the model's make_kv_cache "
-                    f"gives {tuple(want.shape)} (blocks aside: dimension {blocks} is the block count) in the "
+                    f"gives {tuple(want.shape)} (blocks aside: dimension {blocks} is the block count, "
+                    f"{block_size} the block size) in the "
                     "layout of its attention ops: another head count, head size or layout would be misread. "
                     "Make the cache with model.make_kv_cache(num_cache_blocks, block_size)"
                 )

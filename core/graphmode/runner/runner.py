@@ -269,6 +269,7 @@ class GraphRunner:
             self._memory_plan = plan(self, past_key_values, q_lens, extras)
         finally:
             self._planning = False
+        self._graph_memory = None  # the planning warm-up's figure is the plan's (plan.warmup), not a warm-up's
         return self._memory_plan
 
     @property
@@ -280,15 +281,19 @@ class GraphRunner:
     def graph_memory(self) -> GraphMemory | None:
         """What the last measured :meth:`warmup` took: every warm-up on a
         device that reports its free memory, on the CPU emulator those after
-        :meth:`plan_memory`; else None."""
+        :meth:`plan_memory`; else None (None again after :meth:`plan_memory`
+        until the next warm-up: the planning warm-up is ``plan.warmup``)."""
         return self._graph_memory
 
     def memory_report(self) -> str:
         """The plan against the last warm-up, in words (also logged at INFO
         by the warm-up)."""
-        if self._memory_plan is None or self._graph_memory is None:
-            return "graph memory: " + ("no plan (call plan_memory() before warmup())" if self._memory_plan is None
-                                       else "planned, not warmed up yet")
+        if not self.families:
+            return "graph memory: none (execute mode 'eager': no graphs)"
+        if self._memory_plan is None:
+            return "graph memory: no plan (call plan_memory() before warmup())"
+        if self._graph_memory is None:
+            return f"graph memory: planned {self._memory_plan.bytes / 2**20:.1f} MiB, not warmed up yet"
         return self._memory_plan.compare(self._graph_memory)
 
     def _measures_memory(self) -> bool:
@@ -337,12 +342,7 @@ class GraphRunner:
         defaults for the rest), the plain one without."""
         if self._full is None:
             return None
-        variants = self._shared.variants
-        unknown = sorted(set(variant) - set(variants.declared))
-        if unknown:
-            raise InputError(f"runner.graph({bucket}, {q_len}, {unknown[0]}=...): not a declared graph variant "
-                             f"keyword; this runner's are {list(variants.declared)}")
-        _, key = variants.of_step(variant)
+        key = self._shared.variants.key_of(variant, f"runner.graph({bucket}, {q_len}")
         return self._full.by_variant.get(key, {}).get((bucket, q_len))
 
     def __repr__(self) -> str:

@@ -251,6 +251,11 @@ def _check_step_inputs(inputs: StepInputs, config: RunnerConfig, batch: int, tok
                 f"step input {spec.name!r} has shape {tuple(value.shape)}; declared {_declared(spec.shape)}, "
                 f"this step of {batch} sequences and {tokens} tokens needs {shape}"
             )
+        if (value.is_floating_point() or value.is_complex()) and not (spec.dtype.is_floating_point or spec.dtype.is_complex):
+            raise InputError(  # a graph step would truncate them on copy (1.7 -> 1), an eager step pass them on
+                f"step input {spec.name!r} is {value.dtype}, declared {spec.dtype}: the copy into its buffer "
+                f"would truncate the values. Pass {spec.name}.to({spec.dtype})"
+            )
 
 
 def _declared(shape: tuple[int | str, ...]) -> str:
