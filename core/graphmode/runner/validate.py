@@ -203,17 +203,27 @@ def check_values(inputs: StepInputs, config: RunnerConfig, batch: int, tokens: i
     """The checks after the tensors' (host lengths when the maximum is
     unknown, declared step inputs), which read values or extras every step."""
     host = inputs.attn_metadata.kv_seqlens_cpu
-    if host is not None and inputs.attn_metadata.max_kv_seq_len < 0:  # the length unknown: the host lengths say it
-        _check_host_lengths(host, width, config)
+    if host is not None:
+        _check_host_lengths(host, inputs.attn_metadata.max_kv_seq_len, width, config)
     if config.step_inputs and inputs.extras:
         _check_step_inputs(inputs, config, batch, tokens, width)
 
 
-def _check_host_lengths(host: torch.Tensor, width: int, config: RunnerConfig) -> None:
-    """Refuse host kv lengths past the step's table (PPU's device assertion blamed the graph contexts)."""
-    capacity = width * config.block_size
+def _check_host_lengths(host: torch.Tensor, kv_max: int, width: int, config: RunnerConfig) -> None:
+    """Refuse host kv lengths above the step's maximum (Camb's decode kernel
+    clamps the lengths it reads to it: a silently wrong result) or, when that
+    is -1, past the step's table (PPU's device assertion blamed the graph
+    contexts). A host tensor: reading it costs no synchronisation."""
     longest = int(host.max())
-    if longest > capacity:
+    if 0 <= kv_max < longest:
+        raise InputError(
+            f"max_kv_seq_len={kv_max}, but attn_metadata.kv_seqlens_cpu holds {longest} (sequence "
+            f"{int(host.argmax())}): kernels that size their work by the maximum (Camb, PPU, FlashAttention's "
+            "max_seqlen_k) would read part of that sequence's cache. Pass the step's real max_kv_seq_len (the "
+            "largest kv_seqlens), or -1"
+        )
+    capacity = width * config.block_size
+    if kv_max < 0 and longest > capacity:
         row = int(host.argmax())
         raise InputError(
             f"attn_metadata.kv_seqlens_cpu holds {longest} (sequence {row}), above the {capacity} tokens the "
@@ -315,10 +325,17 @@ def _check_decode(attn: AttnMetadata, batch: int, tokens: int) -> None:
 
 
 def _check_maxima(attn: AttnMetadata, batch: int, tokens: int) -> None:
-    """Refuse host maxima that cannot hold (a varlen kernel sizes its work by
+    """Refuse fewer tokens than sequences (one would add none), and host
+    maxima that cannot hold (a varlen kernel sizes its work by
     them: one too small reads part of the step): ``tokens`` new tokens in
     ``batch`` sequences need a longest query of at least ``ceil(tokens /
     batch)``, and a sequence's KV length includes its new tokens."""
+    if tokens < batch:  # a piecewise step's token bucket would be below the batch
+        raise InputError(
+            f"a step of {batch} sequences and {tokens} new tokens: at least one sequence adds no token, but "
+            "every scheduled sequence adds at least one (q_seqlens >= 1); leave sequences without new tokens "
+            "out of the step"
+        )
     q_max, kv_max = attn.max_q_seq_len, attn.max_kv_seq_len
     if q_max >= 0 and tokens > batch * q_max:
         raise InputError(
