@@ -79,7 +79,10 @@ class StepChecker:
         if uniform:
             self._check_uniform(inputs, step, batch)
         else:
-            _first(step.q_lens < 0, lambda r: f"sequence {r} has q_seqlens={int(step.q_lens[r])}, below 0")
+            _first(step.q_lens < 1, lambda r: (
+                f"sequence {r} has q_seqlens={int(step.q_lens[r])}, below 1: every scheduled sequence adds at "
+                "least one token; leave sequences without new tokens out of the step"))
+            self._check_maxima(inputs, step)
             if int(step.q_lens.sum()) != tokens:
                 raise InputError(
                     f"debug mode: q_seqlens {step.q_lens.tolist()} sum to {int(step.q_lens.sum())}, but the step "
@@ -115,6 +118,20 @@ class StepChecker:
             f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
             f"kv_seqlens={int(step.kv_lens[r])}); block 0 is reserved for padding rows: never give it to a sequence"))
         self._check_slots(step, owned)
+
+    def _check_maxima(self, inputs: StepInputs, step: _Step) -> None:
+        """A piecewise step's attention gets the step's own maxima: a kernel
+        sizing its work by them (CUDA's Triton prefill grid, FlashAttention's
+        max_seqlen_k) skips the rows or cached tokens past a maximum too small."""
+        attn = inputs.attn_metadata
+        for lengths, name, bound in ((step.q_lens, "q_seqlens", attn.max_q_seq_len),
+                                     (step.kv_lens, "kv_seqlens", attn.max_kv_seq_len)):
+            if bound >= 0:
+                maximum = "max_q_seq_len" if name == "q_seqlens" else "max_kv_seq_len"
+                _first(lengths > bound, lambda r: (
+                    f"sequence {r} has {name}={int(lengths[r])}, above {maximum}={bound}: kernels that size "
+                    f"their work by {maximum} (CUDA's Triton prefill grid) would skip part of the sequence. Pass "
+                    f"the step's real {maximum} (the largest {name}), or -1"))
 
     def _check_uniform(self, inputs: StepInputs, step: _Step, batch: int) -> None:
         """A full graph's decode step: every sequence has the graph's q_len
