@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphmode.context import StepInputs
+from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import InputError
 from graphmode.runner.validate import cache_geometry
 
-__all__ = ["ENV_DEBUG_DUMP", "StepChecker"]
+__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_maxima"]
 
 ENV_DEBUG_DUMP = "GRAPHMODE_DEBUG_DUMP"
 
@@ -82,7 +82,7 @@ class StepChecker:
             _first(step.q_lens < 1, lambda r: (
                 f"sequence {r} has q_seqlens={int(step.q_lens[r])}, below 1: every scheduled sequence adds at "
                 "least one token; leave sequences without new tokens out of the step"))
-            self._check_maxima(inputs, step)
+            check_maxima(inputs.attn_metadata, step.q_lens, step.kv_lens, "debug mode: ")
             if int(step.q_lens.sum()) != tokens:
                 raise InputError(
                     f"debug mode: q_seqlens {step.q_lens.tolist()} sum to {int(step.q_lens.sum())}, but the step "
@@ -118,20 +118,6 @@ class StepChecker:
             f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
             f"kv_seqlens={int(step.kv_lens[r])}); block 0 is reserved for padding rows: never give it to a sequence"))
         self._check_slots(step, owned)
-
-    def _check_maxima(self, inputs: StepInputs, step: _Step) -> None:
-        """A piecewise step's attention gets the step's own maxima: a kernel
-        sizing its work by them (CUDA's Triton prefill grid, FlashAttention's
-        max_seqlen_k) skips the rows or cached tokens past a maximum too small."""
-        attn = inputs.attn_metadata
-        for lengths, name, bound in ((step.q_lens, "q_seqlens", attn.max_q_seq_len),
-                                     (step.kv_lens, "kv_seqlens", attn.max_kv_seq_len)):
-            if bound >= 0:
-                maximum = "max_q_seq_len" if name == "q_seqlens" else "max_kv_seq_len"
-                _first(lengths > bound, lambda r: (
-                    f"sequence {r} has {name}={int(lengths[r])}, above {maximum}={bound}: kernels that size "
-                    f"their work by {maximum} (CUDA's Triton prefill grid) would skip part of the sequence. Pass "
-                    f"the step's real {maximum} (the largest {name}), or -1"))
 
     def _check_uniform(self, inputs: StepInputs, step: _Step, batch: int) -> None:
         """A full graph's decode step: every sequence has the graph's q_len
@@ -250,6 +236,23 @@ class StepChecker:
             found += [(f"model parameter {n!r}", p.data_ptr()) for n, p in named()]
             found += [(f"model buffer {n!r}", b.data_ptr()) for n, b in self.model.named_buffers()]
         return found
+
+
+def check_maxima(attn: AttnMetadata, q_lens: torch.Tensor, kv_lens: torch.Tensor, prefix: str = "") -> None:
+    """Refuse host lengths above the step's maxima (unless -1). A piecewise
+    step's attention gets the step's own maxima: a kernel sizing its work by
+    them (CUDA's Triton prefill grid, FlashAttention's max_seqlen_k) skips
+    the rows or cached tokens past one too small. The piecewise graphs check
+    a host step's lengths (no synchronisation), debug mode every step's."""
+    for lengths, name, maximum in ((q_lens, "q_seqlens", "max_q_seq_len"), (kv_lens, "kv_seqlens", "max_kv_seq_len")):
+        bound = getattr(attn, maximum)
+        if 0 <= bound < int(lengths.max()):
+            row = int((lengths > bound).nonzero()[0])
+            raise InputError(
+                f"{prefix}sequence {row} has {name}={int(lengths[row])}, above {maximum}={bound}: kernels that "
+                f"size their work by {maximum} (CUDA's Triton prefill grid) would skip part of the sequence. "
+                f"Pass the step's real {maximum} (the largest {name}), or -1"
+            )
 
 
 def _read(inputs: StepInputs, batch: int) -> _Step:
