@@ -30,7 +30,7 @@ from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForw
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
 from graphmode.runner.common import capture_failed, inert_step, live_columns
-from graphmode.runner.debug import check_maxima
+from graphmode.runner.debug import check_host_step
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.staging import to_device
@@ -92,8 +92,7 @@ class PiecewiseGraphs:
         """Replay the step's token bucket, or capture it first."""
         shared, stats = self.shared, self.shared.stats
         if on_host:  # the break points run eagerly on the step's metadata: on the device
-            attn = inputs.attn_metadata  # its host lengths cost no synchronisation to check
-            check_maxima(attn, attn.q_seqlens, attn.kv_seqlens)
+            check_host_step(inputs.attn_metadata, inputs.num_tokens)  # host lengths: no synchronisation
             inputs = to_device(inputs, shared.config.device)
         tokens = inputs.num_tokens
         bucket = token_bucket(tokens, self.sizes)

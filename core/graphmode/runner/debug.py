@@ -36,7 +36,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import InputError
 from graphmode.runner.validate import cache_geometry
 
-__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_maxima"]
+__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_host_step", "check_query_lengths"]
 
 ENV_DEBUG_DUMP = "GRAPHMODE_DEBUG_DUMP"
 
@@ -78,24 +78,9 @@ class StepChecker:
         cache_blocks = self._cache_blocks(inputs.past_key_values)
         if uniform:
             self._check_uniform(inputs, step, batch)
+            _check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ")
         else:
-            _first(step.q_lens < 1, lambda r: (
-                f"sequence {r} has q_seqlens={int(step.q_lens[r])}, below 1: every scheduled sequence adds at "
-                "least one token; leave sequences without new tokens out of the step"))
-            check_maxima(inputs.attn_metadata, step.q_lens, step.kv_lens, "debug mode: ")
-            if int(step.q_lens.sum()) != tokens:
-                raise InputError(
-                    f"debug mode: q_seqlens {step.q_lens.tolist()} sum to {int(step.q_lens.sum())}, but the step "
-                    f"has {tokens} new tokens (input_ids' length); pass each sequence's new token count"
-                )
-            starts = step.q_lens.cumsum(0) - step.q_lens
-            _first(step.q_starts != starts, lambda r: (
-                f"sequence {r} has q_start_loc={int(step.q_starts[r])}, but its tokens start at token "
-                f"{int(starts[r])} (the earlier sequences' q_seqlens summed): q_start_loc must be the "
-                "exclusive cumulative sum of q_seqlens"))
-        _first(step.kv_lens < step.q_lens, lambda r: (
-            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, below {int(step.q_lens[r])} (its new tokens): "
-            "a sequence holds at least this step's tokens; pass its cached tokens plus this step's"))
+            check_query_lengths(inputs.attn_metadata, tokens, step.q_lens, step.q_starts, step.kv_lens, "debug mode: ")
         _first(step.kv_lens > capacity, lambda r: (
             f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
             f"can address ({width} blocks x block_size={block_size}); give it more blocks (a wider table)"))
@@ -238,20 +223,66 @@ class StepChecker:
         return found
 
 
-def check_maxima(attn: AttnMetadata, q_lens: torch.Tensor, kv_lens: torch.Tensor, prefix: str = "") -> None:
-    """Refuse host lengths above the step's maxima (unless -1). A piecewise
-    step's attention gets the step's own maxima: a kernel sizing its work by
-    them (CUDA's Triton prefill grid, FlashAttention's max_seqlen_k) skips
-    the rows or cached tokens past one too small. The piecewise graphs check
-    a host step's lengths (no synchronisation), debug mode every step's."""
-    for lengths, name, maximum in ((q_lens, "q_seqlens", "max_q_seq_len"), (kv_lens, "kv_seqlens", "max_kv_seq_len")):
-        bound = getattr(attn, maximum)
-        if 0 <= bound < int(lengths.max()):
-            row = int((lengths > bound).nonzero()[0])
+def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
+                        kv_lens: torch.Tensor, prefix: str = "") -> None:
+    """Refuse host copies of a step's lengths that a piecewise step (prefill,
+    mixed, decode: each sequence's tokens from its ``q_seqlens``) cannot
+    have: a sequence without new tokens, lengths not summing to the step's
+    tokens, ``q_start_loc`` other than their exclusive cumulative sum, fewer
+    KV than new tokens, and lengths above the step's maxima (unless -1): the
+    break points hand the kernels the step's own maxima, and one sizing its
+    work by them (CUDA's Triton prefill grid, FlashAttention's
+    max_seqlen_k) skips the rows or cached tokens past one too small. Debug
+    mode checks every such step (:func:`check_host_step` a step built on
+    the host, in part)."""
+    q, starts, kv = q_lens.tolist(), q_starts.tolist(), kv_lens.tolist()
+    if sum(q) != tokens:
+        raise InputError(
+            f"{prefix}q_seqlens {q} sum to {sum(q)}, but the step has {tokens} new tokens (input_ids' length); "
+            "pass each sequence's new token count"
+        )
+    q_max, kv_max, start = attn.max_q_seq_len, attn.max_kv_seq_len, 0
+    for row, (count, first, length) in enumerate(zip(q, starts, kv)):
+        if count < 1:
             raise InputError(
-                f"{prefix}sequence {row} has {name}={int(lengths[row])}, above {maximum}={bound}: kernels that "
-                f"size their work by {maximum} (CUDA's Triton prefill grid) would skip part of the sequence. "
-                f"Pass the step's real {maximum} (the largest {name}), or -1"
+                f"{prefix}sequence {row} has q_seqlens={count}, below 1: every scheduled sequence adds at least "
+                "one token; leave sequences without new tokens out of the step"
+            )
+        for value, name, bound in ((count, "q_seqlens", q_max), (length, "kv_seqlens", kv_max)):
+            if 0 <= bound < value:
+                maximum = "max_q_seq_len" if name == "q_seqlens" else "max_kv_seq_len"
+                raise InputError(
+                    f"{prefix}sequence {row} has {name}={value}, above {maximum}={bound}: kernels that size their "
+                    f"work by {maximum} (CUDA's Triton prefill grid) would skip part of the sequence. Pass the "
+                    f"step's real {maximum} (the largest {name}), or -1"
+                )
+        if first != start:
+            raise InputError(
+                f"{prefix}sequence {row} has q_start_loc={first}, but its tokens start at token {start} (the "
+                "earlier sequences' q_seqlens summed): q_start_loc must be the exclusive cumulative sum of q_seqlens"
+            )
+        start += count
+    _check_kv_holds_q(q, kv, prefix)
+
+
+def check_host_step(attn: AttnMetadata, tokens: int) -> None:
+    """The part of :func:`check_query_lengths` a piecewise step built on the
+    host gets without debug mode: its lengths sum to its tokens and stay
+    within its maxima (reading host tensors costs no synchronisation). Three
+    tensor reductions, whatever the batch; the rows are walked only when one
+    fails, to name the first bad one."""
+    q_lens, kv_lens = attn.q_seqlens, attn.kv_seqlens
+    if int(q_lens.sum()) != tokens or 0 <= attn.max_q_seq_len < int(q_lens.max()) \
+            or 0 <= attn.max_kv_seq_len < int(kv_lens.max()):
+        check_query_lengths(attn, tokens, q_lens, attn.q_start_loc, kv_lens)
+
+
+def _check_kv_holds_q(q_lens: list[int], kv_lens: list[int], prefix: str) -> None:
+    for row, (count, length) in enumerate(zip(q_lens, kv_lens)):
+        if length < count:
+            raise InputError(
+                f"{prefix}sequence {row} has kv_seqlens={length}, below {count} (its new tokens): a sequence "
+                "holds at least this step's tokens; pass its cached tokens plus this step's"
             )
 
 
