@@ -268,13 +268,21 @@ def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q
 def check_host_step(attn: AttnMetadata, tokens: int) -> None:
     """The part of :func:`check_query_lengths` a piecewise step built on the
     host gets without debug mode: its lengths sum to its tokens and stay
-    within its maxima (reading host tensors costs no synchronisation). Three
-    tensor reductions, whatever the batch; the rows are walked only when one
-    fails, to name the first bad one."""
+    within its maxima, and its host lengths ``kv_seqlens_cpu`` (which
+    Ascend's kernels read) equal ``kv_seqlens`` (reading host tensors costs
+    no synchronisation). A few tensor reductions, whatever the batch; the
+    rows are walked only when one fails, to name the first bad one."""
     q_lens, kv_lens = attn.q_seqlens, attn.kv_seqlens
     if int(q_lens.sum()) != tokens or 0 <= attn.max_q_seq_len < int(q_lens.max()) \
             or 0 <= attn.max_kv_seq_len < int(kv_lens.max()):
         check_query_lengths(attn, tokens, q_lens, attn.q_start_loc, kv_lens)
+    host = attn.kv_seqlens_cpu
+    if host is not None and not torch.equal(host, kv_lens):  # any dtypes
+        row = int((host != kv_lens).nonzero()[0])
+        raise InputError(
+            f"sequence {row} has kv_seqlens_cpu={int(host[row])} but kv_seqlens={int(kv_lens[row])}; kernels "
+            "that take host lengths (Ascend) would use the first. Build both from the same lengths"
+        )
 
 
 def _check_kv_holds_q(q_lens: list[int], kv_lens: list[int], prefix: str) -> None:
