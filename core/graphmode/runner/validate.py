@@ -260,6 +260,11 @@ def _check_step_inputs(inputs: StepInputs, config: RunnerConfig, batch: int, tok
                 f"step input {spec.name!r} has shape {tuple(value.shape)}; declared {_declared(spec.shape)}, "
                 f"this step of {batch} sequences and {tokens} tokens needs {shape}"
             )
+        if not torch.can_cast(value.dtype, spec.dtype):  # the fill's copy would truncate it (float into int)
+            raise InputError(
+                f"step input {spec.name!r} has dtype {value.dtype}, declared {spec.dtype}: its buffer would not "
+                f"hold its values (a float truncated to an integer); pass it as {spec.dtype}, or declare its dtype"
+            )
 
 
 def _declared(shape: tuple[int | str, ...]) -> str:
