@@ -76,14 +76,15 @@ CASES = {
         lambda step: {"block_offsets": _table(step, 1, 1, 0)},
         r"sequence 1 uses block 0 \(column 1 of its table, within its kv_seqlens=22\); block 0 is reserved"),
     "kv length above the table": (
-        lambda step: {"kv_seqlens": torch.tensor([5, 22, 200], dtype=torch.int32), "kv_seqlens_cpu": None},
+        lambda step: {"kv_seqlens": torch.tensor([5, 22, 200], dtype=torch.int32),
+                      "kv_seqlens_cpu": torch.tensor([5, 22, 200], dtype=torch.int32)},
         r"sequence 2 has kv_seqlens=200, above the 128 tokens its block table can address \(8 blocks x block_size=16\)"),
     "kv length below 1": (
         lambda step: {"kv_seqlens": torch.tensor([5, 0, 11], dtype=torch.int32),
                       "kv_seqlens_cpu": torch.tensor([5, 0, 11], dtype=torch.int32)},
         r"sequence 1 has kv_seqlens=0, below 1"),
     "host lengths disagree": (
-        lambda step: {"kv_seqlens_cpu": torch.tensor([5, 23, 11], dtype=torch.int32), "max_kv_seq_len": 23},
+        lambda step: {"kv_seqlens_cpu": torch.tensor([5, 23, 11], dtype=torch.int32)},
         r"sequence 1 has kv_seqlens_cpu=23 on the host but kv_seqlens=22 on the device"),
     "query lengths not one": (
         lambda step: {"q_seqlens": torch.tensor([1, 2, 0], dtype=torch.int32)},

@@ -36,7 +36,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import InputError
 from graphmode.runner.validate import cache_geometry
 
-__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_host_step", "check_query_lengths"]
+__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_piecewise_step", "check_query_lengths"]
 
 ENV_DEBUG_DUMP = "GRAPHMODE_DEBUG_DUMP"
 
@@ -233,8 +233,8 @@ def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q
     break points hand the kernels the step's own maxima, and one sizing its
     work by them (CUDA's Triton prefill grid, FlashAttention's
     max_seqlen_k) skips the rows or cached tokens past one too small. Debug
-    mode checks every such step (:func:`check_host_step` a step built on
-    the host, in part)."""
+    mode checks every such step (:func:`check_piecewise_step` a step built
+    on the host, in part)."""
     q, starts, kv = q_lens.tolist(), q_starts.tolist(), kv_lens.tolist()
     if sum(q) != tokens:
         raise InputError(
@@ -265,18 +265,33 @@ def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q
     _check_kv_holds_q(q, kv, prefix)
 
 
-def check_host_step(attn: AttnMetadata, tokens: int) -> None:
-    """The part of :func:`check_query_lengths` a piecewise step built on the
-    host gets without debug mode: its lengths sum to its tokens and stay
-    within its maxima, and its host lengths ``kv_seqlens_cpu`` (which
-    Ascend's kernels read) equal ``kv_seqlens`` (reading host tensors costs
-    no synchronisation). A few tensor reductions, whatever the batch; the
-    rows are walked only when one fails, to name the first bad one."""
+def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None:
+    """The host facts a piecewise step is checked for, without debug mode:
+    its break points hand the kernels the step's own maxima and host lengths
+    (graph steps' contexts have their own), so a ``max_kv_seq_len`` below
+    the host lengths ``kv_seqlens_cpu`` is refused (Camb's decode kernel
+    clamps the lengths it reads to it: a silently wrong result). A step built
+    on the host (``on_host``) is also checked, from its lengths, for what
+    :func:`check_query_lengths` reads first: its query lengths sum to its
+    tokens, stay within its maxima (CUDA's Triton prefill sizes its grid by
+    ``max_q_seq_len``), and ``kv_seqlens_cpu`` (which Ascend's kernels read)
+    equals ``kv_seqlens``. Host tensors cost no synchronisation: a few
+    reductions, whatever the batch; rows are walked only when one fails, to
+    name the first bad one."""
+    host, kv_max = attn.kv_seqlens_cpu, attn.max_kv_seq_len
+    if host is not None and kv_max >= 0 and int(host.max()) > kv_max:
+        row = int((host > kv_max).nonzero()[0])
+        raise InputError(
+            f"max_kv_seq_len={kv_max}, but attn_metadata.kv_seqlens_cpu holds {int(host[row])} (sequence {row}): "
+            "kernels that size their work by the maximum (Camb, PPU, FlashAttention's max_seqlen_k) would read "
+            "part of that sequence's cache. Pass the step's real max_kv_seq_len (the largest kv_seqlens), or -1"
+        )
+    if not on_host:
+        return
     q_lens, kv_lens = attn.q_seqlens, attn.kv_seqlens
     if int(q_lens.sum()) != tokens or 0 <= attn.max_q_seq_len < int(q_lens.max()) \
-            or 0 <= attn.max_kv_seq_len < int(kv_lens.max()):
+            or 0 <= kv_max < int(kv_lens.max()):
         check_query_lengths(attn, tokens, q_lens, attn.q_start_loc, kv_lens)
-    host = attn.kv_seqlens_cpu
     if host is not None and not torch.equal(host, kv_lens):  # any dtypes
         row = int((host != kv_lens).nonzero()[0])
         raise InputError(

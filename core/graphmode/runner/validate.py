@@ -203,27 +203,17 @@ def check_values(inputs: StepInputs, config: RunnerConfig, batch: int, tokens: i
     """The checks after the tensors' (host lengths when the maximum is
     unknown, declared step inputs), which read values or extras every step."""
     host = inputs.attn_metadata.kv_seqlens_cpu
-    if host is not None:
-        _check_host_lengths(host, inputs.attn_metadata.max_kv_seq_len, width, config)
+    if host is not None and inputs.attn_metadata.max_kv_seq_len < 0:  # the length unknown: the host lengths say it
+        _check_host_lengths(host, width, config)
     if config.step_inputs and inputs.extras:
         _check_step_inputs(inputs, config, batch, tokens, width)
 
 
-def _check_host_lengths(host: torch.Tensor, kv_max: int, width: int, config: RunnerConfig) -> None:
-    """Refuse host kv lengths above the step's maximum (Camb's decode kernel
-    clamps the lengths it reads to it: a silently wrong result) or, when that
-    is -1, past the step's table (PPU's device assertion blamed the graph
-    contexts). A host tensor: reading it costs no synchronisation."""
-    longest = int(host.max())
-    if 0 <= kv_max < longest:
-        raise InputError(
-            f"max_kv_seq_len={kv_max}, but attn_metadata.kv_seqlens_cpu holds {longest} (sequence "
-            f"{int(host.argmax())}): kernels that size their work by the maximum (Camb, PPU, FlashAttention's "
-            "max_seqlen_k) would read part of that sequence's cache. Pass the step's real max_kv_seq_len (the "
-            "largest kv_seqlens), or -1"
-        )
+def _check_host_lengths(host: torch.Tensor, width: int, config: RunnerConfig) -> None:
+    """Refuse host kv lengths past the step's table (PPU's device assertion blamed the graph contexts)."""
     capacity = width * config.block_size
-    if kv_max < 0 and longest > capacity:
+    longest = int(host.max())
+    if longest > capacity:
         row = int(host.argmax())
         raise InputError(
             f"attn_metadata.kv_seqlens_cpu holds {longest} (sequence {row}), above the {capacity} tokens the "
