@@ -8,7 +8,9 @@ lengths that disagree with the device's. A graph replays them silently (an
 eager kernel might fault, or might not). With ``debug=True`` (or
 ``$GRAPHMODE_DEBUG=1``) every graph step reads its attention tensors to the
 host in one copy (one synchronisation) and refuses such values, naming the
-row, the value, the limit and the fix.
+row, the value, the limit and the fix. The part of these checks that host
+values answer (a piecewise step's host lengths against its maxima) runs
+without debug mode too: :func:`check_piecewise_step`.
 
 Device graphs are captured with their runtime's debug mode on
 (``DeviceGraph.enable_debug_mode``), so that ``debug_dump`` works on them;
