@@ -11,6 +11,7 @@ from setups import tiny_setup
 import graphmode
 from graphmode import ConfigError, InputError
 from graphmode.model import ModelConfig, build_reference_model
+from graphmode.spec import SEQUENCES, BufferSpec
 
 
 def _decode(setup, batch=2):
@@ -153,3 +154,37 @@ def test_a_step_of_a_layout_that_passed_before_is_still_checked_whole():
     marked = graphmode.emulator.mark_host(step.attn_metadata.q_seqlens.clone())
     with pytest.raises(InputError, match=r"^attn_metadata.q_seqlens is on the host but input_ids is on cpu"):
         _call(setup, step, q_seqlens=marked)
+
+
+@pytest.mark.parametrize("mode", ["eager", "piecewise", "full_and_piecewise"])
+def test_a_prefill_step_with_fewer_tokens_than_sequences_is_refused(mode):
+    # Three sequences, two new tokens: one sequence adds none. A piecewise step
+    # then ran in token bucket 2, below the batch, and the per-sequence step
+    # input's fill failed with "narrow(): length must be non-negative".
+    setup = tiny_setup(execute_mode=mode, capture_token_sizes=[2, 4, 8], capture_batch_sizes=[1, 2, 4],
+                       step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)])
+    seqs = [setup.engine.add() for _ in range(3)]
+    step = setup.engine.prefill(seqs, [1, 1, 1])
+    attn = step.attn_metadata.replace(
+        q_seqlens=torch.tensor([1, 1, 0], dtype=torch.int32), q_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(InputError, match=r"^a step of 3 sequences and 2 new tokens: at least one sequence adds "
+                       r"no token.* leave sequences without new tokens out of the step"), torch.inference_mode():
+        setup.runner(step.input_ids[:, :2], step.position_ids[:, :2], setup.graph_cache,
+                     attn.replace(kv_start_indices=attn.kv_start_indices[:2]), lora_ids=torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_kv_maximum_below_the_host_lengths_is_refused_in_a_piecewise_step(mode):
+    # max_kv_seq_len below a sequence's kv length, the host lengths given: a
+    # piecewise break point hands it to the kernels, and Camb's decode kernel
+    # clamps the lengths it reads to it (a silently wrong result), PPU's fail
+    # a device assertion. The host lengths prove it wrong. (Full graphs'
+    # contexts carry their own maxima; eager steps are the engine's own.)
+    setup = tiny_setup("camb", execute_mode=mode, capture_token_sizes=[4, 8, 16], capture_batch_sizes=[1, 2, 4])
+    seqs = setup.prefill(2, [5, 3])
+    step = setup.engine.prefill(seqs, [2, 1])
+    assert step.attn_metadata.kv_seqlens_cpu.tolist() == [7, 4]
+    _call(setup, step)  # the step's own maxima pass, and its layout is remembered: the next is checked in part
+    with pytest.raises(InputError, match=r"^max_kv_seq_len=5, but attn_metadata.kv_seqlens_cpu holds 7 \(sequence "
+                       r"0\).*Pass the step's real max_kv_seq_len \(the largest kv_seqlens\), or -1"):
+        _call(setup, step, max_kv_seq_len=5)

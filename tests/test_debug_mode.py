@@ -365,3 +365,26 @@ def test_debug_mode_captures_and_dumps_every_segment_of_a_piecewise_graph(tmp_pa
     dumps = sorted(p.name for p in (tmp_path / "dumps").iterdir())
     assert {f"tokens4-segment{i}.dump" for i in range(1, segments + 1)} <= set(dumps)
     assert "replay" in (tmp_path / "dumps" / "tokens4-segment1.dump").read_text()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_debug_mode_checks_a_piecewise_step_against_its_host_maxima(mode):
+    # A piecewise break point hands the kernel the step's own maxima: CUDA's
+    # Triton prefill sizes its grid by max_q_seq_len and skipped the query rows
+    # past it (the reference kernels ignore it, so graph and eager agreed here).
+    setup = _piecewise("cuda", mode)
+    seqs = setup.prefill(3, [3, 4, 2])
+    step = setup.engine.prefill(seqs, [1, 9, 2])  # 12 tokens, 3 sequences: max_q_seq_len 4 passes the host check
+    for changes, message in (
+        ({"max_q_seq_len": 4}, r"sequence 1 has q_seqlens=9, above max_q_seq_len=4"),
+        ({"max_kv_seq_len": 11}, r"sequence 1 has kv_seqlens=13, above max_kv_seq_len=11"),
+        ({"q_seqlens": torch.tensor([3, 0, 9], dtype=torch.int32), "q_start_loc": torch.tensor([0, 3, 3])},
+         r"sequence 1 has q_seqlens=0, below 1"),
+    ):
+        host = step.attn_metadata.kv_seqlens_cpu if "max_kv_seq_len" not in changes else None  # past the host check
+        with pytest.raises(InputError, match="debug mode: " + message):
+            _run(setup, step, kv_seqlens_cpu=host, **changes)
+    graph, eager = (_run(setup, step).clone(), None)
+    with torch.inference_mode():
+        eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)

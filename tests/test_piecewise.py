@@ -433,6 +433,32 @@ def test_steps_built_on_the_host_run_piecewise_with_eager_results():
     assert setup.runner.stats.piecewise_replays == 2
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_host_step_whose_lengths_cannot_hold_is_refused(mode):
+    """A piecewise break point hands the kernel the step's own maxima, and
+    CUDA's Triton prefill sizes its grid by max_q_seq_len: a query longer than
+    it kept its rows from an earlier step (the reference kernels ignore the
+    maximum, so graph and eager agreed here); query lengths that miss a token,
+    or host lengths other than the device's (Ascend reads them), gave silently
+    wrong results. Host lengths cost no synchronisation to read: a host step's
+    sum, maxima and host lengths are checked without debug mode."""
+    setup = piecewise_setup(mode=mode, host_inputs=True)
+    seqs = setup.prefill(3, [3, 4, 2])
+    step = setup.engine.prefill(seqs, [1, 9, 2])  # 12 tokens, 3 sequences: max_q_seq_len 4 passes the count check
+    host = graphmode.emulator.mark_host
+    for changes, message in (
+        ({"max_q_seq_len": 4}, r"sequence 1 has q_seqlens=9, above max_q_seq_len=4"),
+        ({"max_kv_seq_len": 11, "kv_seqlens_cpu": None}, r"sequence 1 has kv_seqlens=13, above max_kv_seq_len=11"),
+        ({"q_seqlens": host(torch.tensor([1, 8, 2], dtype=torch.int32))}, r"q_seqlens \[1, 8, 2\] sum to 11, but the "
+         r"step has 12 new tokens"),
+        ({"kv_seqlens_cpu": host(torch.tensor([4, 12, 4], dtype=torch.int32))},
+         r"sequence 1 has kv_seqlens_cpu=12 but kv_seqlens=13; kernels that take host lengths \(Ascend\)"),
+    ):
+        with pytest.raises(InputError, match=message), torch.inference_mode():
+            setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata.replace(**changes))
+    assert setup.runner.stats.piecewise_replays == 0
+
+
 class _ReadsTheDeviceBetweenLayers(torch.nn.Module):
     """The reference model, reading a device value on the host after its
     last attention call: not capturable in a segment."""

@@ -254,6 +254,21 @@ def test_a_missing_or_misshapen_declared_input_is_refused_naming_it(mode):
             runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, token_scale=torch.ones(5))
 
 
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_a_declared_input_that_would_lose_its_values_in_its_buffer_is_refused(mode):
+    # A float scale for an integer buffer: the graph's copy truncated 2.5 to 2
+    # while the eager model used 2.5, a silently wrong result. Casts of the
+    # same kind (int64 ids into an int32 buffer) still pass.
+    declared = [BufferSpec("token_scale", torch.int32, shape=(TOKENS,), padding=1)]
+    setup, scaled, runner = _scaled_setup(mode, step_inputs=declared)
+    seqs = setup.prefill(3)
+    with pytest.raises(InputError, match=r"step input 'token_scale' is torch.float32, declared torch.int32: "
+                       r"its buffer would not hold its values .*Pass token_scale.to\(torch.int32\)"):
+        _scaled_step(setup, scaled, runner, seqs, 2.5)
+    graph, eager = _decode(setup, scaled, runner, seqs, token_scale=torch.full((3,), 2, dtype=torch.int64))
+    torch.testing.assert_close(graph, eager)
+
+
 def test_engine_inputs_cannot_shadow_the_vendors_declarations():
     with pytest.raises(ConfigError, match=r"step_inputs \['kv_seqlens'\]: vendor 'cuda' already declares buffers"):
         tiny_setup(step_inputs=[BufferSpec("kv_seqlens", torch.int32)])

@@ -30,6 +30,7 @@ from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForw
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
 from graphmode.runner.common import capture_failed, inert_step, live_columns
+from graphmode.runner.debug import check_piecewise_step
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.staging import to_device
@@ -90,6 +91,7 @@ class PiecewiseGraphs:
     def run(self, inputs: StepInputs, batch: int, q_len: int | None, on_host: bool) -> Any:
         """Replay the step's token bucket, or capture it first."""
         shared, stats = self.shared, self.shared.stats
+        check_piecewise_step(inputs.attn_metadata, inputs.num_tokens, on_host)  # host values: no synchronisation
         if on_host:  # the break points run eagerly on the step's metadata: on the device
             inputs = to_device(inputs, shared.config.device)
         tokens = inputs.num_tokens

@@ -8,7 +8,9 @@ lengths that disagree with the device's. A graph replays them silently (an
 eager kernel might fault, or might not). With ``debug=True`` (or
 ``$GRAPHMODE_DEBUG=1``) every graph step reads its attention tensors to the
 host in one copy (one synchronisation) and refuses such values, naming the
-row, the value, the limit and the fix.
+row, the value, the limit and the fix. The part of these checks that host
+values answer (a piecewise step's host lengths against its maxima) runs
+without debug mode too: :func:`check_piecewise_step`.
 
 Device graphs are captured with their runtime's debug mode on
 (``DeviceGraph.enable_debug_mode``), so that ``debug_dump`` works on them;
@@ -32,11 +34,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphmode.context import StepInputs
+from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import InputError
 from graphmode.runner.validate import cache_geometry
 
-__all__ = ["ENV_DEBUG_DUMP", "StepChecker"]
+__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_piecewise_step", "check_query_lengths"]
 
 ENV_DEBUG_DUMP = "GRAPHMODE_DEBUG_DUMP"
 
@@ -78,21 +80,9 @@ class StepChecker:
         cache_blocks = self._cache_blocks(inputs.past_key_values)
         if uniform:
             self._check_uniform(inputs, step, batch)
+            _check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ")
         else:
-            _first(step.q_lens < 0, lambda r: f"sequence {r} has q_seqlens={int(step.q_lens[r])}, below 0")
-            if int(step.q_lens.sum()) != tokens:
-                raise InputError(
-                    f"debug mode: q_seqlens {step.q_lens.tolist()} sum to {int(step.q_lens.sum())}, but the step "
-                    f"has {tokens} new tokens (input_ids' length); pass each sequence's new token count"
-                )
-            starts = step.q_lens.cumsum(0) - step.q_lens
-            _first(step.q_starts != starts, lambda r: (
-                f"sequence {r} has q_start_loc={int(step.q_starts[r])}, but its tokens start at token "
-                f"{int(starts[r])} (the earlier sequences' q_seqlens summed): q_start_loc must be the "
-                "exclusive cumulative sum of q_seqlens"))
-        _first(step.kv_lens < step.q_lens, lambda r: (
-            f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, below {int(step.q_lens[r])} (its new tokens): "
-            "a sequence holds at least this step's tokens; pass its cached tokens plus this step's"))
+            check_query_lengths(inputs.attn_metadata, tokens, step.q_lens, step.q_starts, step.kv_lens, "debug mode: ")
         _first(step.kv_lens > capacity, lambda r: (
             f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
             f"can address ({width} blocks x block_size={block_size}); give it more blocks (a wider table)"))
@@ -233,6 +223,92 @@ class StepChecker:
             found += [(f"model parameter {n!r}", p.data_ptr()) for n, p in named()]
             found += [(f"model buffer {n!r}", b.data_ptr()) for n, b in self.model.named_buffers()]
         return found
+
+
+def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
+                        kv_lens: torch.Tensor, prefix: str = "") -> None:
+    """Refuse host copies of a step's lengths that a piecewise step (prefill,
+    mixed, decode: each sequence's tokens from its ``q_seqlens``) cannot
+    have: a sequence without new tokens, lengths not summing to the step's
+    tokens, ``q_start_loc`` other than their exclusive cumulative sum, fewer
+    KV than new tokens, and lengths above the step's maxima (unless -1): the
+    break points hand the kernels the step's own maxima, and one sizing its
+    work by them (CUDA's Triton prefill grid, FlashAttention's
+    max_seqlen_k) skips the rows or cached tokens past one too small. Debug
+    mode checks every such step (:func:`check_piecewise_step` a step built
+    on the host, in part)."""
+    q, starts, kv = q_lens.tolist(), q_starts.tolist(), kv_lens.tolist()
+    if sum(q) != tokens:
+        raise InputError(
+            f"{prefix}q_seqlens {q} sum to {sum(q)}, but the step has {tokens} new tokens (input_ids' length); "
+            "pass each sequence's new token count"
+        )
+    q_max, kv_max, start = attn.max_q_seq_len, attn.max_kv_seq_len, 0
+    for row, (count, first, length) in enumerate(zip(q, starts, kv)):
+        if count < 1:
+            raise InputError(
+                f"{prefix}sequence {row} has q_seqlens={count}, below 1: every scheduled sequence adds at least "
+                "one token; leave sequences without new tokens out of the step"
+            )
+        for value, name, bound in ((count, "q_seqlens", q_max), (length, "kv_seqlens", kv_max)):
+            if 0 <= bound < value:
+                maximum = "max_q_seq_len" if name == "q_seqlens" else "max_kv_seq_len"
+                raise InputError(
+                    f"{prefix}sequence {row} has {name}={value}, above {maximum}={bound}: kernels that size their "
+                    f"work by {maximum} (CUDA's Triton prefill grid) would skip part of the sequence. Pass the "
+                    f"step's real {maximum} (the largest {name}), or -1"
+                )
+        if first != start:
+            raise InputError(
+                f"{prefix}sequence {row} has q_start_loc={first}, but its tokens start at token {start} (the "
+                "earlier sequences' q_seqlens summed): q_start_loc must be the exclusive cumulative sum of q_seqlens"
+            )
+        start += count
+    _check_kv_holds_q(q, kv, prefix)
+
+
+def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None:
+    """The host facts a piecewise step is checked for, without debug mode:
+    its break points hand the kernels the step's own maxima and host lengths
+    (graph steps' contexts have their own), so a ``max_kv_seq_len`` below
+    the host lengths ``kv_seqlens_cpu`` is refused (Camb's decode kernel
+    clamps the lengths it reads to it: a silently wrong result). A step built
+    on the host (``on_host``) is also checked, from its lengths, for what
+    :func:`check_query_lengths` reads first: its query lengths sum to its
+    tokens, stay within its maxima (CUDA's Triton prefill sizes its grid by
+    ``max_q_seq_len``), and ``kv_seqlens_cpu`` (which Ascend's kernels read)
+    equals ``kv_seqlens``. Host tensors cost no synchronisation: a few
+    reductions, whatever the batch; rows are walked only when one fails, to
+    name the first bad one."""
+    host, kv_max = attn.kv_seqlens_cpu, attn.max_kv_seq_len
+    if host is not None and kv_max >= 0 and int(host.max()) > kv_max:
+        row = int((host > kv_max).nonzero()[0])
+        raise InputError(
+            f"max_kv_seq_len={kv_max}, but attn_metadata.kv_seqlens_cpu holds {int(host[row])} (sequence {row}): "
+            "kernels that size their work by the maximum (Camb, PPU, FlashAttention's max_seqlen_k) would read "
+            "part of that sequence's cache. Pass the step's real max_kv_seq_len (the largest kv_seqlens), or -1"
+        )
+    if not on_host:
+        return
+    q_lens, kv_lens = attn.q_seqlens, attn.kv_seqlens
+    if int(q_lens.sum()) != tokens or 0 <= attn.max_q_seq_len < int(q_lens.max()) \
+            or 0 <= kv_max < int(kv_lens.max()):
+        check_query_lengths(attn, tokens, q_lens, attn.q_start_loc, kv_lens)
+    if host is not None and not torch.equal(host, kv_lens):  # any dtypes
+        row = int((host != kv_lens).nonzero()[0])
+        raise InputError(
+            f"sequence {row} has kv_seqlens_cpu={int(host[row])} but kv_seqlens={int(kv_lens[row])}; kernels "
+            "that take host lengths (Ascend) would use the first. Build both from the same lengths"
+        )
+
+
+def _check_kv_holds_q(q_lens: list[int], kv_lens: list[int], prefix: str) -> None:
+    for row, (count, length) in enumerate(zip(q_lens, kv_lens)):
+        if length < count:
+            raise InputError(
+                f"{prefix}sequence {row} has kv_seqlens={length}, below {count} (its new tokens): a sequence "
+                "holds at least this step's tokens; pass its cached tokens plus this step's"
+            )
 
 
 def _read(inputs: StepInputs, batch: int) -> _Step:

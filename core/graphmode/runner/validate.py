@@ -251,10 +251,11 @@ def _check_step_inputs(inputs: StepInputs, config: RunnerConfig, batch: int, tok
                 f"step input {spec.name!r} has shape {tuple(value.shape)}; declared {_declared(spec.shape)}, "
                 f"this step of {batch} sequences and {tokens} tokens needs {shape}"
             )
-        if (value.is_floating_point() or value.is_complex()) and not (spec.dtype.is_floating_point or spec.dtype.is_complex):
-            raise InputError(  # a graph step would truncate them on copy (1.7 -> 1), an eager step pass them on
-                f"step input {spec.name!r} is {value.dtype}, declared {spec.dtype}: the copy into its buffer "
-                f"would truncate the values. Pass {spec.name}.to({spec.dtype})"
+        if not torch.can_cast(value.dtype, spec.dtype):  # the fill's copy would truncate it (float into int)
+            raise InputError(
+                f"step input {spec.name!r} is {value.dtype}, declared {spec.dtype}: its buffer would not hold "
+                f"its values (a float truncated to an integer, 1.7 -> 1). Pass {spec.name}.to({spec.dtype}), "
+                "or declare its dtype"
             )
 
 
@@ -321,10 +322,17 @@ def _check_decode(attn: AttnMetadata, batch: int, tokens: int) -> None:
 
 
 def _check_maxima(attn: AttnMetadata, batch: int, tokens: int) -> None:
-    """Refuse host maxima that cannot hold (a varlen kernel sizes its work by
+    """Refuse fewer tokens than sequences (one would add none), and host
+    maxima that cannot hold (a varlen kernel sizes its work by
     them: one too small reads part of the step): ``tokens`` new tokens in
     ``batch`` sequences need a longest query of at least ``ceil(tokens /
     batch)``, and a sequence's KV length includes its new tokens."""
+    if tokens < batch:  # a piecewise step's token bucket would be below the batch
+        raise InputError(
+            f"a step of {batch} sequences and {tokens} new tokens: at least one sequence adds no token, but "
+            "every scheduled sequence adds at least one (q_seqlens >= 1); leave sequences without new tokens "
+            "out of the step"
+        )
     q_max, kv_max = attn.max_q_seq_len, attn.max_kv_seq_len
     if q_max >= 0 and tokens > batch * q_max:
         raise InputError(
