@@ -16,7 +16,9 @@ import graphmode
 from graphmode import CaptureError, ConfigError, InputError
 from graphmode.emulator import EmulatedPool
 from graphmode.graphs.torch_graph import stream_capturing
+from graphmode.model.ops import ReferenceAttentionOps
 from graphmode.piecewise import default_token_sizes, host_break
+from graphmode.piecewise.breaks import writes_kv_in_graph
 from graphmode.plugins import installed_vendor_names
 
 VENDORS = installed_vendor_names()
@@ -124,10 +126,43 @@ def test_replays_run_no_python_forward_and_segments_break_at_attention():
     graph = setup.runner.piecewise.graph(16)
     layers = setup.model.config.num_hidden_layers
     # One segment before each layer's attention and one after the last; the
-    # cache write waits for the attention call (no empty segment between them).
+    # reference ops' cache write is captured in the segment (no empty segment
+    # and no break point of its own), so each gap is the attention alone.
     assert len(graph.pieces.segments) == layers + 1
-    assert [len(gap) for gap in graph.pieces.gaps] == [2] * layers + [0]
+    assert [[type(call).__name__ for call in gap] for gap in graph.pieces.gaps] == [["Attention"]] * layers + [[]]
     assert setup.runner.stats.piecewise_replays == 3
+
+
+class UndeclaredWrite(ReferenceAttentionOps):
+    """Overrides fill_kv_cache without declaring kv_write_in_graph: a write
+    graphmode knows nothing about stays at the break points."""
+
+    def fill_kv_cache(self, key, value, k_cache, v_cache, attn):
+        super().fill_kv_cache(key, value, k_cache, v_cache, attn)
+
+
+@pytest.mark.parametrize("ops", ["declared", "undeclared"])
+def test_a_kv_write_is_captured_in_the_segment_only_where_its_ops_declare_it(ops):
+    """Captured (the reference ops declare kv_write_in_graph) or run at the
+    break point on the live tokens (an override that does not): graph equals
+    eager, caches equal, and the padding tokens of a bucket larger than the
+    step (slots -1 in the static buffer) write nothing."""
+    setup = piecewise_setup()
+    if ops == "undeclared":
+        undeclared = UndeclaredWrite()
+        for module in setup.model.modules():
+            if getattr(module, "ops", None) is not None:
+                module.ops = undeclared
+        setup.runner = graphmode.build_graph_runner(setup.model, max_batches=16, max_blocks_per_seq=8, block_size=16,
+                                                    device="cpu", execute_mode="piecewise", capture_token_sizes=TOKENS)
+    assert writes_kv_in_graph(setup.model.ops) is (ops == "declared")
+    seqs = [setup.engine.add() for _ in range(3)]
+    for lengths in ([5, 1, 9], [2, 3, 4], [1, 1, 1]):  # buckets 16, 16 (replayed) and 4
+        assert_same(setup, *run_step(setup, setup.engine.prefill(seqs, lengths)), f"prefill {lengths}")
+    assert_padding_never_wrote(setup)
+    expected = ["Attention"] if ops == "declared" else ["KVWrite", "Attention"]
+    gaps = [[type(call).__name__ for call in gap] for gap in setup.runner.piecewise.graph(16).pieces.gaps]
+    assert gaps == [expected] * setup.model.config.num_hidden_layers + [[]]
 
 
 @pytest.mark.parametrize("returns", ["out", "None"])
@@ -414,7 +449,7 @@ def test_offloaded_layers_replay_per_layer_graphs_with_host_loads_between(vendor
     # Per layer: a load, then the layer's graphs around its attention.
     assert len(graph.pieces.segments) == 2 * layers + 1
     kinds = [[type(call).__name__ for call in gap] for gap in graph.pieces.gaps]
-    assert kinds == [["HostWork"], ["KVWrite", "Attention"]] * layers + [[]]
+    assert kinds == [["HostWork"], ["Attention"]] * layers + [[]]  # the KV write is in the segment
     assert runner.stats.piecewise_replays == 3
 
 

@@ -219,6 +219,8 @@ class TritonAttentionOps(ReferenceAttentionOps):
     def _runs_triton(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda" or interpreting()
 
+    kv_write_in_graph = True  # as the reference write: slots only, -1 writes nothing
+
     def fill_kv_cache(self, key, value, k_cache, v_cache, attn):
         if not self._runs_triton(key):
             return super().fill_kv_cache(key, value, k_cache, v_cache, attn)

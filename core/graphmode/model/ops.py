@@ -216,6 +216,11 @@ class ReferenceAttentionOps:
         """(B, 1) how many cached tokens each row may read."""
         return attn.kv_seqlens[:, None]
 
+    #: fill_kv_cache reads only ``attn.kv_start_indices`` (through ``_slots``)
+    #: and a slot of -1 writes nothing: piecewise graphs capture it in their
+    #: segments (graphmode.piecewise.breaks.writes_kv_in_graph).
+    kv_write_in_graph = True
+
     def fill_kv_cache(self, key, value, k_cache, v_cache, attn):
         slots = self._slots(attn)
         write_slots(self.block_view(k_cache, key.shape[-1]), slots, key)

@@ -43,6 +43,7 @@ __all__ = [
     "kernels_taking_out",
     "intercepted",
     "shadowed",
+    "writes_kv_in_graph",
 ]
 
 #: The AttentionOps methods that are break points, and what each one is.
@@ -82,14 +83,39 @@ class BreakCall(abc.ABC):
 
 class KVWrite(BreakCall):
     """``fill_kv_cache`` of the live tokens' keys and values: the padding
-    tokens' rows are never passed, so they cannot write into the cache."""
+    tokens' rows are never passed, so they cannot write into the cache.
 
-    def __init__(self, write: Callable[..., Any], key: torch.Tensor, value: torch.Tensor, rest: tuple) -> None:
-        self.write, self.key, self.value, self.rest = write, key, value, rest
+    ``in_graph``: the ops' write may instead be captured in the segment, over
+    every row of the bucket, reading a static slot buffer whose padding rows
+    hold -1 (see :func:`writes_kv_in_graph`)."""
+
+    def __init__(self, write: Callable[..., Any], key: torch.Tensor, value: torch.Tensor, rest: tuple,
+                 in_graph: bool = False) -> None:
+        self.write, self.key, self.value, self.rest, self.in_graph = write, key, value, rest, in_graph
 
     def run(self, live: LiveStep) -> None:
         k_cache, v_cache, *extra = self.rest
         self.write(self.key[: live.tokens], self.value[: live.tokens], k_cache, v_cache, live.attn, *extra)
+
+    def run_in_graph(self, attn: AttnMetadata) -> None:
+        """The write of every row, with ``attn`` holding the static slots."""
+        k_cache, v_cache, *extra = self.rest
+        self.write(self.key, self.value, k_cache, v_cache, attn, *extra)
+
+
+def writes_kv_in_graph(ops: Any) -> bool:
+    """Whether a piecewise segment may capture ``ops.fill_kv_cache`` (rather
+    than run it at the next break point): the class that defines the method
+    declares ``kv_write_in_graph = True``, promising that the write reads
+    nothing of the step's metadata but ``kv_start_indices`` and that a slot
+    of -1 writes nothing (as every full graph's padding rows already rely
+    on). A subclass that overrides ``fill_kv_cache`` declares it again, or its
+    writes stay at the break points; so does an object whose own attribute
+    replaces the method."""
+    if "fill_kv_cache" in vars(ops):
+        return False
+    owner = next((c for c in type(ops).__mro__ if "fill_kv_cache" in vars(c)), None)
+    return owner is not None and vars(owner).get("kv_write_in_graph") is True
 
 
 class Attention(BreakCall):
@@ -209,8 +235,9 @@ def intercepted(ops_objects: list[Any], session: Session) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for ops in ops_objects:
             originals = {name: getattr(ops, name) for name in ATTENTION_METHODS}
+            in_graph = writes_kv_in_graph(ops)
             for name in ATTENTION_METHODS:
-                stack.enter_context(shadowed(ops, name, _interceptor(name, originals, session)))
+                stack.enter_context(shadowed(ops, name, _interceptor(name, originals, session, in_graph)))
         _local.session = session
         stack.callback(setattr, _local, "session", None)
         yield
@@ -232,7 +259,8 @@ def shadowed(obj: Any, name: str, value: Any) -> Iterator[None]:
             delattr(obj, name)
 
 
-def _interceptor(name: str, originals: dict[str, Callable[..., Any]], session: Session) -> Callable[..., Any]:
+def _interceptor(name: str, originals: dict[str, Callable[..., Any]], session: Session,
+                 in_graph: bool) -> Callable[..., Any]:
     original = originals[name]
     signature = inspect.signature(original)
 
@@ -242,7 +270,7 @@ def _interceptor(name: str, originals: dict[str, Callable[..., Any]], session: S
         values = list(_bound(signature, name, args, kwargs))
         if ATTENTION_METHODS[name] == "kv_write":
             key, value, k_cache, v_cache, _attn, *extra = values
-            return session.kv_write(KVWrite(original, key, value, (k_cache, v_cache, *extra)))
+            return session.kv_write(KVWrite(original, key, value, (k_cache, v_cache, *extra), in_graph))
         query, k_cache, v_cache, _attn, scale, *extra = values
         decode, prefill = originals["paged_decode_attention"], originals["prefill_attention"]
         return session.attention(decode, prefill, query, (k_cache, v_cache, scale, *extra))

@@ -23,7 +23,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.piecewise import PIECEWISE_MODES
-from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted
+from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
 from graphmode.piecewise.compiled import SplitForward
 from graphmode.piecewise.inputs import TokenInputs
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
@@ -81,7 +81,9 @@ class PiecewiseGraphs:
         self._buffers = BreakBuffers(self.sizes[-1])
         self._outputs = SharedOutputs(self.sizes[-1])
         declared = [spec for spec in shared.spec.buffers if spec.name in shared.declared_extras]
-        self._inputs = TokenInputs(self.sizes[-1], declared, config.max_blocks_per_seq, config.device)
+        # KV writes the ops let segments capture read the step's slots from a static buffer.
+        in_graph = any(writes_kv_in_graph(ops) for ops in self.ops)
+        self._inputs = TokenInputs(self.sizes[-1], declared, config.max_blocks_per_seq, config.device, in_graph)
 
     # -- the protocol ----------------------------------------------------------
 
@@ -192,7 +194,10 @@ class PiecewiseGraphs:
         # Plugins tell piecewise graphs from full ones (make_graph, capture
         # advice) by is_decoding False; their capture sizes are token sizes.
         meta = dataclasses.replace(shared.graph_meta(), is_decoding=False, capture_sizes=tuple(self.sizes))
-        capture = CaptureForward(warm_up.views, lambda: self._make_graph(meta), shared.pool)
+        slots_attn = None
+        if self._inputs.with_slots:
+            slots_attn = static.attn_metadata.replace(kv_start_indices=self._inputs.slot_rows(bucket))
+        capture = CaptureForward(warm_up.views, lambda: self._make_graph(meta), shared.pool, slots_attn)
         if ranks is not None:
             ranks.barrier()  # every rank's device idle before any of them captures
         try:

@@ -3,6 +3,9 @@
 (``build_graph_runner(step_inputs=[BufferSpec(...)])``), each one buffer
 sized for the largest token bucket and shared by every bucket.
 
+Where the KV writes are captured in the segments, the step's
+``kv_start_indices`` too (padding -1: a padding token writes nothing).
+
 A step of ``n`` tokens and ``s`` sequences in token bucket ``b`` writes the
 live rows (``n`` per token, ``s`` per sequence) and resets the rows up to
 ``b`` to the declared padding (ids and positions: 0); the model sees the
@@ -26,10 +29,13 @@ __all__ = ["TokenInputs"]
 class TokenInputs:
     """The buffers, allocated on first use (from the first step's dtypes)."""
 
-    def __init__(self, max_tokens: int, declared: list[BufferSpec], num_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, declared: list[BufferSpec], num_blocks: int, device: torch.device,
+                 slots: bool = False) -> None:
         self.max_tokens, self.declared, self.num_blocks, self.device = max_tokens, declared, num_blocks, device
+        self.with_slots = slots  # the KV-write slots too, for writes captured in the segments
         self._ids: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
         self._buffers: dict[str, torch.Tensor] = {}
         self._padding: dict[str, torch.Tensor] = {}
 
@@ -48,11 +54,23 @@ class TokenInputs:
         for buffer, values in ((self._ids, inputs.input_ids), (self._positions, inputs.position_ids)):
             buffer[:, :tokens].copy_(values)
             buffer[:, tokens:bucket].zero_()
+        if self.with_slots:
+            slots = inputs.attn_metadata.kv_start_indices
+            if self._slots is None:
+                self._slots = torch.full((self.max_tokens, *slots.shape[1:]), -1, dtype=slots.dtype, device=self.device)
+            self._slots[:tokens].copy_(slots)
+            self._slots[tokens:bucket].fill_(-1)  # a padding token's key and value go nowhere
         extras = dict(inputs.extras)
         for spec in self.declared:
             extras[spec.name] = self._fill_one(spec, inputs.extras.get(spec.name), tokens, inputs.batch_size, bucket)
         return StepInputs(self._ids[:, :bucket], self._positions[:, :bucket], inputs.past_key_values,
                           inputs.attn_metadata, extras)
+
+    def slot_rows(self, bucket: int) -> torch.Tensor:
+        """The KV-write slots of the last step filled, ``bucket`` rows (its
+        padding rows -1): what a write captured in a segment reads."""
+        assert self._slots is not None, "fill() a step first"
+        return self._slots[:bucket]
 
     def _fill_one(self, spec: BufferSpec, value: Any, tokens: int, batch: int, bucket: int) -> torch.Tensor:
         if value is None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from graphmode.context import AttnMetadata
 from graphmode.errors import CaptureError
 from graphmode.graphs import DeviceGraph
 from graphmode.piecewise.breaks import Attention, BreakCall, HostWork, KVWrite, LiveStep, Session
@@ -123,18 +124,25 @@ class Pieces:
 class CaptureForward(Session):
     """The capture: a device graph per segment, cut at every break point.
 
-    A ``fill_kv_cache`` call does not cut: it is deferred to the next cut (the
-    attention call that follows it in every model), where it runs first. It
-    only writes the cache, which only attention reads, so it moves past no
-    reader; and the empty segment between the two calls (one more graph per
-    layer, one more stream on Ascend) is never made.
+    A ``fill_kv_cache`` call does not cut. Where the ops allow it
+    (:func:`~graphmode.piecewise.breaks.writes_kv_in_graph`) it is captured in
+    the open segment, over the bucket's rows, reading ``slots_attn``'s static
+    slots (padding rows -1: they write nothing). Otherwise it is deferred to
+    the next cut (the attention call that follows it in every model), where
+    it runs first, on the live tokens. It only writes the cache, which only
+    attention reads, so it moves past no reader; and the empty segment
+    between the two calls (one more graph per layer, one more stream on
+    Ascend) is never made.
 
     ``with forward:`` opens the first segment; leaving closes the last (or,
     on an error, ends the open capture and resets every graph made).
     """
 
-    def __init__(self, views: list[torch.Tensor | None], make_graph: Callable[[], DeviceGraph], pool: Any) -> None:
+    def __init__(self, views: list[torch.Tensor | None], make_graph: Callable[[], DeviceGraph], pool: Any,
+                 slots_attn: AttnMetadata | None = None) -> None:
         self.views = views
+        # The metadata a captured KV write reads: the bucket's static slot rows (padding -1).
+        self.slots_attn = slots_attn
         self.make_graph = make_graph
         self.pool = pool
         self.pieces = Pieces()
@@ -193,6 +201,14 @@ class CaptureForward(Session):
         return view
 
     def kv_write(self, call: KVWrite) -> None:
+        if call.in_graph and self.slots_attn is not None:
+            # Captured here, in the open segment: one launch less per layer at every replay.
+            self.running = True
+            try:
+                call.run_in_graph(self.slots_attn)
+            finally:
+                self.running = False
+            return
         self._pending.append(call)
 
     def attention(self, decode: Callable[..., Any], prefill: Callable[..., Any], query: torch.Tensor,
