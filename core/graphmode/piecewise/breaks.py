@@ -112,7 +112,7 @@ def writes_kv_in_graph(ops: Any) -> bool:
     on). A subclass that overrides ``fill_kv_cache`` declares it again, or its
     writes stay at the break points; so does an object whose own attribute
     replaces the method."""
-    if "fill_kv_cache" in vars(ops):
+    if "fill_kv_cache" in getattr(ops, "__dict__", {}):
         return False
     owner = next((c for c in type(ops).__mro__ if "fill_kv_cache" in vars(c)), None)
     return owner is not None and vars(owner).get("kv_write_in_graph") is True
@@ -208,6 +208,15 @@ class Session(abc.ABC):
 
     #: True while a break call runs: calls it makes in turn pass through.
     running = False
+
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[None]:
+        """While inside, the session's own call runs: ops it calls pass through."""
+        self.running = True
+        try:
+            yield
+        finally:
+            self.running = False
 
     @abc.abstractmethod
     def kv_write(self, call: KVWrite) -> None: ...

@@ -64,11 +64,8 @@ class EagerForward(Session):
         self.views: list[torch.Tensor | None] = []
 
     def _run(self, call: BreakCall) -> None:
-        self.running = True
-        try:
+        with self.calling():
             call.run(self.live)
-        finally:
-            self.running = False
 
     def kv_write(self, call: KVWrite) -> None:
         self._run(call)
@@ -81,11 +78,8 @@ class EagerForward(Session):
         return out
 
     def host_work(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        self.running = True
-        try:
+        with self.calling():
             result = fn(*args, **kwargs)
-        finally:
-            self.running = False
         if result is None:
             self.views.append(None)
             return None
@@ -203,11 +197,8 @@ class CaptureForward(Session):
     def kv_write(self, call: KVWrite) -> None:
         if call.in_graph and self.slots_attn is not None:
             # Captured here, in the open segment: one launch less per layer at every replay.
-            self.running = True
-            try:
+            with self.calling():
                 call.run_in_graph(self.slots_attn)
-            finally:
-                self.running = False
             return
         self._pending.append(call)
 
