@@ -109,18 +109,26 @@ class Device:
         return 10_000_000 / (start.elapsed_time(end) * 1e3)
 
 
+def host_us_each(calls: dict[str, Callable[[], Any]], device: Device, repeats: int, busy: bool) -> dict[str, float]:
+    """Median host microseconds of each call, the device idle (or busy)
+    before each; the calls taken in turn, so that a slow spell of the host
+    falls on every path alike rather than on whichever ran then."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            device.sync()
+            if busy:
+                device.busy(1000)
+            started = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - started)
+    device.sync()
+    return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+
+
 def host_us(call: Callable[[], Any], device: Device, repeats: int, busy: bool) -> float:
     """Median host microseconds of ``call``, the device idle (or busy) before each."""
-    samples = []
-    for _ in range(repeats):
-        device.sync()
-        if busy:
-            device.busy(1000)
-        started = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - started)
-    device.sync()
-    return statistics.median(samples) * 1e6
+    return host_us_each({"call": call}, device, repeats, busy)["call"]
 
 
 def spin(us: float) -> None:
@@ -154,8 +162,8 @@ def per_call(workload: Workload, runners: dict[str, Any], batches: list[int], de
                    host(host_step.input_ids, host_step.position_ids, kv, host_attn).clone()]
         device.sync()
         differs = max(float((r.float() - results[0].float()).abs().max()) for r in results)
-        rows = {name: (host_us(call, device, repeats, False), host_us(call, device, repeats, True))
-                for name, call in calls.items()}
+        idle, busy = host_us_each(calls, device, repeats, False), host_us_each(calls, device, repeats, True)
+        rows = {name: (idle[name], busy[name]) for name in calls}
         floor = rows["hand pinned"]
         for name, (idle, busy) in rows.items():
             print(f"{batch:5d} {name:15} {idle:8.1f} {busy:8.1f} {idle / floor[0]:10.2f} {busy / floor[1]:10.2f}")

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from graphmode import buffers_deprecated
+from graphmode.buffers_deprecated import DEPRECATED
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.deprecated import warn_deprecated
 from graphmode.emulator.host import is_host, mark_host
@@ -42,25 +44,9 @@ __all__ = ["allocate", "fill", "graph_context", "host_zeros", "q_len_paddings", 
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
-_PADDING_PAIRS = (
-    "pairs of meta.input_buffers[name].narrow(dim, start, stop - start) and "
-    "meta.padding_buffers[name].narrow(dim, start, stop - start)"
-)
-_DECLARED = "a BufferSpec in the vendor's GraphSpec, which graphmode.buffers.fill fills and pads"
-# Each deprecated name of this module and what replaces it (the warning's text).
-DEPRECATED = {
-    "padding_rows": f"{_PADDING_PAIRS}, passed to graphmode.buffers.stage(meta, pairs); or {_DECLARED}",
-    "decode_rows": f"graphmode.buffers.fill(meta, inputs, batch_size, bucket) over {_DECLARED}",
-    "TOKEN_BUFFERS": "the names of meta.spec.buffers whose BufferSpec has per_token=True",
-    "ROW_BUFFERS": "the names of meta.spec.buffers whose BufferSpec has written=True",
-}
-
-
 def __getattr__(name: str) -> Any:
     """A deprecated name (``DEPRECATED``), with a DeprecationWarning."""
     if name in DEPRECATED:
-        from graphmode import buffers_deprecated
-
         warn_deprecated(f"graphmode.buffers.{name}", DEPRECATED[name])
         return getattr(buffers_deprecated, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -311,13 +297,17 @@ def fill(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
     """Copy the step's live rows into every written buffer and reset the rest
     of the bucket's rows (and the block-table columns right of a narrower
     table) to their padding: one fused copy per dtype, int64 and int32 as one."""
-    # With host staging a plan writes one mirror (its copies routed there once): one plan per mirror.
-    slot = meta.staging.slot if meta.staging is not None else 0
-    key = ("fill", batch, inputs.num_tokens, bucket, inputs.attn_metadata.block_offsets.shape[-1], slot)
+    key = plan_key(meta, inputs, batch, bucket)
     plan = meta.views.get(key)
     if plan is None:
         plan = meta.views[key] = _Plan(meta, inputs, batch, bucket)
     plan.run(inputs)
+
+
+def plan_key(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> tuple[Any, ...]:
+    """The plan of a step of this shape in ``meta.views``: one per host staging mirror (its copies routed there)."""
+    slot = meta.staging.slot if meta.staging is not None else 0
+    return ("fill", batch, inputs.num_tokens, bucket, inputs.attn_metadata.block_offsets.shape[-1], slot)
 
 
 def stage(

@@ -2,7 +2,7 @@
 (before commit 74dafc9, 2026-11-22), kept for one release.
 
 ``graphmode.buffers`` hands them out with a DeprecationWarning naming the
-replacement (``graphmode.buffers.DEPRECATED``); they behave exactly as
+replacement (:data:`DEPRECATED`); they behave exactly as
 they did, so that a plugin written against them keeps working meanwhile.
 The old ``stage(pairs)`` call form is served by :func:`stage_pairs`.
 """
@@ -17,9 +17,22 @@ from graphmode.context import StepInputs
 from graphmode.meta import GraphMeta
 from graphmode.staging import route_any
 
-__all__ = ["ROW_BUFFERS", "TOKEN_BUFFERS", "decode_rows", "padding_rows", "stage_pairs"]
+__all__ = ["DEPRECATED", "ROW_BUFFERS", "TOKEN_BUFFERS", "decode_rows", "padding_rows", "stage_pairs"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+_PADDING_PAIRS = (
+    "pairs of meta.input_buffers[name].narrow(dim, start, stop - start) and "
+    "meta.padding_buffers[name].narrow(dim, start, stop - start)"
+)
+_DECLARED = "a BufferSpec in the vendor's GraphSpec, which graphmode.buffers.fill fills and pads"
+# Each deprecated name of graphmode.buffers and what replaces it (the warning's text).
+DEPRECATED = {
+    "padding_rows": f"{_PADDING_PAIRS}, passed to graphmode.buffers.stage(meta, pairs); or {_DECLARED}",
+    "decode_rows": f"graphmode.buffers.fill(meta, inputs, batch_size, bucket) over {_DECLARED}",
+    "TOKEN_BUFFERS": "the names of meta.spec.buffers whose BufferSpec has per_token=True",
+    "ROW_BUFFERS": "the names of meta.spec.buffers whose BufferSpec has written=True",
+}
 
 # The buffers a decode step writes (the others are constant): per-token rows of
 # shape (1, max_tokens), and per-sequence or per-token rows along dimension 0.

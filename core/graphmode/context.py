@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCKS", "REQUIRED_TENSORS", "SEQUENCES", "STEP_TENSORS", "TOKENS", "AttnMetadata", "StepInputs"]
+__all__ = ["BLOCKS", "REQUIRED_TENSORS", "SEQUENCES", "STEP_PATHS", "STEP_TENSORS", "TOKENS", "AttnMetadata", "StepInputs"]
 
 # Symbolic dimensions of a step tensor's (and a buffer's) shape (``graphmode.spec`` re-exports them).
 TOKENS = "tokens"  # one row per new token: max_tokens rows
@@ -92,6 +92,10 @@ STEP_TENSORS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
 REQUIRED_TENSORS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(AttnMetadata) if "shape" in f.metadata and f.default is dataclasses.MISSING
 )
+
+#: Where a step's tensors are found in StepInputs, in order: the ones every
+#: step passes (what the runner checks per step layout).
+STEP_PATHS: tuple[str, ...] = ("input_ids", "position_ids", *(f"attn_metadata.{name}" for name in REQUIRED_TENSORS))
 
 
 @dataclass

@@ -38,6 +38,7 @@ from graphmode.emulator import stream as emulated_stream
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
+from graphmode.native import native_module
 from graphmode.plugins.manager import DEFAULT_PLUGIN_NAME
 
 __all__ = ["ALIGNMENT", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
@@ -85,9 +86,6 @@ class HostStaging:
             view.copy_(old)
         for mirror in self.mirrors:
             mirror.copy_(self.arena)
-        #: The mirror the step under way writes (``mirrors[slot]``).
-        self.slot = 0
-        self.mirror = self.mirrors[0]
         # Host copies of the constant sources (padding, live values), found by storage.
         constants = [
             *meta.padding_buffers.values(), *meta.live_buffers.values(),
@@ -100,16 +98,12 @@ class HostStaging:
         self._arena_range = (self.arena.data_ptr(), self.arena.data_ptr() + self.nbytes)
         # Per mirror: destination -> its view in that mirror.
         self._slot_routes: list[dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in range(SLOTS)]
-        self._routes = self._slot_routes[0]
         self._host_sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Host staging runs on CUDA and the emulator only (see staging_refusal).
-        # An event per mirror, recorded after the copy launched from it.
-        event = emulated_stream.Event if emulated else torch.cuda.Event
-        self._copied: list[Any] = [event() for _ in range(SLOTS)]
-        self._stream = None if emulated else _CurrentStream(self.arena.device)
-        self._recorded = [False] * SLOTS
+        #: Whose turn each mirror is, and the ordering of their copies (the native ring on CUDA where it is built).
+        self.ring: Any = _native_ring(meta.device) if not emulated else None
+        if self.ring is None:
+            self.ring = _Ring(meta.device, emulated)
         self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket) -> (arena, mirror) views
-        self._emulated = emulated
         meta.views.clear()  # views of the old buffers
         meta.staging = self
         _live.add(self)
@@ -128,41 +122,43 @@ class HostStaging:
             return self.nbytes
         return self.offsets[_TABLE] + bucket * table.stride(0) * table.element_size()
 
+    @property
+    def slot(self) -> int:
+        """The mirror the step under way writes (``mirrors[slot]``)."""
+        return self.ring.slot
+
+    @property
+    def mirror(self) -> torch.Tensor:
+        return self.mirrors[self.ring.slot]
+
+    @property
+    def _routes(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+        return self._slot_routes[self.ring.slot]
+
     def begin(self) -> None:
         """Before a step writes a mirror: take the next mirror, waiting (on
         the host) only until the copy launched from it :data:`SLOTS` steps
         ago has run."""
-        slot = (self.slot + 1) % SLOTS
-        if self._recorded[slot]:
-            self._copied[slot].synchronize()
-        self.slot, self.mirror, self._routes = slot, self.mirrors[slot], self._slot_routes[slot]
+        self.ring.begin()
 
     def launch(self, bucket: int) -> None:
         """Launch the copy of this step's mirror (its region for ``bucket``)
         into the arena, after the work launched before it (the previous
         replay: it never overwrites inputs a running graph reads), and record
         the mirror's event after it."""
-        slot = self.slot
+        self.ring.copy(*self.copy_views(self.ring.slot, bucket))
+
+    def copy_views(self, slot: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(arena, mirror ``slot``) views of the region the step of ``bucket`` copies."""
         views = self._copies.get((slot, bucket))
         if views is None:  # made once per mirror and bucket
             end = self.region(bucket)
-            views = self._copies[(slot, bucket)] = (self.arena[:end], self.mirror[:end])
-        arena, mirror = views
-        if self._emulated:
-            emulated_stream.launch(functools.partial(arena.copy_, mirror))
-        else:
-            arena.copy_(mirror, non_blocking=True)
-        if self._stream is None:
-            self._copied[slot].record()
-        else:  # the stream the copy ran on (the arena device's current one)
-            self._copied[slot].record(self._stream())
-        self._recorded[slot] = True
+            views = self._copies[(slot, bucket)] = (self.arena[:end], self.mirrors[slot][:end])
+        return views
 
     def wait(self) -> None:
         """Block the host until every launched copy of a mirror has run."""
-        for slot in range(SLOTS):
-            if self._recorded[slot]:
-                self._copied[slot].synchronize()
+        self.ring.wait()
 
     # -- routing the step's copies --------------------------------------------
 
@@ -222,6 +218,48 @@ class HostStaging:
             else:
                 routed.append((mirror, self.host_source(source, destination) if host_sources else source))
         return routed
+
+
+class _Ring:
+    """The mirrors' turns and the ordering of their copies: an event per
+    mirror, recorded after the copy launched from it, waited on before the
+    mirror is written again (``graphmode.native`` has the same in C++,
+    ``Ring``, used on CUDA where it is built)."""
+
+    def __init__(self, device: torch.device, emulated: bool) -> None:
+        event = emulated_stream.Event if emulated else torch.cuda.Event
+        self.events: list[Any] = [event() for _ in range(SLOTS)]
+        self.recorded = [False] * SLOTS
+        self.stream = None if emulated else _CurrentStream(device)
+        self.slot = 0
+
+    def begin(self) -> int:
+        slot = (self.slot + 1) % SLOTS
+        if self.recorded[slot]:
+            self.events[slot].synchronize()
+        self.slot = slot
+        return slot
+
+    def copy(self, arena: torch.Tensor, mirror: torch.Tensor) -> None:
+        if self.stream is None:  # the emulator
+            emulated_stream.launch(functools.partial(arena.copy_, mirror))
+            self.events[self.slot].record()
+        else:  # recorded on the stream the copy ran on (the arena device's current one)
+            arena.copy_(mirror, non_blocking=True)
+            self.events[self.slot].record(self.stream())
+        self.recorded[self.slot] = True
+
+    def wait(self) -> None:
+        for slot in range(SLOTS):
+            if self.recorded[slot]:
+                self.events[slot].synchronize()
+
+
+def _native_ring(device: torch.device) -> Any:
+    """The C++ ring (graphmode.native) for a CUDA device, or None."""
+    module = native_module()
+    return module.Ring(SLOTS, device.index if device.index is not None else torch.cuda.current_device()) \
+        if module is not None and device.type == "cuda" else None
 
 
 class _CurrentStream:

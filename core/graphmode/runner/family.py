@@ -156,6 +156,7 @@ class Shared:
         self.compiled = config.compile and config.execute_mode != "eager"
         self._compiled_forward = compiled_forward(model, vendor, config, capture_sizes) if self.compiled else None
         self.stats = RunnerStats()
+        self.lock: Any = None  # the runner's one-step lock (the native step takes it too)
         self.pool_share = PoolShare()
         self.pool_share.members.add(self)
         #: The runner's families (set by the runner), asked whether it still holds graphs.

@@ -23,10 +23,12 @@ from typing import Any
 import torch
 
 from graphmode import default
+from graphmode.buffers import plan_key
 from graphmode.context import StepInputs
 from graphmode.errors import ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
+from graphmode.native import NativeSteps, native_module
 from graphmode.plugins import Vendor
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
 from graphmode.runner.common import capture_failed, inert_step
@@ -112,6 +114,10 @@ class FullGraphs:
         self.replay_guard = replay_guard(config.device)
         self.staging: HostStaging | None = None
         self._staging_decided = False
+        #: The native step (graphmode.native): made at the first replay step it may take.
+        self.native: NativeSteps | None = None
+        self.native_step: Callable[..., Any] | None = None
+        self._native_decided = False
 
     @property
     def graphs(self) -> dict[tuple[int, int], CapturedGraph]:
@@ -167,6 +173,8 @@ class FullGraphs:
             self._capture(step, bucket, bucket, warmup=True)
 
     def reset(self) -> None:
+        if self.native is not None:
+            self.native.clear()
         for graphs in self.by_variant.values():
             for captured in graphs.values():
                 captured.graph.reset()
@@ -237,7 +245,32 @@ class FullGraphs:
             stats.replays_by_variant[captured.variant] += 1
             shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
             guard.running("graphmode_get_outputs")
-            return self.result(captured, batch)
+            output = self.result(captured, batch)
+        if not self._native_decided:
+            self._decide_native()
+        if self.native is not None:
+            # The view the output hook gave, not this step's alias of it (the engine's to reshape).
+            plan = meta.views.get(plan_key(meta, inputs, batch, bucket))
+            self.native.learn(captured, inputs, batch, plan, captured.results.get(batch))
+        return output
+
+    def _decide_native(self) -> None:
+        """Once, at the first replay step: whether the native step may take
+        this runner's replay steps (graphmode.native: the built-in fill and
+        outputs, no parameter update, variants, debug mode or per-step rank
+        agreement; the host-read guard watches vendor hooks, which it never
+        calls), and its memo."""
+        shared = self.shared
+        self._native_decided = True
+        module = native_module()
+        if module is None or shared.families[0] is not self or shared.variants or shared.debug is not None \
+                or (shared.ranks is not None and shared.ranks.check_replays) or self._update_params is not None \
+                or self._fill_buffers is not default.graphmode_fill_buffers or not self._output_views:
+            return
+        config = shared.config
+        self.native = NativeSteps(module, shared.lock, self.staging, config.device.type == "cpu",
+                                  (config.max_blocks_per_seq, config.block_size))
+        self.native_step = self.native.step
 
     def result(self, captured: CapturedGraph, batch: int) -> Any:
         """The result of a replay of ``captured`` for ``batch`` sequences
@@ -290,6 +323,8 @@ class FullGraphs:
                 name += f", {shared.variant_label}"
             capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting)
         shared.adopt_pool(graph.pool())
+        if self.native is not None:  # a new graph: steps learn again
+            self.native.clear()
         flatten = cache_flattener(static.past_key_values)
         frozen = shared.frozen_extras(inputs.extras)
         captured = self._current()[(bucket, q_len)] = CapturedGraph(

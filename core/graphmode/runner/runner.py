@@ -39,6 +39,7 @@ from graphmode.runner.stats import RunnerStats
 from graphmode.runner.step_checks import StepChecks
 from graphmode.runner.validate import check_model_ops, uniform_q_len
 from graphmode.staging import HostStaging, to_device
+from graphmode.variants import PLAIN
 
 __all__ = ["GraphRunner"]
 
@@ -69,7 +70,7 @@ class GraphRunner:
         self._bucket_of = bucket_table(vendor, config.max_batches, self.capture_sizes)
         ranks = _rank_sync(process_group, check_ranks)
         self._shared = Shared(model, config, vendor, self.spec, self.capture_sizes, self._bucket_of, ranks)
-        self._busy = threading.RLock()  # one step at a time (graphmode.runner.guard)
+        self._busy = self._shared.lock = threading.RLock()  # one step at a time (graphmode.runner.guard)
         self._cache_fit = CacheFit(model, config.block_size)
         self._check_inputs = StepChecks(config)  # check_inputs, its per-layout part once per layout
         #: The execute mode's families (graphmode.runner.modes), tried in order for every step.
@@ -119,6 +120,8 @@ class GraphRunner:
     @property
     def stats(self) -> RunnerStats:
         """What graph mode did: captures, replays, eager steps by reason, tokens."""
+        if self._full is not None and self._full.native is not None:
+            self._full.native.flush(self._shared.stats, PLAIN)
         return self._shared.stats
 
     @property
@@ -153,6 +156,11 @@ class GraphRunner:
         attn_metadata: AttnMetadata,
         **extras: Any,
     ) -> Any:
+        native = self._full.native_step if self._full is not None else None
+        if native is not None and not extras:  # a replay step of a layout seen before (graphmode.native)
+            output = native(input_ids, position_ids, past_key_values, attn_metadata)
+            if output is not None:
+                return output
         inputs = StepInputs(input_ids, position_ids, past_key_values, attn_metadata, extras)
         # One step at a time: steps share the input buffers, and a result is a
         # view of its graph's output until the next step. A second thread would

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from graphmode.config import RunnerConfig
-from graphmode.context import REQUIRED_TENSORS, STEP_TENSORS, AttnMetadata, StepInputs
+from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, STEP_TENSORS, AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
 from graphmode.runner.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
@@ -28,7 +28,7 @@ __all__ = [
 _INTEGER = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
 # Every step's tensors, by their paths in StepInputs (how errors name them), with the shapes declared
 # on AttnMetadata's fields (ids and positions: (1, TOKENS)).
-_TENSORS = ("input_ids", "position_ids", *(f"attn_metadata.{name}" for name in REQUIRED_TENSORS))
+_TENSORS = STEP_PATHS
 _tensors_of = operator.attrgetter(*_TENSORS)
 _DIMS = ((1, TOKENS), (1, TOKENS), *(dict(STEP_TENSORS)[name] for name in REQUIRED_TENSORS))
 

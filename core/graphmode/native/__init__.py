@@ -1,0 +1,193 @@
+"""The native steady-state step: a replay step the Python path decided once,
+repeated in C++ (``step.cpp``).
+
+A served decode loop repeats one step layout (the same tensor shapes, dtypes
+and devices) thousands of times. The Python path decides what a step of a
+layout does (its checks, the fill's copies, the graph, the output view) and
+makes that decision once per layout, but every call still walks it in
+Python: tens of microseconds of host time, more than the copy and the
+launch themselves. :class:`NativeSteps` remembers each replay step the
+Python path took and, for a later step of the same layout, does the same
+in C++: it checks what can differ from step to step (every tensor's sizes,
+dtype and device; the usual decode's host maxima; the KV cache's tensors
+and addresses; on the emulator, which tensors are host memory), then runs
+the same copies, the same replay and returns the same output view. Any
+difference, and it returns None without an effect: the Python path takes
+the step, with its checks and errors. So errors exist once, in Python.
+
+It takes the steps of full graphs that the built-in buffer hooks fill, with
+no graph variants, debug mode, per-step rank agreement, extras, or host
+lengths beside an unknown maximum: the usual decode step. Everything else
+keeps the Python path. (The host-read guard, ``graphmode.runner.host_reads``,
+watches vendor hooks, which a native step never calls.)
+
+Built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
+ninja), per torch version; where it cannot be built, or with
+``GRAPHMODE_NATIVE=0``, every step takes the Python path: the same results,
+more host time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import operator
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, AttnMetadata, StepInputs
+from graphmode.emulator.host import is_host
+
+__all__ = ["ENV_NATIVE", "NativeSteps", "native_module"]
+
+ENV_NATIVE = "GRAPHMODE_NATIVE"
+_SEQUENCES = (list, tuple)
+logger = logging.getLogger("graphmode")
+_SOURCE = Path(__file__).with_name("step.cpp")
+
+
+@functools.cache
+def native_module() -> Any | None:
+    """The compiled module, built once per process (and cached on disk per
+    torch and Python version), or None where it is off or cannot be built."""
+    if os.environ.get(ENV_NATIVE, "").strip() == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        root = Path(os.environ.get("GRAPHMODE_NATIVE_DIR", Path.home() / ".cache" / "graphmode"))
+        # Per torch version: an extension built against one torch crashes another.
+        build = root / f"native-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+        build.mkdir(parents=True, exist_ok=True)
+        with _ninja_on_path():
+            return load(name="graphmode_native_step", sources=[str(_SOURCE)], build_directory=str(build),
+                        extra_cflags=["-O2"], verbose=False)
+    except Exception as error:  # no compiler, no ninja, a read-only home: the Python path
+        logger.info("graphmode: the native replay step could not be built (%s); every step takes the Python path",
+                    str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return None
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """PyTorch runs ``ninja`` from $PATH: the pip package's (a dependency)
+    is not on it when the environment's Python runs without its bin/
+    directory there, so add it while building."""
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+class NativeSteps:
+    """A runner's memo of full-graph replay steps (see the module's doc).
+
+    ``step(...)`` is the memo's: the output of a remembered step, or None.
+    :meth:`learn` is called by the Python path after each replay step it
+    took; :meth:`clear` on every capture and reset; :meth:`flush` adds the
+    memo's replays to the runner's statistics."""
+
+    def __init__(self, module: Any, lock: Any, staging: Any, emulated: bool, limits: tuple[int, int]) -> None:
+        marks = (lambda tensors: tuple(map(is_host, tensors))) if emulated else None
+        self.memo = module.Memo(AttnMetadata, list(REQUIRED_TENSORS), lock, staging, marks)
+        self.step = self.memo.step
+        self._marks = marks
+        self._staging = staging
+        self._max_blocks, self._block_size = limits
+
+    def learn(self, captured: Any, inputs: StepInputs, batch: int, plan: Any, output: Any) -> None:
+        """Remember the replay step just taken, when it is the usual decode
+        step and its fill is one the memo can repeat (``plan``: the fill's
+        ``_Plan``, or None; ``output``: the output view every step of this
+        batch size aliases, or None)."""
+        attn = inputs.attn_metadata
+        if inputs.extras or type(attn) is not AttnMetadata or attn.is_decoding is not True \
+                or type(attn.max_q_seq_len) is not int or attn.max_q_seq_len != 1 \
+                or type(attn.max_kv_seq_len) is not int or inputs.num_tokens != batch \
+                or (attn.max_kv_seq_len < 0 and attn.kv_seqlens_cpu is not None) \
+                or captured.extras or plan is None or not isinstance(output, torch.Tensor):
+            return
+        kv_limit = min(self._max_blocks, attn.block_offsets.shape[-1]) * self._block_size
+        if attn.max_kv_seq_len > kv_limit:
+            return
+        tensors = [inputs.input_ids, inputs.position_ids, *(getattr(attn, name) for name in REQUIRED_TENSORS)]
+        program = _program(plan, tensors)
+        # step.cpp walks a list or tuple of per-layer lists or tuples, as cache_checks chains them.
+        cache, leaves = inputs.past_key_values, captured.memory.leaves
+        if program is None or type(cache) not in _SEQUENCES or any(type(layer) not in _SEQUENCES for layer in cache):
+            return
+        now = [tensor for layer in cache for tensor in layer]
+        if len(now) != len(leaves) or not all(map(operator.is_, now, leaves)) \
+                or not all(isinstance(t, torch.Tensor) for t in leaves):
+            return
+        graph = captured.graph
+        inner = getattr(graph, "graph", None)
+        replay = inner.replay if inner is not None and type(graph).replay is _torch_graph_replay() else graph.replay
+        staging = self._staging
+        slot = staging.slot if staging is not None else 0
+        views = staging.copy_views(slot, captured.bucket) if staging is not None else None
+        marks = self._marks(tensors) if self._marks is not None else None
+        self.memo.learn(inputs.input_ids, inputs.position_ids, attn, batch, captured.bucket, kv_limit,
+                        list(leaves), slot, program, replay, output, marks, views)
+
+    def flush(self, stats: Any, variant: str) -> None:
+        """Add the memo's replays since the last flush to ``stats``."""
+        replays, live, padded = self.memo.take_counts()
+        if replays:
+            stats.replays += replays
+            stats.replays_by_q_len[1] += replays
+            stats.replays_by_variant[variant] += replays
+            stats.real_tokens += live
+            stats.padded_tokens += padded
+
+    def clear(self) -> None:
+        self.memo.clear()
+
+
+def _program(plan: Any, tensors: list[torch.Tensor]) -> list[tuple[list, list, list]] | None:
+    """The copies a fill plan (``graphmode.buffers._Plan``) made for the step
+    whose tensors (``STEP_PATHS`` order) are ``tensors``, as step.cpp takes
+    them: per ``_foreach_copy_``, (destinations, (index into ``tensors``,
+    copied as int32 words) per step source, constants). None when a source
+    is not one of those tensors as given (a function source, a choice
+    between paths)."""
+    def index(spec: Any) -> int | None:
+        if callable(spec.source) or len(spec.sources) != 1 or spec.sources[0] not in STEP_PATHS:
+            return None
+        return STEP_PATHS.index(spec.sources[0])
+
+    program: list[tuple[list, list, list]] = []
+    groups: list[Any] = plan.groups
+    words = plan.words
+    if words is not None:
+        found = [(index(getter[2]), wide) for getter, wide in words.getters]
+        usable = all(i is not None and tensors[i].dtype is (torch.int64 if wide else torch.int32)
+                     and (not wide or (tensors[i].dim() > 0 and tensors[i].stride(-1) == 1)) for i, wide in found)
+        if usable:  # the plan took its one copy of words (graphmode.fill_words)
+            program.append((words.destinations, found, words.constants))
+            groups = plan.others
+    for destinations, getters, constants in groups:
+        program.append((destinations, [(index(getter[2]), False) for getter in getters], constants))
+    if any(i is None for _, sources, _ in program for i, _ in sources):
+        return None
+    return program
+
+
+@functools.cache
+def _torch_graph_replay() -> Any:
+    from graphmode.graphs.torch_graph import TorchGraph
+
+    return TorchGraph.replay

@@ -1,0 +1,342 @@
+// The steady-state replay step, natively: a memo of replay steps the Python
+// runner took (graphmode/native/__init__.py says when and why).
+//
+// Contract: Memo.step() either does exactly what the Python path did for a
+// step of the same layout (the same checks passing, the same copies, the
+// same replay, the same output view) and returns the output, or does
+// nothing and returns None, and the Python path takes the step (and raises
+// its errors). It never raises an error of its own for a bad input.
+
+#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <c10/core/Event.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <array>
+#include <map>
+#include <memory>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// input_ids, position_ids, then the AttnMetadata tensors every step passes.
+constexpr int kTensors = 7;
+constexpr int kSlots = 2;  // graphmode.staging.SLOTS
+
+struct Source {
+  int index;   // into the step's tensors
+  bool words;  // an int64 tensor copied as int32 words (graphmode.fill_words)
+};
+
+// One _foreach_copy_: the first sources.size() destinations take the step's
+// tensors, the rest the constants (padding rows, table tails).
+struct Group {
+  std::vector<at::Tensor> destinations;
+  std::vector<Source> sources;
+  std::vector<at::Tensor> constants;
+};
+
+struct Entry {
+  int64_t batch = 0;
+  int64_t bucket = 0;
+  int64_t kv_limit = 0;  // the largest max_kv_seq_len the Python checks pass unlooked at
+  std::vector<py::object> leaves;  // the KV-cache tensors the graph captured
+  std::vector<const void*> pointers;
+  std::array<std::vector<Group>, kSlots> programs;  // by host staging mirror (slot 0 without)
+  std::array<bool, kSlots> learned{false, false};
+  std::array<at::Tensor, kSlots> arena, mirror;  // host staging: the views of the mirror's one copy
+  py::object replay;
+  at::Tensor output;
+  py::object host_marks;  // the emulator's host marks of the step's tensors (None on a device)
+};
+
+using Key = std::vector<int64_t>;
+
+bool is_int(PyObject* value, int64_t* out) {
+  if (!PyLong_CheckExact(value)) return false;
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+  if (overflow != 0) return false;
+  *out = v;
+  return true;
+}
+
+// Host staging's mirrors on a CUDA device: whose turn, and an event per
+// mirror recorded after the copy launched from it (graphmode.staging._Ring
+// is the same in Python, for the emulator and where this is not built).
+// Device-generic c10 calls: built without CUDA's headers.
+class Ring {
+ public:
+  Ring(int slots, int device_index) : device_(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)) {
+    for (int i = 0; i < slots; ++i) events_.push_back(std::make_unique<c10::Event>(c10::DeviceType::CUDA));
+  }
+
+  int next() const { return (slot_ + 1) % static_cast<int>(events_.size()); }
+
+  // Take the next mirror, once the copy launched from it has run.
+  int begin() {
+    slot_ = next();
+    events_[slot_]->synchronize();  // returns at once for an event never recorded
+    return slot_;
+  }
+
+  // The mirror's copy into the arena, on the current stream, then its event.
+  void copy(at::Tensor arena, const at::Tensor& mirror) {
+    arena.copy_(mirror, /*non_blocking=*/true);
+    auto stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device_);
+    events_[slot_]->record(stream);
+  }
+
+  void wait() {
+    for (auto& event : events_) event->synchronize();
+  }
+
+  int slot() const { return slot_; }
+
+ private:
+  c10::Device device_;
+  std::vector<std::unique_ptr<c10::Event>> events_;
+  int slot_ = 0;
+};
+
+class Memo {
+ public:
+  Memo(py::object attn_type, std::vector<std::string> names, py::object lock, py::object staging,
+       py::object host_marks)
+      : attn_type_(attn_type), lock_(lock), staging_(staging), host_marks_(host_marks) {
+    for (const auto& name : names) names_.emplace_back(py::str(name));
+    acquire_ = lock_.attr("acquire");
+    release_ = lock_.attr("release");
+    if (!staging_.is_none()) {
+      ring_object_ = staging_.attr("ring");
+      if (py::isinstance<Ring>(ring_object_)) {
+        ring_ = ring_object_.cast<Ring*>();
+      } else {  // the Python ring (the emulator)
+        begin_ = ring_object_.attr("begin");
+        copy_ = ring_object_.attr("copy");
+      }
+    }
+  }
+
+  // Remember the replay step just taken by the Python path.
+  void learn(py::handle input_ids, py::handle position_ids, py::handle attn, int64_t batch, int64_t bucket,
+             int64_t kv_limit, py::list leaves, int slot, py::list groups, py::object replay, at::Tensor output,
+             py::object host_marks, py::object copy_views) {
+    std::array<py::object, kTensors> held;
+    Key key;
+    if (!layout(input_ids, position_ids, attn, held, key)) throw std::invalid_argument("not a step layout");
+    Entry& entry = entries_[key];
+    entry.batch = batch;
+    entry.bucket = bucket;
+    entry.kv_limit = kv_limit;
+    entry.leaves.clear();
+    entry.pointers.clear();
+    for (auto leaf : leaves) {
+      entry.leaves.push_back(py::reinterpret_borrow<py::object>(leaf));
+      entry.pointers.push_back(THPVariable_Unpack(leaf.ptr()).const_data_ptr());
+    }
+    std::vector<Group> program;
+    for (auto item : groups) {
+      auto group = item.cast<py::tuple>();
+      Group g;
+      g.destinations = group[0].cast<std::vector<at::Tensor>>();
+      for (auto s : group[1].cast<py::list>()) {
+        auto pair = s.cast<py::tuple>();
+        g.sources.push_back(Source{pair[0].cast<int>(), pair[1].cast<bool>()});
+      }
+      g.constants = group[2].cast<std::vector<at::Tensor>>();
+      program.push_back(std::move(g));
+    }
+    entry.programs[slot] = std::move(program);
+    entry.learned[slot] = true;
+    if (!copy_views.is_none()) {
+      auto views = copy_views.cast<py::tuple>();
+      entry.arena[slot] = views[0].cast<at::Tensor>();
+      entry.mirror[slot] = views[1].cast<at::Tensor>();
+    }
+    entry.replay = replay;
+    entry.output = output;
+    entry.host_marks = host_marks;
+  }
+
+  // The step, or None: see the contract at the top.
+  py::object step(py::handle input_ids, py::handle position_ids, py::handle past_key_values, py::handle attn) {
+    if (entries_.empty() || Py_TYPE(attn.ptr()) != reinterpret_cast<PyTypeObject*>(attn_type_.ptr())) {
+      return py::none();
+    }
+    c10::InferenceMode inference;  // as the Python path: buffers made in it are written in it
+    std::array<py::object, kTensors> held;
+    Key key;
+    if (!layout(input_ids, position_ids, attn, held, key)) return py::none();
+    auto found = entries_.find(key);
+    if (found == entries_.end()) return py::none();
+    Entry& entry = found->second;
+    if (!scalars_pass(attn, entry) || !same_cache(past_key_values, entry)) return py::none();
+    if (!host_marks_.is_none()) {  // the emulator: which tensors are host memory is part of the layout
+      py::tuple tensors(kTensors);
+      for (int i = 0; i < kTensors; ++i) tensors[i] = held[i];
+      if (!host_marks_(tensors).equal(entry.host_marks)) return py::none();
+    }
+    int slot = 0;
+    if (!staging_.is_none()) {
+      slot = ring_ != nullptr ? ring_->next() : (ring_object_.attr("slot").cast<int>() + 1) % kSlots;
+    }
+    if (!entry.learned[slot]) return py::none();
+    // Every source before any effect: a view that cannot be made declines the step.
+    std::vector<std::vector<at::Tensor>> sources;
+    for (const Group& group : entry.programs[slot]) {
+      std::vector<at::Tensor> list;
+      list.reserve(group.destinations.size());
+      for (const Source& source : group.sources) {
+        const at::Tensor& tensor = THPVariable_Unpack(held[source.index].ptr());
+        if (source.words) {
+          if (tensor.dim() == 0 || tensor.stride(-1) != 1) return py::none();
+          list.push_back(tensor.view(at::kInt));
+        } else {
+          list.push_back(tensor);
+        }
+      }
+      list.insert(list.end(), group.constants.begin(), group.constants.end());
+      sources.push_back(std::move(list));
+    }
+    if (!acquire_(false).cast<bool>()) return py::none();  // another step under way: the Python path says so
+    struct Release {
+      py::object& release;
+      ~Release() { release(); }
+    } unlock{release_};
+    if (ring_ != nullptr) {
+      ring_->begin();
+    } else if (!staging_.is_none()) {
+      begin_();
+    }
+    for (size_t i = 0; i < sources.size(); ++i) {
+      at::_foreach_copy_(entry.programs[slot][i].destinations, sources[i]);
+    }
+    if (ring_ != nullptr) {
+      ring_->copy(entry.arena[slot], entry.mirror[slot]);
+    } else if (!staging_.is_none()) {
+      copy_(entry.arena[slot], entry.mirror[slot]);
+    }
+    entry.replay();
+    replays_ += 1;
+    live_tokens_ += entry.batch;
+    padded_tokens_ += entry.bucket - entry.batch;
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(entry.output.detach()));
+  }
+
+  // (replays, live tokens, padded tokens) since the last call.
+  std::tuple<int64_t, int64_t, int64_t> take_counts() {
+    auto counts = std::make_tuple(replays_, live_tokens_, padded_tokens_);
+    replays_ = live_tokens_ = padded_tokens_ = 0;
+    return counts;
+  }
+
+  void clear() { entries_.clear(); }
+  size_t size() const { return entries_.size(); }
+
+ private:
+  // The step's tensors (held) and its layout key: every tensor's sizes,
+  // dtype and device. False when one is missing or not a tensor.
+  bool layout(py::handle input_ids, py::handle position_ids, py::handle attn, std::array<py::object, kTensors>& held,
+              Key& key) {
+    held[0] = py::reinterpret_borrow<py::object>(input_ids);
+    held[1] = py::reinterpret_borrow<py::object>(position_ids);
+    for (int i = 2; i < kTensors; ++i) {
+      PyObject* value = PyObject_GetAttr(attn.ptr(), names_[i - 2].ptr());
+      if (value == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      held[i] = py::reinterpret_steal<py::object>(value);
+    }
+    key.clear();
+    key.reserve(kTensors * 5 + 5);
+    for (const auto& object : held) {
+      if (!THPVariable_Check(object.ptr())) return false;
+      describe(THPVariable_Unpack(object.ptr()), key);
+    }
+    // The host lengths' layout, when given (graphmode.runner.step_checks keys on it too).
+    py::object host = attn.attr("kv_seqlens_cpu");
+    if (host.is_none()) {
+      key.push_back(-1);
+    } else {
+      if (!THPVariable_Check(host.ptr())) return false;
+      describe(THPVariable_Unpack(host.ptr()), key);
+    }
+    return true;
+  }
+
+  static void describe(const at::Tensor& tensor, Key& key) {
+    key.push_back(tensor.dim());
+    for (int64_t size : tensor.sizes()) key.push_back(size);
+    key.push_back(static_cast<int64_t>(tensor.scalar_type()));
+    key.push_back(static_cast<int64_t>(tensor.device().type()));
+    key.push_back(tensor.device().index());
+  }
+
+  // The usual decode step that graphmode.runner.step_checks passes without
+  // further checks: int maxima, one token per sequence, the longest within
+  // the table; host lengths only beside a known maximum (check_values
+  // reads them only when it is unknown).
+  bool scalars_pass(py::handle attn, const Entry& entry) {
+    py::object decoding = attn.attr("is_decoding");
+    if (decoding.ptr() != Py_True) return false;
+    py::object q_max = attn.attr("max_q_seq_len");
+    py::object kv_max = attn.attr("max_kv_seq_len");
+    int64_t q = 0, kv = 0;
+    if (!is_int(q_max.ptr(), &q) || q != 1 || !is_int(kv_max.ptr(), &kv) || kv > entry.kv_limit) return false;
+    return kv >= 0 || attn.attr("kv_seqlens_cpu").is_none();
+  }
+
+  // The cache tensors the graph captured, at the addresses it captured
+  // (graphmode.runner.cache_checks.CacheMemory): a list or tuple of
+  // per-layer lists or tuples.
+  bool same_cache(py::handle past_key_values, const Entry& entry) {
+    PyObject* cache = past_key_values.ptr();
+    if (!PyList_CheckExact(cache) && !PyTuple_CheckExact(cache)) return false;
+    size_t index = 0;
+    Py_ssize_t layers = PySequence_Fast_GET_SIZE(cache);
+    PyObject** items = PySequence_Fast_ITEMS(cache);
+    for (Py_ssize_t layer = 0; layer < layers; ++layer) {
+      PyObject* pair = items[layer];
+      if (!PyList_CheckExact(pair) && !PyTuple_CheckExact(pair)) return false;
+      Py_ssize_t count = PySequence_Fast_GET_SIZE(pair);
+      PyObject** tensors = PySequence_Fast_ITEMS(pair);
+      for (Py_ssize_t i = 0; i < count; ++i, ++index) {
+        if (index >= entry.leaves.size() || tensors[i] != entry.leaves[index].ptr()) return false;
+        if (THPVariable_Unpack(tensors[i]).const_data_ptr() != entry.pointers[index]) return false;
+      }
+    }
+    return index == entry.leaves.size();
+  }
+
+  py::object attn_type_;
+  std::vector<py::object> names_;
+  py::object lock_, acquire_, release_;
+  py::object staging_, ring_object_, begin_, copy_;
+  Ring* ring_ = nullptr;
+  py::object host_marks_;
+  std::map<Key, Entry> entries_;
+  int64_t replays_ = 0, live_tokens_ = 0, padded_tokens_ = 0;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  py::class_<Ring>(module, "Ring")
+      .def(py::init<int, int>())
+      .def("begin", &Ring::begin)
+      .def("copy", &Ring::copy)
+      .def("wait", &Ring::wait)
+      .def_property_readonly("slot", &Ring::slot);
+  py::class_<Memo>(module, "Memo")
+      .def(py::init<py::object, std::vector<std::string>, py::object, py::object, py::object>())
+      .def("learn", &Memo::learn)
+      .def("step", &Memo::step)
+      .def("take_counts", &Memo::take_counts)
+      .def("clear", &Memo::clear)
+      .def("__len__", &Memo::size);
+}

@@ -1,0 +1,159 @@
+"""The native steady-state step (graphmode.native): after the Python path
+took a replay step of a layout, later steps of that layout run in C++ with
+the same result, and any step it cannot prove the same goes back to the
+Python path, whose checks and errors it keeps."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from setups import tiny_setup
+
+import graphmode
+from graphmode.errors import InputError
+from graphmode.native import native_module
+
+pytestmark = pytest.mark.skipif(native_module() is None, reason="the native step could not be built here (no compiler)")
+
+
+def _native_replays(runner) -> int:
+    """Replays the native step made since the last look (not yet in runner.stats)."""
+    return runner._full.native.memo.take_counts()[0]
+
+
+@pytest.mark.parametrize("host_inputs", [False, True], ids=["device inputs", "host staging"])
+def test_steady_state_steps_run_natively_and_equal_eager(host_inputs):
+    setup = tiny_setup(max_batches=8, host_inputs=host_inputs, capture_batch_sizes=[4, 8])
+    seqs = setup.prefill(8)
+    for _ in range(4):  # capture, then the Python replays that teach the memo (one per host mirror)
+        graph, eager = setup.decode(seqs[:3])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert (setup.runner.staging is not None) == host_inputs
+    _native_replays(setup.runner)
+    for batch in (3, 3, 3, 3, 3):
+        graph, eager = setup.decode(seqs[:batch])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert _native_replays(setup.runner) == 5
+    assert setup.caches_close()
+    # Other batch sizes and buckets: each layout taught once, then native.
+    for batch in (7, 7, 7, 8, 8, 8, 3, 7, 8):
+        graph, eager = setup.decode(seqs[:batch])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert _native_replays(setup.runner) >= 3
+    assert setup.caches_close()
+
+
+def test_native_replays_count_in_the_statistics():
+    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
+    seqs = setup.prefill(4)
+    for _ in range(6):
+        setup.decode(seqs[:3])
+    stats = setup.runner.stats
+    assert (stats.captures, stats.replays, stats.replays_by_q_len[1]) == (1, 5, 5), stats.summary()
+    assert (stats.real_tokens, stats.padded_tokens) == (18, 6)
+
+
+def test_a_step_it_cannot_prove_the_same_gets_the_python_paths_error():
+    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
+    seqs = setup.prefill(4)
+    for _ in range(4):
+        setup.decode(seqs[:3])
+    assert len(setup.runner._full.native.memo) == 1
+    step = setup.engine.decode(seqs[:3])
+    # A KV-cache tensor replaced by another of the same shape: the graph would write the old one.
+    layer = list(setup.graph_cache[0])
+    layer[0] = layer[0].clone()
+    other = [tuple(layer), *setup.graph_cache[1:]]
+    with torch.inference_mode(), pytest.raises(InputError, match="past_key_values"):
+        setup.runner(step.input_ids, step.position_ids, other, step.attn_metadata)
+    # A maximum past the block table: the Python path's check names it.
+    too_long = step.attn_metadata.replace(max_kv_seq_len=setup.runner.config.max_blocks_per_seq * 16 + 1)
+    with torch.inference_mode(), pytest.raises(InputError, match="max_kv_seq_len"):
+        setup.runner(step.input_ids, step.position_ids, setup.graph_cache, too_long)
+    # A float position tensor: another layout, checked whole.
+    with torch.inference_mode(), pytest.raises(InputError, match="position_ids"):
+        setup.runner(step.input_ids, step.position_ids.float(), setup.graph_cache, step.attn_metadata)
+
+
+def test_a_strided_step_of_the_same_sizes_takes_the_python_path_and_equals_eager():
+    """Strides are not part of the layout; the int64-as-int32-words copy needs a
+    contiguous last dimension, so the native step declines such a step."""
+    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
+    seqs = setup.prefill(4)
+    for _ in range(3):
+        setup.decode(seqs[:3])
+    _native_replays(setup.runner)
+    step = setup.engine.decode(seqs[:3])
+    wide = torch.stack([step.input_ids, step.input_ids], dim=-1)[..., 0]  # (1, 3), last-dimension stride 2
+    assert wide.stride(-1) == 2
+    with torch.inference_mode():
+        graph = setup.runner(wide, step.position_ids, setup.graph_cache, step.attn_metadata).clone()
+        eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert _native_replays(setup.runner) == 0
+
+
+def test_reset_forgets_the_memo_and_steps_learn_again():
+    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
+    seqs = setup.prefill(4)
+    for _ in range(3):
+        setup.decode(seqs[:3])
+    assert len(setup.runner._full.native.memo) == 1
+    assert _native_replays(setup.runner) == 1
+    setup.runner.reset()
+    assert len(setup.runner._full.native.memo) == 0
+    for _ in range(4):
+        graph, eager = setup.decode(seqs[:3])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert _native_replays(setup.runner) == 2  # before runner.stats, which takes them
+    assert setup.runner.stats.captures == 2
+
+
+def test_a_second_thread_is_refused_while_a_native_step_runs():
+    """The native step holds the runner's one-step lock, as the Python path does."""
+    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
+    seqs = setup.prefill(4)
+    for _ in range(3):
+        setup.decode(seqs[:3])
+    step = setup.engine.decode(seqs[:3])
+    holding = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with setup.runner._busy:
+            holding.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait(5)
+    try:
+        with torch.inference_mode(), pytest.raises(InputError, match="another call is running"):
+            setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+    finally:
+        release.set()
+        thread.join()
+
+
+def test_runners_the_native_step_does_not_take(monkeypatch):
+    """Debug mode and graph variants keep the Python path (their per-step work
+    is Python's); GRAPHMODE_NATIVE=0 turns it off."""
+    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8], debug=True)
+    seqs = setup.prefill(4)
+    for _ in range(3):
+        setup.decode(seqs[:3])
+    assert setup.runner._full.native is None
+    native_module.cache_clear()
+    monkeypatch.setenv(graphmode.native.ENV_NATIVE, "0")
+    try:
+        assert native_module() is None
+        setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
+        seqs = setup.prefill(4)
+        for _ in range(3):
+            graph, eager = setup.decode(seqs[:3])
+            torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+        assert setup.runner._full.native is None
+    finally:
+        native_module.cache_clear()
