@@ -5,6 +5,8 @@ Python path, whose checks and errors it keeps."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 
 import pytest
@@ -15,12 +17,23 @@ import graphmode
 from graphmode.errors import InputError
 from graphmode.native import native_module
 
-pytestmark = pytest.mark.skipif(native_module() is None, reason="the native step could not be built here (no compiler)")
+# Skipped only where nothing can build it; where a compiler is, a build failure fails the tests.
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+
+
+def test_the_native_step_builds_here():
+    assert native_module() is not None, "graphmode.native could not be built; see the graphmode logger's INFO record"
+
+
+_seen: dict[int, int] = {}
 
 
 def _native_replays(runner) -> int:
-    """Replays the native step made since the last look (not yet in runner.stats)."""
-    return runner._full.native.memo.take_counts()[0]
+    """Replays the native step made since the last look."""
+    memo = runner._full.native.memo
+    now, before = memo.replays, _seen.get(id(memo), 0)
+    _seen[id(memo)] = now
+    return now - before
 
 
 @pytest.mark.parametrize("host_inputs", [False, True], ids=["device inputs", "host staging"])
@@ -45,13 +58,16 @@ def test_steady_state_steps_run_natively_and_equal_eager(host_inputs):
     assert setup.caches_close()
 
 
-def test_native_replays_count_in_the_statistics():
+def test_native_replays_count_in_the_statistics_as_they_run():
+    """An engine may keep ``runner.stats`` and read it later: it counts every replay at once."""
     setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
+    stats = setup.runner.stats
     seqs = setup.prefill(4)
     for _ in range(6):
         setup.decode(seqs[:3])
-    stats = setup.runner.stats
+    assert _native_replays(setup.runner) == 4
     assert (stats.captures, stats.replays, stats.replays_by_q_len[1]) == (1, 5, 5), stats.summary()
+    assert stats.replays_by_variant == {"plain": 5}
     assert (stats.real_tokens, stats.padded_tokens) == (18, 6)
 
 
@@ -107,7 +123,7 @@ def test_reset_forgets_the_memo_and_steps_learn_again():
     for _ in range(4):
         graph, eager = setup.decode(seqs[:3])
         torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
-    assert _native_replays(setup.runner) == 2  # before runner.stats, which takes them
+    assert _native_replays(setup.runner) == 2
     assert setup.runner.stats.captures == 2
 
 

@@ -108,6 +108,9 @@ class HandWrittenGraph:
             self.model(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        # Its matmuls' cuBLAS workspace in the graph's pool, as graphmode does
+        # (graphmode.graphs.torch_graph._fresh_blas_workspace says why).
+        torch._C._cuda_clearCublasWorkspaces()
         with torch.cuda.graph(graph, pool=self.pool):
             output = self.model(*args)
         self.graphs[bucket] = (graph, output)

@@ -38,6 +38,26 @@ def _capture_stream(device: torch.device, make: Any) -> Any:
     return _capture_streams[device]
 
 
+def _fresh_blas_workspace(device: torch.device) -> None:
+    """Drop cuBLAS's cached workspaces before a CUDA capture, so that the
+    capture's first matmul allocates its workspace in the graph's own pool.
+
+    cuBLAS keeps one workspace per (handle, stream), owned by a process-wide
+    map, and a captured matmul keeps its address. The capture stream is one
+    per device for the process, so without this every graph would use the
+    workspace made at the process's first capture, in the first graph's pool.
+    Anyone may clear the map (``torch.compile``'s CUDA graph trees do, around
+    every recording): the workspace is then freed, and once its pool is
+    released (that first runner reset) or the memory reused, every graph's
+    matmuls write into memory that is gone or holds other tensors. Seen on an
+    H100: "an illegal memory access" at the first replay after a
+    reduce-overhead compile, in 5 of 8 processes. A workspace in this graph's
+    pool stays mapped while the graph lives, whoever clears the map."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if device.type == "cuda" and clear is not None:
+        clear()
+
+
 def stream_capturing(device_type: str) -> bool:
     """Whether a graph capture is under way on the current stream of
     ``device_type``'s runtime, asked of that runtime: its device module's
@@ -115,6 +135,7 @@ class TorchGraph(DeviceGraph):
         self._stream_context = self.module.stream(stream)
         self._stream_context.__enter__()
         try:
+            _fresh_blas_workspace(self.device)
             self.graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
         except BaseException:
             self._leave_stream()
@@ -167,6 +188,7 @@ class AcceleratorGraph(TorchGraph):
         self._stream_context = stream
         stream.__enter__()
         try:
+            _fresh_blas_workspace(self.device)
             self.graph.capture_begin()
         except BaseException:
             self._leave_stream()

@@ -95,14 +95,15 @@ def _ninja_on_path() -> Iterator[None]:
 class NativeSteps:
     """A runner's memo of full-graph replay steps (see the module's doc).
 
-    ``step(...)`` is the memo's: the output of a remembered step, or None.
-    :meth:`learn` is called by the Python path after each replay step it
-    took; :meth:`clear` on every capture and reset; :meth:`flush` adds the
-    memo's replays to the runner's statistics."""
+    ``step(...)`` is the memo's: the output of a remembered step, or None;
+    it counts its replays in ``stats`` as the Python path does. :meth:`learn`
+    is called by the Python path after each replay step it took;
+    :meth:`clear` on every capture and reset."""
 
-    def __init__(self, module: Any, lock: Any, staging: Any, emulated: bool, limits: tuple[int, int]) -> None:
+    def __init__(self, module: Any, lock: Any, staging: Any, emulated: bool, limits: tuple[int, int],
+                 stats: Any, variant: str) -> None:
         marks = (lambda tensors: tuple(map(is_host, tensors))) if emulated else None
-        self.memo = module.Memo(AttnMetadata, list(REQUIRED_TENSORS), lock, staging, marks)
+        self.memo = module.Memo(AttnMetadata, list(REQUIRED_TENSORS), lock, staging, marks, stats, variant)
         self.step = self.memo.step
         self._marks = marks
         self._staging = staging
@@ -142,16 +143,6 @@ class NativeSteps:
         marks = self._marks(tensors) if self._marks is not None else None
         self.memo.learn(inputs.input_ids, inputs.position_ids, attn, batch, captured.bucket, kv_limit,
                         list(leaves), slot, program, replay, output, marks, views)
-
-    def flush(self, stats: Any, variant: str) -> None:
-        """Add the memo's replays since the last flush to ``stats``."""
-        replays, live, padded = self.memo.take_counts()
-        if replays:
-            stats.replays += replays
-            stats.replays_by_q_len[1] += replays
-            stats.replays_by_variant[variant] += replays
-            stats.real_tokens += live
-            stats.padded_tokens += padded
 
     def clear(self) -> None:
         self.memo.clear()

@@ -105,8 +105,9 @@ class Ring {
 class Memo {
  public:
   Memo(py::object attn_type, std::vector<std::string> names, py::object lock, py::object staging,
-       py::object host_marks)
-      : attn_type_(attn_type), lock_(lock), staging_(staging), host_marks_(host_marks) {
+       py::object host_marks, py::object stats, py::object variant)
+      : attn_type_(attn_type), lock_(lock), staging_(staging), host_marks_(host_marks), stats_(stats),
+        variant_(variant) {
     for (const auto& name : names) names_.emplace_back(py::str(name));
     acquire_ = lock_.attr("acquire");
     release_ = lock_.attr("release");
@@ -221,18 +222,12 @@ class Memo {
       copy_(entry.arena[slot], entry.mirror[slot]);
     }
     entry.replay();
-    replays_ += 1;
-    live_tokens_ += entry.batch;
-    padded_tokens_ += entry.bucket - entry.batch;
+    count(entry);
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(entry.output.detach()));
   }
 
-  // (replays, live tokens, padded tokens) since the last call.
-  std::tuple<int64_t, int64_t, int64_t> take_counts() {
-    auto counts = std::make_tuple(replays_, live_tokens_, padded_tokens_);
-    replays_ = live_tokens_ = padded_tokens_ = 0;
-    return counts;
-  }
+  // Replays this memo made (for tests and benchmarks; runner.stats counts every replay).
+  int64_t replays() const { return replays_; }
 
   void clear() { entries_.clear(); }
   size_t size() const { return entries_.size(); }
@@ -277,6 +272,29 @@ class Memo {
     key.push_back(tensor.device().index());
   }
 
+  // The runner's statistics, as the Python path keeps them (FullGraphs._replay).
+  void count(const Entry& entry) {
+    replays_ += 1;
+    add(stats_, "replays", 1);
+    add(stats_, "real_tokens", entry.batch);
+    add(stats_, "padded_tokens", entry.bucket - entry.batch);
+    py::object by_q_len = stats_.attr("replays_by_q_len");  // Counters: a missing key reads 0
+    py::int_ one(1);
+    by_q_len[one] = plus(by_q_len[one], 1);
+    py::object by_variant = stats_.attr("replays_by_variant");
+    by_variant[variant_] = plus(by_variant[variant_], 1);
+  }
+
+  static void add(py::object& object, const char* name, int64_t value) {
+    object.attr(name) = plus(object.attr(name), value);
+  }
+
+  static py::object plus(py::handle value, int64_t more) {
+    PyObject* sum = PyNumber_Add(value.ptr(), py::int_(more).ptr());
+    if (sum == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(sum);
+  }
+
   // The usual decode step that graphmode.runner.step_checks passes without
   // further checks: int maxima, one token per sequence, the longest within
   // the table; host lengths only beside a known maximum (check_values
@@ -319,8 +337,9 @@ class Memo {
   py::object staging_, ring_object_, begin_, copy_;
   Ring* ring_ = nullptr;
   py::object host_marks_;
+  py::object stats_, variant_;
   std::map<Key, Entry> entries_;
-  int64_t replays_ = 0, live_tokens_ = 0, padded_tokens_ = 0;
+  int64_t replays_ = 0;
 };
 
 }  // namespace
@@ -333,10 +352,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("wait", &Ring::wait)
       .def_property_readonly("slot", &Ring::slot);
   py::class_<Memo>(module, "Memo")
-      .def(py::init<py::object, std::vector<std::string>, py::object, py::object, py::object>())
+      .def(py::init<py::object, std::vector<std::string>, py::object, py::object, py::object, py::object,
+                    py::object>())
       .def("learn", &Memo::learn)
       .def("step", &Memo::step)
-      .def("take_counts", &Memo::take_counts)
+      .def_property_readonly("replays", &Memo::replays)
       .def("clear", &Memo::clear)
       .def("__len__", &Memo::size);
 }

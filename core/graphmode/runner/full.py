@@ -269,7 +269,7 @@ class FullGraphs:
             return
         config = shared.config
         self.native = NativeSteps(module, shared.lock, self.staging, config.device.type == "cpu",
-                                  (config.max_blocks_per_seq, config.block_size))
+                                  (config.max_blocks_per_seq, config.block_size), shared.stats, PLAIN)
         self.native_step = self.native.step
 
     def result(self, captured: CapturedGraph, batch: int) -> Any:

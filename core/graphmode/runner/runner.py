@@ -39,7 +39,6 @@ from graphmode.runner.stats import RunnerStats
 from graphmode.runner.step_checks import StepChecks
 from graphmode.runner.validate import check_model_ops, uniform_q_len
 from graphmode.staging import HostStaging, to_device
-from graphmode.variants import PLAIN
 
 __all__ = ["GraphRunner"]
 
@@ -120,8 +119,6 @@ class GraphRunner:
     @property
     def stats(self) -> RunnerStats:
         """What graph mode did: captures, replays, eager steps by reason, tokens."""
-        if self._full is not None and self._full.native is not None:
-            self._full.native.flush(self._shared.stats, PLAIN)
         return self._shared.stats
 
     @property
