@@ -125,10 +125,14 @@ REFUSED = {
     "llama4_text": (GQA, r"'llama4_text' with layers of type \['chunked_attention'\]"),
     "recurrent_gemma": (TINY, r"'recurrent_gemma' with layers of type \['linear_attention'\]"),
     "bert": (TINY, r"'bert' is not supported: .*attends bidirectionally .*set config.is_decoder=True"),
+    # Differential attention: two attention calls per layer, with different values.
+    "diffllama": (GQA, r"'diffllama' is not supported: model.layers.0.self_attn \(DiffLlamaAttention\) calls "
+                  r"transformers' attention interface 2 times per forward for layer_idx 0 .*second call would "
+                  r"overwrite"),
 }
 #: What transformers 4.x gives instead: no attention backend on these classes.
 if not V5:
-    for name in ("bert", "recurrent_gemma"):
+    for name in ("bert", "recurrent_gemma", "diffllama"):
         REFUSED[name] = (REFUSED[name][0], rf"'{name}' is not supported: .* declares no support for registered")
 
 

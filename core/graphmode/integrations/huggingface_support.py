@@ -12,8 +12,9 @@ Two checks, both before the model serves a step:
   recording attention function (no cache, no kernel): every decoder layer
   must reach the attention function with graphmode's step (a decoder layer
   that does not pass keyword arguments through cannot be served), carry
-  ``layer_idx``, pass no soft-capping or sinks, and give keys and values of
-  one head size. It also reads each layer's sliding window (the keyword the
+  ``layer_idx``, call it once (differential attention calls it twice, with
+  different values for one cache), pass no soft-capping or sinks, and give
+  keys and values of one head size. It also reads each layer's sliding window (the keyword the
   layer passes, or the module's ``sliding_window``, which some families set
   and apply through the mask only), which the runner's table capacity must
   not exceed (:meth:`Probe.check_table`), and the first operator whose
@@ -223,6 +224,18 @@ class Probe:
                     f"{call.value} (batch, heads, tokens, head size): graphmode's paged cache holds keys and values "
                     f"of one head count and head size (multi-head latent attention is not supported); {SUPPORTED}"
                 )
+        # Each call writes its keys and values into its layer's one cache; a
+        # second call of a layer would overwrite the first's values, so the
+        # first would attend to the second's at every later step.
+        twice = next((c for i, c in enumerate(self.calls) if c.layer in {d.layer for d in self.calls[:i]}), None)
+        if twice is not None:
+            count = sum(c.layer == twice.layer for c in self.calls)
+            raise ConfigError(
+                f"{family!r} is not supported: {twice.name} ({twice.cls}) calls transformers' attention interface "
+                f"{count} times per forward for layer_idx {twice.layer} (differential attention, for one, attends "
+                "twice with different values), and graphmode's paged cache holds one key and value per token and "
+                f"layer, which the second call would overwrite; {SUPPORTED}"
+            )
         layers = sorted({c.layer for c in self.calls if c.layer is not None})
         if layers != list(range(self.num_layers)):
             raise ConfigError(
