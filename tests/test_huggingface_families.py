@@ -183,3 +183,24 @@ def test_a_forward_no_graph_can_capture_is_refused_when_the_runner_is_built(mode
                                      execute_mode=mode)
     graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
                                  execute_mode="eager")
+
+
+@pytest.mark.parametrize("family, fields, call, where", [
+    # JetMoE sizes its expert batches with .tolist() (transformers 5.24).
+    ("jetmoe", dict(GQA, head_dim=16, num_local_experts=4, num_experts_per_tok=2), r"Tensor.tolist\(\)",
+     r"modeling_jetmoe.py:\d+ in forward"),
+    # Dynamic RoPE compares the step's longest position with its cache length in an if.
+    ("llama", dict(GQA, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"Tensor.__bool__\(\)",
+     r"modeling_rope_utils.py:\d+ in dynamic_frequency_update"),
+])
+def test_a_forward_that_reads_the_device_on_the_host_is_refused_when_the_runner_is_built(family, fields, call, where):
+    # Before: built, then every decode step failed at its capture.
+    if family not in transformers.CONFIG_MAPPING or (family == "jetmoe" and not V5):
+        pytest.skip(f"checked with transformers 5.24's {family}")
+    model = load_model(config(family, **fields))
+    with pytest.raises(ConfigError, match=rf"'{family}' cannot run in execute_mode='graph' .*: its forward calls "
+                       rf"{call} at \S+{where}, which reads device memory on the host, so no device graph can "
+                       r"capture it. Build the runner with execute_mode='eager'"):
+        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
+    graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
+                                 execute_mode="eager")

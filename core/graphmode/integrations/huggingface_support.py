@@ -19,8 +19,11 @@ Two checks, both before the model serves a step:
   and apply through the mask only), which the runner's table capacity must
   not exceed (:meth:`Probe.check_table`), and the first operator whose
   output size depends on tensor values (``nonzero`` in the MoE routing of
-  transformers 4.x's Mixtral and Qwen3-MoE), for which graph modes are
-  refused when a runner is built (:meth:`Probe.check_graphs`).
+  transformers 4.x's Mixtral and Qwen3-MoE) and the first host read of
+  device memory (``.tolist()`` in JetMoE's expert routing, the host
+  comparison of dynamic RoPE), for which graph modes are refused when a
+  runner is built (:meth:`Probe.check_graphs`): a capture would fail on
+  them at the first decode step.
 
 Messages name the family, the layer or parameter by name and shape (never
 tensor values), the reason and the fix.
@@ -31,14 +34,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import os
 import sys
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from graphmode.emulator.capture import ValueSizedOps
+from torch.overrides import TorchFunctionMode
+
+from graphmode.emulator.capture import ValueSizedOps, call_site, reads_host
 from graphmode.errors import ConfigError
 
 #: What every refusal of a family ends with.
@@ -152,6 +159,7 @@ class Probe:
 
     config_window: int | None = None
     value_sized: tuple[str, str] | None = None  # an operator no graph can capture, and where it was called
+    host_read: tuple[str, str] | None = None  # a host read of device memory, and where it was called
 
     @property
     def window(self) -> tuple[int, str] | None:
@@ -260,16 +268,23 @@ class Probe:
 
     def check_graphs(self, execute_mode: str) -> None:
         """Refuse graph modes for a forward that runs an operator whose output
-        size depends on tensor values (MoE routing with ``nonzero``, say):
-        every capture would fail on it."""
-        if self.value_sized is None or execute_mode == "eager":
+        size depends on tensor values (MoE routing with ``nonzero``, say), or
+        reads device memory on the host (``.tolist()``, a tensor in an
+        ``if``): every capture would fail on it."""
+        if execute_mode == "eager":
             return
-        what, where = self.value_sized
+        if self.value_sized is not None:
+            what, where = self.value_sized
+            why = "whose output size depends on tensor values"
+        elif self.host_read is not None:
+            what, where = self.host_read
+            why = "which reads device memory on the host"
+        else:
+            return
         raise ConfigError(
             f"{self.family!r} cannot run in execute_mode={execute_mode!r} (transformers {_version()}): its forward "
-            f"calls {what} at {where}, whose output size depends on tensor values, so no device graph can "
-            "capture it. Build the runner with execute_mode='eager', or use a transformers version whose model "
-            f"avoids the operator; {SUPPORTED}"
+            f"calls {what} at {where}, {why}, so no device graph can capture it. Build the runner with "
+            f"execute_mode='eager', or use a transformers version whose model avoids the call; {SUPPORTED}"
         )
 
     def check_table(self, max_blocks_per_seq: int, block_size: int) -> None:
@@ -296,6 +311,30 @@ def _describe(module: Any, tensor: Any) -> str:
     return f"a tensor of shape {shape}"
 
 
+class _HostReads(TorchFunctionMode):
+    """Records, without refusing, the first host read of device memory run
+    under it (the reads the emulator's capture refuses: ``.tolist()``,
+    ``.item()``, a tensor as a Python bool or int) and where it was called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: tuple[str, str] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found is None and reads_host(func, args, kwargs):
+            self.found = (f"Tensor.{getattr(func, '__name__', func)}()", self._caller())
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _caller() -> str:
+        """The model's line that read: :func:`call_site` would name this mode."""
+        for frame in reversed(traceback.extract_stack()):
+            if frame.filename != __file__ and os.sep + "torch" + os.sep not in frame.filename:
+                return f"{frame.filename}:{frame.lineno} in {frame.name}"
+        return call_site()
+
+
 def active_probe() -> Probe | None:
     """The probe of the forward running now, if any."""
     return _PROBE.get()
@@ -320,7 +359,7 @@ def probe(hf_model: Any) -> Probe:
                  config_window=config_window(config))
     device = next(hf_model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with _probing(seen), torch.no_grad(), ValueSizedOps() as sized:
+    with _probing(seen), torch.no_grad(), ValueSizedOps() as sized, _HostReads() as reads:
         try:
             hf_model(input_ids=ids, position_ids=ids, use_cache=False, graphmode_step=seen)
         except TypeError as error:
@@ -330,6 +369,6 @@ def probe(hf_model: Any) -> Probe:
                 f"{family!r} is not supported: {type(hf_model).__name__}.forward takes no extra keyword arguments "
                 f"({error}), so graphmode's step cannot reach the attention layers; {SUPPORTED}"
             ) from None
-    seen.value_sized = sized.found
+    seen.value_sized, seen.host_read = sized.found, reads.found
     seen.refuse()
     return seen
