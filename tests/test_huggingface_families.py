@@ -204,3 +204,32 @@ def test_a_forward_that_reads_the_device_on_the_host_is_refused_when_the_runner_
         graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
     graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
                                  execute_mode="eager")
+
+
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[4.0] * 8,
+                original_max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("family, fields, kind, limit, name", [
+    # Phi-3's long-context RoPE takes its long factors once the step's longest position passes 16.
+    ("phi3", dict(GQA, **TOKENS, rope_scaling=LONGROPE, original_max_position_embeddings=16), "longrope", 16,
+     "original_max_position_embeddings"),
+    # Dynamic NTK rescales once it passes max_position_embeddings.
+    ("llama", dict(GQA, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16),
+     "dynamic", 16, "max_position_embeddings"),
+])
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_rope_that_depends_on_the_longest_sequence_is_refused_past_its_length(family, fields, kind, limit, name,
+                                                                                mode):
+    # Before: served, and a decode step batching a sequence past the length
+    # with one before it gave the shorter one other logits than generate.
+    model = load_model(config(family, **fields))
+    with pytest.raises(ConfigError, match=rf"'{family}': its RoPE \(rope_type '{kind}'\) changes its frequencies for a "
+                       rf"whole step once the step's longest position passes {limit} tokens \(config.{name}\), but the "
+                       r"block table can address 32 tokens \(max_blocks_per_seq 8 x block_size 4\).* Lower the table "
+                       rf"width \(max_blocks_per_seq \* block_size <= {limit}\)"):
+        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
+                                     execute_mode=mode)
+    if mode == "eager" or kind == "longrope":  # dynamic RoPE's host read keeps it out of graphs
+        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=4, block_size=BLOCK_SIZE,
+                                     execute_mode=mode)

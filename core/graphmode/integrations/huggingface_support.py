@@ -17,7 +17,9 @@ Two checks, both before the model serves a step:
   keys and values of one head size. It also reads each layer's sliding window (the keyword the
   layer passes, or the module's ``sliding_window``, which some families set
   and apply through the mask only), which the runner's table capacity must
-  not exceed (:meth:`Probe.check_table`), and the first operator whose
+  not exceed (:meth:`Probe.check_table`), as it must not exceed the length
+  at which a ``longrope`` or ``dynamic`` RoPE changes its frequencies for a
+  whole step (:func:`rope_switch`), and the first operator whose
   output size depends on tensor values (``nonzero`` in the MoE routing of
   transformers 4.x's Mixtral and Qwen3-MoE) and the first host read of
   device memory (``.tolist()`` in JetMoE's expert routing, the host
@@ -42,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from torch.overrides import TorchFunctionMode
 
 from graphmode.emulator.capture import ValueSizedOps, call_site, reads_host
@@ -114,6 +115,25 @@ def config_window(config: Any) -> int | None:
     return int(window)
 
 
+def rope_switch(config: Any) -> tuple[str, int, str] | None:
+    """(rope type, length, config field) of a RoPE whose frequencies change
+    once a step's ``max(position_ids) + 1`` passes that length (``longrope``'s
+    long factors, ``dynamic``'s rescaling), else None: graphmode's step holds
+    every running sequence, so one's length would change another's RoPE."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # Per layer type ({"full_attention": {...}, ...}) or one for every layer.
+    found = [p for p in params.values() if isinstance(p, dict)] or [params]
+    for rope in found:
+        kind = str(rope.get("rope_type", rope.get("type", "")))
+        if kind == "longrope":
+            name = "original_max_position_embeddings"
+            limit = rope.get(name) or getattr(config, name, None) or config.max_position_embeddings
+            return kind, int(limit), name
+        if "dynamic" in kind:
+            return kind, int(config.max_position_embeddings), "max_position_embeddings"
+    return None
+
+
 def _why_no_backend(model_class: type) -> str:
     """What the family's modeling source shows about its attention: a table
     of attention classes, or the attention interface called without the
@@ -158,6 +178,7 @@ class Probe:
     calls: list[Call] = field(default_factory=list)
 
     config_window: int | None = None
+    rope: tuple[str, int, str] | None = None  # see rope_switch
     value_sized: tuple[str, str] | None = None  # an operator no graph can capture, and where it was called
     host_read: tuple[str, str] | None = None  # a host read of device memory, and where it was called
 
@@ -271,15 +292,11 @@ class Probe:
         size depends on tensor values (MoE routing with ``nonzero``, say), or
         reads device memory on the host (``.tolist()``, a tensor in an
         ``if``): every capture would fail on it."""
-        if execute_mode == "eager":
-            return
         if self.value_sized is not None:
-            what, where = self.value_sized
-            why = "whose output size depends on tensor values"
+            (what, where), why = self.value_sized, "whose output size depends on tensor values"
         elif self.host_read is not None:
-            what, where = self.host_read
-            why = "which reads device memory on the host"
-        else:
+            (what, where), why = self.host_read, "which reads device memory on the host"
+        if execute_mode == "eager" or self.value_sized is self.host_read is None:
             return
         raise ConfigError(
             f"{self.family!r} cannot run in execute_mode={execute_mode!r} (transformers {_version()}): its forward "
@@ -289,9 +306,18 @@ class Probe:
 
     def check_table(self, max_blocks_per_seq: int, block_size: int) -> None:
         """Refuse a block table that can address more tokens than a layer's
-        sliding window: the paged kernels attend to the whole sequence."""
+        sliding window (the paged kernels attend to the whole sequence) or
+        than a :func:`rope_switch` length."""
         found = self.window
         reach = max_blocks_per_seq * block_size
+        if self.rope is not None and reach > self.rope[1]:
+            kind, limit, name = self.rope
+            raise ConfigError(
+                f"{self.family!r}: its RoPE (rope_type {kind!r}) changes its frequencies for a whole step once the "
+                f"step's longest position passes {limit} tokens (config.{name}), but the block table can address "
+                f"{reach} tokens (max_blocks_per_seq {max_blocks_per_seq} x block_size {block_size}): one sequence's "
+                "length would change the RoPE of the others in its step, and the tokens would differ from generate's. "
+                f"Lower the table width (max_blocks_per_seq * block_size <= {limit}), or use a RoPE without it")
         if found is not None and reach > found[0]:
             window, where = found
             raise ConfigError(
@@ -316,9 +342,7 @@ class _HostReads(TorchFunctionMode):
     under it (the reads the emulator's capture refuses: ``.tolist()``,
     ``.item()``, a tensor as a Python bool or int) and where it was called."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: tuple[str, str] | None = None
+    found: tuple[str, str] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -328,11 +352,10 @@ class _HostReads(TorchFunctionMode):
 
     @staticmethod
     def _caller() -> str:
-        """The model's line that read: :func:`call_site` would name this mode."""
-        for frame in reversed(traceback.extract_stack()):
-            if frame.filename != __file__ and os.sep + "torch" + os.sep not in frame.filename:
-                return f"{frame.filename}:{frame.lineno} in {frame.name}"
-        return call_site()
+        """The model's line that read (:func:`call_site` would name this mode)."""
+        torch_dir = f"{os.sep}torch{os.sep}"
+        frames = [f for f in traceback.extract_stack() if f.filename != __file__ and torch_dir not in f.filename]
+        return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else call_site()
 
 
 def active_probe() -> Probe | None:
@@ -356,7 +379,7 @@ def probe(hf_model: Any) -> Probe:
     config = hf_model.config
     family = getattr(config, "model_type", type(hf_model).__name__)
     seen = Probe(family, config.num_hidden_layers, {id(m): n for n, m in hf_model.named_modules()},
-                 config_window=config_window(config))
+                 config_window=config_window(config), rope=rope_switch(config))
     device = next(hf_model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     with _probing(seen), torch.no_grad(), ValueSizedOps() as sized, _HostReads() as reads:
