@@ -56,7 +56,32 @@ RUNS = {
     "mixtral": dict(GQA, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(GQA, **MOE, num_experts=4, shared_expert_intermediate_size=32),
     "qwen3_moe": dict(GQA, **MOE, num_experts=4, head_dim=16),
+    # Added by the family sweep of 2026-11-26 (transformers 5.24.0); "family+what" varies one feature.
+    "cohere2": dict(GQA, head_dim=16, sliding_window=32, **TOKENS),  # sliding layers and NoPE full layers
+    "exaone4": dict(GQA, head_dim=16, sliding_window=32, **TOKENS),
+    "smollm3": dict(GQA, head_dim=16, **TOKENS),  # NoPE layers
+    "ministral": dict(GQA, head_dim=16, sliding_window=32, **TOKENS),
+    "glm4": dict(GQA, head_dim=16, **TOKENS),  # partial, interleaved rotary
+    "ernie4_5": dict(GQA, head_dim=16, **TOKENS),
+    "helium": dict(GQA, head_dim=16, **TOKENS),
+    "seed_oss": dict(GQA, head_dim=16, **TOKENS),
+    "hunyuan_v1_dense": dict(GQA, head_dim=16, **TOKENS),
+    "bitnet": dict(GQA, head_dim=16, **TOKENS),
+    "olmoe": dict(GQA, **MOE, num_experts=4, head_dim=16, **TOKENS),
+    "granitemoe": dict(GQA, **MOE, num_local_experts=4, head_dim=16, **TOKENS),
+    "phimoe": dict(GQA, **MOE, num_local_experts=4, head_dim=16, **TOKENS),
+    "llama+rope-linear": dict(GQA, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama+rope-yarn": dict(GQA, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama+rope-llama3": dict(GQA, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama+bias-tied": dict(GQA, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    # Long factors past 32 tokens: never within the table's reach (8 blocks x 4).
+    "phi3+longrope": dict(GQA, **TOKENS, original_max_position_embeddings=32, rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8, original_max_position_embeddings=32)),
+    "qwen2+window": dict(GQA, use_sliding_window=True, sliding_window=32, max_window_layers=1),
 }
+#: Checked with transformers 5.24.0 only (skipped on 4.x): the sweep's additions.
+V5_ONLY = set(list(RUNS)[list(RUNS).index("cohere2"):])
 #: What transformers 4.x does differently (CI runs 4.56.0 on torch 2.5):
 #: families refused at load there, and families whose MoE routing calls
 #: nonzero there (graph modes refused when the runner is built).
@@ -69,16 +94,20 @@ def config(family: str, **fields):
 
 
 def requests() -> list[serve_hf.Request]:
+    # Two prompts of different lengths prefilled in one step, a third later.
     generator = torch.Generator().manual_seed(1)
-    return [serve_hf.Request(torch.randint(3, 128, (n,), generator=generator).tolist(), new, arrival=2 * i)
-            for i, (n, new) in enumerate([(5, 6), (9, 4), (3, 7)])]
+    return [serve_hf.Request(torch.randint(3, 128, (n,), generator=generator).tolist(), new, arrival=arrival)
+            for n, new, arrival in [(5, 6, 0), (9, 4, 0), (3, 7, 4)]]
 
 
 @pytest.mark.parametrize("family", sorted(RUNS))
 def test_family_decodes_hf_greedy_tokens(family):
+    key, fields, family = family, RUNS[family], family.split("+")[0]
     if not hasattr(transformers, "AutoConfig") or family not in transformers.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
-    settings = config(family, **RUNS[family])
+    if not V5 and key in V5_ONLY:
+        pytest.skip("checked with transformers 5.24.0 only")
+    settings = config(family, **fields)
     if not V5 and family in NONZERO_BEFORE_V5:
         model = load_model(settings)
         with pytest.raises(ConfigError, match=rf"'{family}' cannot run in execute_mode='graph' \(transformers 4\.\S+\): "
@@ -98,6 +127,8 @@ def test_family_decodes_hf_greedy_tokens(family):
         out = reference.generate(prompt, max_new_tokens=item.max_new_tokens, do_sample=False,
                                  attention_mask=torch.ones_like(prompt), pad_token_id=0)
         expected.append(out[0, prompt.shape[1]:].tolist())
+    eos = reference.generation_config.eos_token_id  # generate stops there; so does serve
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     model = load_model(settings)
     model.hf_model.load_state_dict(reference.state_dict())
     cache_blocks = MAX_BATCH * WIDTH + 1
@@ -105,7 +136,7 @@ def test_family_decodes_hf_greedy_tokens(family):
     runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
     batch = serve_hf.PagedBatch(cache_blocks, BLOCK_SIZE, WIDTH, torch.device("cpu"))
     served = requests()
-    steps = serve_hf.serve(runner, kv_cache, batch, served, max_batch=MAX_BATCH)
+    steps = serve_hf.serve(runner, kv_cache, batch, served, max_batch=MAX_BATCH, eos=eos)
     assert [r.output for r in served] == expected
     assert runner.stats.captures + runner.stats.replays == steps["decode"] >= 1
 
