@@ -160,6 +160,9 @@ REFUSED = {
     "diffllama": (GQA, r"'diffllama' is not supported: model.layers.0.self_attn \(DiffLlamaAttention\) calls "
                   r"transformers' attention interface 2 times per forward for layer_idx 0 .*second call would "
                   r"overwrite"),
+    # A recurrent section run twice per forward: HF keeps a KV cache per pass.
+    "dory": (dict(GQA, head_dim=16, **TOKENS), r"'dory' is not supported: model.layers.0.self_attn \(DoryAttention\) "
+             r"calls transformers' attention interface 2 times per forward for layer_idx 0 .*loops over its layers"),
 }
 #: What transformers 4.x gives instead: no attention backend on these classes.
 if not V5:

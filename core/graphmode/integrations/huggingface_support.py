@@ -261,9 +261,9 @@ class Probe:
             count = sum(c.layer == twice.layer for c in self.calls)
             raise ConfigError(
                 f"{family!r} is not supported: {twice.name} ({twice.cls}) calls transformers' attention interface "
-                f"{count} times per forward for layer_idx {twice.layer} (differential attention, for one, attends "
-                "twice with different values), and graphmode's paged cache holds one key and value per token and "
-                f"layer, which the second call would overwrite; {SUPPORTED}"
+                f"{count} times per forward for layer_idx {twice.layer} (differential attention calls it twice with "
+                "other values; a model that loops over its layers, once a pass), and graphmode's paged cache holds "
+                f"one key and value per token and layer, which the second call would overwrite; {SUPPORTED}"
             )
         layers = sorted({c.layer for c in self.calls if c.layer is not None})
         if layers != list(range(self.num_layers)):
