@@ -36,17 +36,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-import os
 import sys
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from graphmode.emulator.capture import ValueSizedOps, call_site, reads_host
+from graphmode.emulator.capture import ValueSizedOps
+from graphmode.emulator.probes import HostReads
 from graphmode.errors import ConfigError
 
 #: What every refusal of a family ends with.
@@ -337,27 +335,6 @@ def _describe(module: Any, tensor: Any) -> str:
     return f"a tensor of shape {shape}"
 
 
-class _HostReads(TorchFunctionMode):
-    """Records, without refusing, the first host read of device memory run
-    under it (the reads the emulator's capture refuses: ``.tolist()``,
-    ``.item()``, a tensor as a Python bool or int) and where it was called."""
-
-    found: tuple[str, str] | None = None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.found is None and reads_host(func, args, kwargs):
-            self.found = (f"Tensor.{getattr(func, '__name__', func)}()", self._caller())
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _caller() -> str:
-        """The model's line that read (:func:`call_site` would name this mode)."""
-        torch_dir = f"{os.sep}torch{os.sep}"
-        frames = [f for f in traceback.extract_stack() if f.filename != __file__ and torch_dir not in f.filename]
-        return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else call_site()
-
-
 def active_probe() -> Probe | None:
     """The probe of the forward running now, if any."""
     return _PROBE.get()
@@ -382,7 +359,7 @@ def probe(hf_model: Any) -> Probe:
                  config_window=config_window(config), rope=rope_switch(config))
     device = next(hf_model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with _probing(seen), torch.no_grad(), ValueSizedOps() as sized, _HostReads() as reads:
+    with _probing(seen), torch.no_grad(), ValueSizedOps() as sized, HostReads() as reads:
         try:
             hf_model(input_ids=ids, position_ids=ids, use_cache=False, graphmode_step=seen)
         except TypeError as error:
