@@ -31,6 +31,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 GQA = dict(TINY, num_key_value_heads=2)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MIXED = ["sliding_attention", "full_attention"]  # a sliding layer, a full one (window = the table's reach)
 
 #: Families that run, with the fields of their tiny config.
 RUNS = {
@@ -57,10 +58,10 @@ RUNS = {
     "qwen2_moe": dict(GQA, **MOE, num_experts=4, shared_expert_intermediate_size=32),
     "qwen3_moe": dict(GQA, **MOE, num_experts=4, head_dim=16),
     # Added by the family sweep of 2026-11-26 (transformers 5.24.0); "family+what" varies one feature.
-    "cohere2": dict(GQA, head_dim=16, sliding_window=32, **TOKENS),  # sliding layers and NoPE full layers
-    "exaone4": dict(GQA, head_dim=16, sliding_window=32, **TOKENS),
-    "smollm3": dict(GQA, head_dim=16, **TOKENS),  # NoPE layers
-    "ministral": dict(GQA, head_dim=16, sliding_window=32, **TOKENS),
+    "cohere2": dict(GQA, head_dim=16, sliding_window=32, layer_types=MIXED, **TOKENS),  # its full layers: NoPE
+    "exaone4": dict(GQA, head_dim=16, sliding_window=32, layer_types=MIXED, **TOKENS),
+    "smollm3": dict(GQA, head_dim=16, no_rope_layers=[1, 0], **TOKENS),  # layer 1 without RoPE
+    "ministral": dict(GQA, head_dim=16, sliding_window=32, layer_types=MIXED, **TOKENS),
     "glm4": dict(GQA, head_dim=16, **TOKENS),  # partial, interleaved rotary
     "ernie4_5": dict(GQA, head_dim=16, **TOKENS),
     "helium": dict(GQA, head_dim=16, **TOKENS),
