@@ -38,6 +38,7 @@ import torch
 import graphmode
 from graphmode.errors import ConfigError
 from graphmode.integrations.huggingface import load_model
+from graphmode.integrations.huggingface_support import refuse_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import serve_hf  # noqa: E402
@@ -101,8 +102,10 @@ def run(settings, arrivals: tuple[int, ...]) -> tuple[str, str]:
 
     settings = copy.deepcopy(settings)  # load_model sets its attention implementation on the config
     torch.manual_seed(0)
-    stage = "reference"
+    stage = "load"
     try:
+        refuse_config(settings)  # what load_model refuses first, before a (multimodal) reference is drawn
+        stage = "reference"
         reference = transformers.AutoModelForCausalLM.from_config(settings).eval()
         expected = []
         for item in requests(arrivals):

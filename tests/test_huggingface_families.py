@@ -162,10 +162,10 @@ REFUSED = {
                   r"transformers' attention interface 2 times per forward for layer_idx 0 .*second call would "
                   r"overwrite"),
     # Composite (multimodal) configs: no num_hidden_layers of their own.
-    "fuyu": (TINY, r"'fuyu' is not supported: its config has no num_hidden_layers \(a composite model: text_config\).*"
-             r"pass its config.text_config"),
-    "gemma3": ({}, r"'gemma3' is not supported: its config has no num_hidden_layers \(a composite model: text_config, "
-               r"vision_config\)"),
+    "fuyu": (TINY, r"'fuyu' is not supported: its config is composite \(text_config: its decoder's settings are a "
+             r"sub-config's\).*pass its config.text_config"),
+    # Even with the decoder's fields at the top level.
+    "gemma3": (TINY, r"'gemma3' is not supported: its config is composite \(text_config, vision_config"),
     # A recurrent section run twice per forward: HF keeps a KV cache per pass.
     "dory": (dict(GQA, head_dim=16, **TOKENS), r"'dory' is not supported: model.layers.0.self_attn \(DoryAttention\) "
              r"calls transformers' attention interface 2 times per forward for layer_idx 0 .*loops over its layers"),

@@ -3,7 +3,7 @@
 Two checks, both before the model serves a step:
 
 - :func:`refuse_config`, before any weight is read: a composite config
-  (no ``num_hidden_layers``: Gemma 3 or Fuyu with a vision tower), a family whose model
+  (a ``text_config``, or no ``num_hidden_layers``: Gemma 3, Fuyu), a family whose model
   class does not route attention through transformers' attention interface
   (``_supports_attention_backend`` false: Falcon, and in transformers 4.56
   StableLM, GPT-J, Qwen2-MoE; they pick an attention class from their own
@@ -73,14 +73,14 @@ def refuse_config(config: Any) -> None:
             f"{family!r} has no causal-LM class in transformers {_version()} (AutoModelForCausalLM does not "
             f"know {type(config).__name__}); the adapter runs decoder-only causal LMs: {SUPPORTED}"
         ) from None
-    if not hasattr(config, "num_hidden_layers"):
-        parts = [name for name in ("text_config", "vision_config", "audio_config") if getattr(config, name, None)]
+    parts = [name for name in ("text_config", "vision_config", "audio_config") if getattr(config, name, None)]
+    if "text_config" in parts or not hasattr(config, "num_hidden_layers"):
         fix = "load a text-only checkpoint of the model, or pass its config.text_config for random weights" \
             if "text_config" in parts else "use a decoder-only causal LM"
         raise ConfigError(
-            f"{family!r} is not supported: its config has no num_hidden_layers (a composite model: "
-            f"{', '.join(parts) or 'sub-configs'}), and the adapter runs one decoder-only stack of attention layers; "
-            f"{fix}. {SUPPORTED}"
+            f"{family!r} is not supported: its config is composite ({', '.join(parts) or 'no num_hidden_layers'}: "
+            f"its decoder's settings are a sub-config's), and the adapter runs one decoder-only stack of attention "
+            f"layers; {fix}. {SUPPORTED}"
         )
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
     if kinds:
