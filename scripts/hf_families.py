@@ -47,18 +47,19 @@ BLOCK_SIZE, WIDTH, MAX_BATCH = 4, 8, 2
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=128, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+DROP = "drop"  # a FIELDS value that removes the TINY field (None is passed on: a feature off)
 MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-           num_key_value_heads=4, head_dim=None)
+           num_key_value_heads=4, head_dim=DROP)
 ENCODER_DECODER = dict(d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
-                       encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128, head_dim=None,
-                       num_key_value_heads=None)
+                       encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128, head_dim=DROP,
+                       num_key_value_heads=DROP)
 LONGROPE = dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8)
-#: Fields beyond TINY; None drops a TINY field. "family+variant" varies a feature.
+#: Fields beyond TINY (DROP removes one). "family+variant" varies a feature.
 FIELDS: dict[str, dict] = {
-    "codegen": dict(rotary_dim=8, n_inner=128, n_ctx=256, head_dim=None),
-    "gptj": dict(rotary_dim=8, n_inner=128, head_dim=None),
-    "falcon": dict(head_dim=None), "bloom": dict(head_dim=None), "dbrx": dict(head_dim=None),
-    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=32, head_dim=None),
+    "codegen": dict(rotary_dim=8, n_inner=128, n_ctx=256, head_dim=DROP),
+    "gptj": dict(rotary_dim=8, n_inner=128, head_dim=DROP),
+    "falcon": dict(head_dim=DROP), "bloom": dict(head_dim=DROP), "dbrx": dict(head_dim=DROP),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=32, head_dim=DROP),
     **{name: dict(MLA) for name in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu")},
     "deepseek_v2+same-v": dict(MLA, v_head_dim=24),  # values as wide as keys: the paged cache holds them
     **{name: dict(ENCODER_DECODER) for name in ("bart", "mbart", "marian", "pegasus", "plbart", "blenderbot",
@@ -158,7 +159,7 @@ def main() -> int:
         signal.alarm(args.timeout)
         try:
             settings = transformers.AutoConfig.for_model(
-                family.split("+")[0], **{k: v for k, v in fields.items() if v is not None})
+                family.split("+")[0], **{k: v for k, v in fields.items() if v != DROP})
             outcome, detail = run(settings, (0, 2, 4))
             if outcome == "ok":
                 outcome, detail = run(settings, (0, 0, 0))
