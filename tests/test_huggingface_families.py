@@ -31,6 +31,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 GQA = dict(TINY, num_key_value_heads=2)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MIXED = ["sliding_attention", "full_attention"]  # a sliding layer, a full one (window = the table's reach)
 
 #: Families that run, with the fields of their tiny config.
 RUNS = {
@@ -56,7 +57,32 @@ RUNS = {
     "mixtral": dict(GQA, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(GQA, **MOE, num_experts=4, shared_expert_intermediate_size=32),
     "qwen3_moe": dict(GQA, **MOE, num_experts=4, head_dim=16),
+    # Added by the family sweep of 2026-11-26 (transformers 5.24.0); "family+what" varies one feature.
+    "cohere2": dict(GQA, head_dim=16, sliding_window=32, layer_types=MIXED, **TOKENS),  # its full layers: NoPE
+    "exaone4": dict(GQA, head_dim=16, sliding_window=32, layer_types=MIXED, **TOKENS),
+    "smollm3": dict(GQA, head_dim=16, no_rope_layers=[1, 0], **TOKENS),  # layer 1 without RoPE
+    "ministral": dict(GQA, head_dim=16, sliding_window=32, layer_types=MIXED, **TOKENS),
+    "glm4": dict(GQA, head_dim=16, **TOKENS),  # partial, interleaved rotary
+    "ernie4_5": dict(GQA, head_dim=16, **TOKENS),
+    "helium": dict(GQA, head_dim=16, **TOKENS),
+    "seed_oss": dict(GQA, head_dim=16, **TOKENS),
+    "hunyuan_v1_dense": dict(GQA, head_dim=16, **TOKENS),
+    "bitnet": dict(GQA, head_dim=16, **TOKENS),
+    "olmoe": dict(GQA, **MOE, num_experts=4, head_dim=16, **TOKENS),
+    "granitemoe": dict(GQA, **MOE, num_local_experts=4, head_dim=16, **TOKENS),
+    "phimoe": dict(GQA, **MOE, num_local_experts=4, head_dim=16, **TOKENS),
+    "llama+rope-linear": dict(GQA, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama+rope-yarn": dict(GQA, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama+rope-llama3": dict(GQA, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama+bias-tied": dict(GQA, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    # Long factors past 32 tokens: never within the table's reach (8 blocks x 4).
+    "phi3+longrope": dict(GQA, **TOKENS, original_max_position_embeddings=32, rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8, original_max_position_embeddings=32)),
+    "qwen2+window": dict(GQA, use_sliding_window=True, sliding_window=32, max_window_layers=1),
 }
+#: Checked with transformers 5.24.0 only (skipped on 4.x): the sweep's additions.
+V5_ONLY = set(list(RUNS)[list(RUNS).index("cohere2"):])
 #: What transformers 4.x does differently (CI runs 4.56.0 on torch 2.5):
 #: families refused at load there, and families whose MoE routing calls
 #: nonzero there (graph modes refused when the runner is built).
@@ -69,16 +95,20 @@ def config(family: str, **fields):
 
 
 def requests() -> list[serve_hf.Request]:
+    # Two prompts of different lengths prefilled in one step, a third later.
     generator = torch.Generator().manual_seed(1)
-    return [serve_hf.Request(torch.randint(3, 128, (n,), generator=generator).tolist(), new, arrival=2 * i)
-            for i, (n, new) in enumerate([(5, 6), (9, 4), (3, 7)])]
+    return [serve_hf.Request(torch.randint(3, 128, (n,), generator=generator).tolist(), new, arrival=arrival)
+            for n, new, arrival in [(5, 6, 0), (9, 4, 0), (3, 7, 4)]]
 
 
 @pytest.mark.parametrize("family", sorted(RUNS))
 def test_family_decodes_hf_greedy_tokens(family):
+    key, fields, family = family, RUNS[family], family.split("+")[0]
     if not hasattr(transformers, "AutoConfig") or family not in transformers.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
-    settings = config(family, **RUNS[family])
+    if not V5 and key in V5_ONLY:
+        pytest.skip("checked with transformers 5.24.0 only")
+    settings = config(family, **fields)
     if not V5 and family in NONZERO_BEFORE_V5:
         model = load_model(settings)
         with pytest.raises(ConfigError, match=rf"'{family}' cannot run in execute_mode='graph' \(transformers 4\.\S+\): "
@@ -98,6 +128,8 @@ def test_family_decodes_hf_greedy_tokens(family):
         out = reference.generate(prompt, max_new_tokens=item.max_new_tokens, do_sample=False,
                                  attention_mask=torch.ones_like(prompt), pad_token_id=0)
         expected.append(out[0, prompt.shape[1]:].tolist())
+    eos = reference.generation_config.eos_token_id  # generate stops there; so does serve
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     model = load_model(settings)
     model.hf_model.load_state_dict(reference.state_dict())
     cache_blocks = MAX_BATCH * WIDTH + 1
@@ -105,7 +137,7 @@ def test_family_decodes_hf_greedy_tokens(family):
     runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
     batch = serve_hf.PagedBatch(cache_blocks, BLOCK_SIZE, WIDTH, torch.device("cpu"))
     served = requests()
-    steps = serve_hf.serve(runner, kv_cache, batch, served, max_batch=MAX_BATCH)
+    steps = serve_hf.serve(runner, kv_cache, batch, served, max_batch=MAX_BATCH, eos=eos)
     assert [r.output for r in served] == expected
     assert runner.stats.captures + runner.stats.replays == steps["decode"] >= 1
 
@@ -125,10 +157,22 @@ REFUSED = {
     "llama4_text": (GQA, r"'llama4_text' with layers of type \['chunked_attention'\]"),
     "recurrent_gemma": (TINY, r"'recurrent_gemma' with layers of type \['linear_attention'\]"),
     "bert": (TINY, r"'bert' is not supported: .*attends bidirectionally .*set config.is_decoder=True"),
+    # Differential attention: two attention calls per layer, with different values.
+    "diffllama": (GQA, r"'diffllama' is not supported: model.layers.0.self_attn \(DiffLlamaAttention\) calls "
+                  r"transformers' attention interface 2 times per forward for layer_idx 0 .*second call would "
+                  r"overwrite"),
+    # Composite (multimodal) configs: no num_hidden_layers of their own.
+    "fuyu": (TINY, r"'fuyu' is not supported: its config is composite \(text_config: its decoder's settings are a "
+             r"sub-config's\).*pass its config.text_config"),
+    # Even with the decoder's fields at the top level.
+    "gemma3": (TINY, r"'gemma3' is not supported: its config is composite \(text_config, vision_config"),
+    # A recurrent section run twice per forward: HF keeps a KV cache per pass.
+    "dory": (dict(GQA, head_dim=16, **TOKENS), r"'dory' is not supported: model.layers.0.self_attn \(DoryAttention\) "
+             r"calls transformers' attention interface 2 times per forward for layer_idx 0 .*loops over its layers"),
 }
 #: What transformers 4.x gives instead: no attention backend on these classes.
 if not V5:
-    for name in ("bert", "recurrent_gemma"):
+    for name in ("bert", "recurrent_gemma", "diffllama"):
         REFUSED[name] = (REFUSED[name][0], rf"'{name}' is not supported: .* declares no support for registered")
 
 
@@ -179,3 +223,53 @@ def test_a_forward_no_graph_can_capture_is_refused_when_the_runner_is_built(mode
                                      execute_mode=mode)
     graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
                                  execute_mode="eager")
+
+
+@pytest.mark.parametrize("family, fields, call, where", [
+    # JetMoE sizes its expert batches with .tolist() (transformers 5.24).
+    ("jetmoe", dict(GQA, head_dim=16, num_local_experts=4, num_experts_per_tok=2), r"Tensor.tolist\(\)",
+     r"modeling_jetmoe.py:\d+ in forward"),
+    # Dynamic RoPE compares the step's longest position with its cache length in an if.
+    ("llama", dict(GQA, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"Tensor.__bool__\(\)",
+     r"modeling_rope_utils.py:\d+ in dynamic_frequency_update"),
+])
+def test_a_forward_that_reads_the_device_on_the_host_is_refused_when_the_runner_is_built(family, fields, call, where):
+    # Before: built, then every decode step failed at its capture.
+    if family not in transformers.CONFIG_MAPPING or (family == "jetmoe" and not V5):
+        pytest.skip(f"checked with transformers 5.24's {family}")
+    model = load_model(config(family, **fields))
+    with pytest.raises(ConfigError, match=rf"'{family}' cannot run in execute_mode='graph' .*: its forward calls "
+                       rf"{call} at \S+{where}, which reads device memory on the host, so no device graph can "
+                       r"capture it. Build the runner with execute_mode='eager'"):
+        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
+    graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
+                                 execute_mode="eager")
+
+
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[4.0] * 8,
+                original_max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("family, fields, kind, limit, name", [
+    # Phi-3's long-context RoPE takes its long factors once the step's longest position passes 16.
+    ("phi3", dict(GQA, **TOKENS, rope_scaling=LONGROPE, original_max_position_embeddings=16), "longrope", 16,
+     "original_max_position_embeddings"),
+    # Dynamic NTK rescales once it passes max_position_embeddings.
+    ("llama", dict(GQA, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16),
+     "dynamic", 16, "max_position_embeddings"),
+])
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_rope_that_depends_on_the_longest_sequence_is_refused_past_its_length(family, fields, kind, limit, name,
+                                                                                mode):
+    # Before: served, and a decode step batching a sequence past the length
+    # with one before it gave the shorter one other logits than generate.
+    model = load_model(config(family, **fields))
+    with pytest.raises(ConfigError, match=rf"'{family}': its RoPE \(rope_type '{kind}'\) changes its frequencies for a "
+                       rf"whole step once the step's longest position passes {limit} tokens \(config.{name}\), but the "
+                       r"block table can address 32 tokens \(max_blocks_per_seq 8 x block_size 4\).* Lower the table "
+                       rf"width \(max_blocks_per_seq \* block_size <= {limit}\)"):
+        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
+                                     execute_mode=mode)
+    if mode == "eager" or kind == "longrope":  # dynamic RoPE's host read keeps it out of graphs
+        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=4, block_size=BLOCK_SIZE,
+                                     execute_mode=mode)

@@ -26,10 +26,14 @@ required; 5.x works the same.
 
 Families and features the paged kernels do not have are refused at load
 (``huggingface_support``: from the config, then a one-token probe), never
-approximated: attention outside the interface, logit soft-capping, attention
-sinks, chunked or linear attention layers, keys and values of different head
-sizes; a block table that can address more tokens than a layer's sliding
-window is refused when the runner is built (:meth:`HuggingFaceModel.check_runner`).
+approximated: composite (multimodal) configs, attention outside the
+interface, a layer calling attention more than once per forward, logit
+soft-capping, attention sinks, chunked or linear attention layers, keys and
+values of different head sizes. When the runner is built
+(:meth:`HuggingFaceModel.check_runner`): a block table that can address more
+tokens than a layer's sliding window, or than the length past which a
+``longrope`` or ``dynamic`` RoPE changes a whole step's frequencies; in graph
+modes, a forward with a value-sized operator or a host read of device memory.
 """
 
 from __future__ import annotations

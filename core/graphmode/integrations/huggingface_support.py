@@ -2,7 +2,8 @@
 
 Two checks, both before the model serves a step:
 
-- :func:`refuse_config`, before any weight is read: a family whose model
+- :func:`refuse_config`, before any weight is read: a composite config
+  (a ``text_config``, or no ``num_hidden_layers``: Gemma 3, Fuyu), a family whose model
   class does not route attention through transformers' attention interface
   (``_supports_attention_backend`` false: Falcon, and in transformers 4.56
   StableLM, GPT-J, Qwen2-MoE; they pick an attention class from their own
@@ -12,14 +13,20 @@ Two checks, both before the model serves a step:
   recording attention function (no cache, no kernel): every decoder layer
   must reach the attention function with graphmode's step (a decoder layer
   that does not pass keyword arguments through cannot be served), carry
-  ``layer_idx``, pass no soft-capping or sinks, and give keys and values of
-  one head size. It also reads each layer's sliding window (the keyword the
+  ``layer_idx``, call it once (differential attention calls it twice, with
+  different values for one cache), pass no soft-capping or sinks, and give
+  keys and values of one head size. It also reads each layer's sliding window (the keyword the
   layer passes, or the module's ``sliding_window``, which some families set
   and apply through the mask only), which the runner's table capacity must
-  not exceed (:meth:`Probe.check_table`), and the first operator whose
+  not exceed (:meth:`Probe.check_table`), as it must not exceed the length
+  at which a ``longrope`` or ``dynamic`` RoPE changes its frequencies for a
+  whole step (:func:`rope_switch`), and the first operator whose
   output size depends on tensor values (``nonzero`` in the MoE routing of
-  transformers 4.x's Mixtral and Qwen3-MoE), for which graph modes are
-  refused when a runner is built (:meth:`Probe.check_graphs`).
+  transformers 4.x's Mixtral and Qwen3-MoE) and the first host read of
+  device memory (``.tolist()`` in JetMoE's expert routing, the host
+  comparison of dynamic RoPE), for which graph modes are refused when a
+  runner is built (:meth:`Probe.check_graphs`): a capture would fail on
+  them at the first decode step.
 
 Messages name the family, the layer or parameter by name and shape (never
 tensor values), the reason and the fix.
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 
 from graphmode.emulator.capture import ValueSizedOps
+from graphmode.emulator.probes import HostReads
 from graphmode.errors import ConfigError
 
 #: What every refusal of a family ends with.
@@ -65,6 +73,15 @@ def refuse_config(config: Any) -> None:
             f"{family!r} has no causal-LM class in transformers {_version()} (AutoModelForCausalLM does not "
             f"know {type(config).__name__}); the adapter runs decoder-only causal LMs: {SUPPORTED}"
         ) from None
+    parts = [name for name in ("text_config", "vision_config", "audio_config") if getattr(config, name, None)]
+    if "text_config" in parts or not hasattr(config, "num_hidden_layers"):
+        fix = "load a text-only checkpoint of the model, or pass its config.text_config for random weights" \
+            if "text_config" in parts else "use a decoder-only causal LM"
+        raise ConfigError(
+            f"{family!r} is not supported: its config is composite ({', '.join(parts) or 'no num_hidden_layers'}: "
+            f"its decoder's settings are a sub-config's), and the adapter runs one decoder-only stack of attention "
+            f"layers; {fix}. {SUPPORTED}"
+        )
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
     if kinds:
         raise ConfigError(
@@ -104,6 +121,25 @@ def config_window(config: Any) -> int | None:
     if types is not None and "sliding_attention" not in types:
         return None
     return int(window)
+
+
+def rope_switch(config: Any) -> tuple[str, int, str] | None:
+    """(rope type, length, config field) of a RoPE whose frequencies change
+    once a step's ``max(position_ids) + 1`` passes that length (``longrope``'s
+    long factors, ``dynamic``'s rescaling), else None: graphmode's step holds
+    every running sequence, so one's length would change another's RoPE."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # Per layer type ({"full_attention": {...}, ...}) or one for every layer.
+    found = [p for p in params.values() if isinstance(p, dict)] or [params]
+    for rope in found:
+        kind = str(rope.get("rope_type", rope.get("type", "")))
+        if kind == "longrope":
+            name = "original_max_position_embeddings"
+            limit = rope.get(name) or getattr(config, name, None) or config.max_position_embeddings
+            return kind, int(limit), name
+        if "dynamic" in kind:
+            return kind, int(config.max_position_embeddings), "max_position_embeddings"
+    return None
 
 
 def _why_no_backend(model_class: type) -> str:
@@ -150,7 +186,9 @@ class Probe:
     calls: list[Call] = field(default_factory=list)
 
     config_window: int | None = None
+    rope: tuple[str, int, str] | None = None  # see rope_switch
     value_sized: tuple[str, str] | None = None  # an operator no graph can capture, and where it was called
+    host_read: tuple[str, str] | None = None  # a host read of device memory, and where it was called
 
     @property
     def window(self) -> tuple[int, str] | None:
@@ -223,6 +261,18 @@ class Probe:
                     f"{call.value} (batch, heads, tokens, head size): graphmode's paged cache holds keys and values "
                     f"of one head count and head size (multi-head latent attention is not supported); {SUPPORTED}"
                 )
+        # Each call writes its keys and values into its layer's one cache; a
+        # second call of a layer would overwrite the first's values, so the
+        # first would attend to the second's at every later step.
+        twice = next((c for i, c in enumerate(self.calls) if c.layer in {d.layer for d in self.calls[:i]}), None)
+        if twice is not None:
+            count = sum(c.layer == twice.layer for c in self.calls)
+            raise ConfigError(
+                f"{family!r} is not supported: {twice.name} ({twice.cls}) calls transformers' attention interface "
+                f"{count} times per forward for layer_idx {twice.layer} (differential attention calls it twice with "
+                "other values; a model that loops over its layers, once a pass), and graphmode's paged cache holds "
+                f"one key and value per token and layer, which the second call would overwrite; {SUPPORTED}"
+            )
         layers = sorted({c.layer for c in self.calls if c.layer is not None})
         if layers != list(range(self.num_layers)):
             raise ConfigError(
@@ -247,23 +297,35 @@ class Probe:
 
     def check_graphs(self, execute_mode: str) -> None:
         """Refuse graph modes for a forward that runs an operator whose output
-        size depends on tensor values (MoE routing with ``nonzero``, say):
-        every capture would fail on it."""
-        if self.value_sized is None or execute_mode == "eager":
+        size depends on tensor values (MoE routing with ``nonzero``, say), or
+        reads device memory on the host (``.tolist()``, a tensor in an
+        ``if``): every capture would fail on it."""
+        if self.value_sized is not None:
+            (what, where), why = self.value_sized, "whose output size depends on tensor values"
+        elif self.host_read is not None:
+            (what, where), why = self.host_read, "which reads device memory on the host"
+        if execute_mode == "eager" or self.value_sized is self.host_read is None:
             return
-        what, where = self.value_sized
         raise ConfigError(
             f"{self.family!r} cannot run in execute_mode={execute_mode!r} (transformers {_version()}): its forward "
-            f"calls {what} at {where}, whose output size depends on tensor values, so no device graph can "
-            "capture it. Build the runner with execute_mode='eager', or use a transformers version whose model "
-            f"avoids the operator; {SUPPORTED}"
+            f"calls {what} at {where}, {why}, so no device graph can capture it. Build the runner with "
+            f"execute_mode='eager', or use a transformers version whose model avoids the call; {SUPPORTED}"
         )
 
     def check_table(self, max_blocks_per_seq: int, block_size: int) -> None:
         """Refuse a block table that can address more tokens than a layer's
-        sliding window: the paged kernels attend to the whole sequence."""
+        sliding window (the paged kernels attend to the whole sequence) or
+        than a :func:`rope_switch` length."""
         found = self.window
         reach = max_blocks_per_seq * block_size
+        if self.rope is not None and reach > self.rope[1]:
+            kind, limit, name = self.rope
+            raise ConfigError(
+                f"{self.family!r}: its RoPE (rope_type {kind!r}) changes its frequencies for a whole step once the "
+                f"step's longest position passes {limit} tokens (config.{name}), but the block table can address "
+                f"{reach} tokens (max_blocks_per_seq {max_blocks_per_seq} x block_size {block_size}): one sequence's "
+                "length would change the RoPE of the others in its step, and the tokens would differ from generate's. "
+                f"Lower the table width (max_blocks_per_seq * block_size <= {limit}), or use a RoPE without it")
         if found is not None and reach > found[0]:
             window, where = found
             raise ConfigError(
@@ -304,10 +366,10 @@ def probe(hf_model: Any) -> Probe:
     config = hf_model.config
     family = getattr(config, "model_type", type(hf_model).__name__)
     seen = Probe(family, config.num_hidden_layers, {id(m): n for n, m in hf_model.named_modules()},
-                 config_window=config_window(config))
+                 config_window=config_window(config), rope=rope_switch(config))
     device = next(hf_model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with _probing(seen), torch.no_grad(), ValueSizedOps() as sized:
+    with _probing(seen), torch.no_grad(), ValueSizedOps() as sized, HostReads() as reads:
         try:
             hf_model(input_ids=ids, position_ids=ids, use_cache=False, graphmode_step=seen)
         except TypeError as error:
@@ -317,6 +379,6 @@ def probe(hf_model: Any) -> Probe:
                 f"{family!r} is not supported: {type(hf_model).__name__}.forward takes no extra keyword arguments "
                 f"({error}), so graphmode's step cannot reach the attention layers; {SUPPORTED}"
             ) from None
-    seen.value_sized = sized.found
+    seen.value_sized, seen.host_read = sized.found, reads.found
     seen.refuse()
     return seen
