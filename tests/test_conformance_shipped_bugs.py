@@ -66,6 +66,21 @@ DIAGNOSES = {
         "Hook: graphmode_update_context",
     ),
     "int16_slots": ("buffer kv_start_indices has dtype torch.int16, not int32/int64",),
+    "slot_minus_one_wraps": (
+        "(replay): the graph step changed 1 key-cache slots of layer 0 that no live token of this step writes",
+        "is the cache's last slot: the vendor's fill_kv_cache (graphmode_attention_ops) indexed the cache with a "
+        "padding row's slot -1",
+    ),
+    "slots_per_sequence": (
+        "[declared buffers] vendor cuda on cpu, batch 8 x q_len 2, bucket 8, step 2 (capture): buffer "
+        "kv_start_indices live rows 8..15 hold [-1, -1, -1, -1, -1, -1, -1, -1]",
+        "graphmode_fill_buffers did not copy the step's values into the live rows",
+    ),
+    "unscaled_query_starts": (
+        "[declarations] vendor cuda: buffer q_start_loc (query starts, written by no step, padding 'row_index') is "
+        "not q_len_scaled, but the vendor takes multi-token decode graphs",
+        "Declare it q_len_scaled=True in graphmode_graph_spec",
+    ),
 }
 
 
@@ -85,9 +100,11 @@ def test_the_suite_names_each_shipped_bug(name, tmp_path):
 
 
 def test_the_checks_added_for_them_pass_every_installed_vendor(tmp_path):
-    """The buffer-overlap, context-writes and padding checks on the built-in
-    vendors (and update paths) on the emulator."""
-    status, report = run_suite(tmp_path, "--device", "cpu", "-k", "made_as_declared or context_points or declared_padding")
+    """The buffer-overlap, context-writes, padding, query-layout and
+    multi-token buffer checks pass the built-in vendors (both Ascend update
+    paths) on the emulator."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "-k",
+                               "made_as_declared or context_points or declared_padding or query_layout or multi_token")
     assert status == 0, failures(report)
     assert {run["vendor"] for run in report["runs"]} == {"cuda", "ascend", "camb", "maca", "ppu"}
 
