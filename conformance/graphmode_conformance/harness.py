@@ -240,21 +240,21 @@ class Harness:
 
     def _compared(
         self, inputs: StepInputs, phase: str, per_token_seqs: list[int], describe: Callable[[int], str],
-        graph_rows: tuple[int, int] | None = None,
+        full_graph: tuple[int, int] | None = None,
     ) -> str:
         """One step through the runner and eagerly, its outputs and the cache
         checked; ``describe(step number)`` names it in failures. Returns that
-        name, ``[check]`` first. ``graph_rows``: (batch, bucket) of a step a
+        name, ``[check]`` first. ``full_graph``: (batch, bucket) of a step a
         full graph serves, whose declared buffers are checked first."""
         owners = self._block_owners()
         before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
-        meta = self.runner.graph_meta() if graph_rows is not None else None
+        meta = self.runner.graph_meta() if full_graph is not None else None
         buffers_before = DeclaredBuffers.snapshot(meta) if meta is not None else {}
         raw, graph, eager = self._graph_and_eager(inputs)
         self.steps_run += 1
         where = f"[{self.check}] {describe(self.steps_run)}"
-        if meta is not None and graph_rows is not None:
-            self.check_buffers(where.split("] ", 1)[1], meta, inputs, *graph_rows, buffers_before)
+        if meta is not None and full_graph is not None:
+            self.check_buffers(where.split("] ", 1)[1], meta, inputs, *full_graph, buffers_before)
         self._check_outputs(where, graph, eager, per_token_seqs, phase, raw=raw)
         self._check_cache(where, before, owners)
         return where
