@@ -238,15 +238,23 @@ class Harness:
     def _call_runner(self, inputs: StepInputs) -> Any:
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata)
 
-    def _compared(self, inputs: StepInputs, phase: str, per_token_seqs: list[int], describe: Callable[[int], str]) -> str:
+    def _compared(
+        self, inputs: StepInputs, phase: str, per_token_seqs: list[int], describe: Callable[[int], str],
+        full_graph: tuple[int, int] | None = None,
+    ) -> str:
         """One step through the runner and eagerly, its outputs and the cache
         checked; ``describe(step number)`` names it in failures. Returns that
-        name, ``[check]`` first."""
+        name, ``[check]`` first. ``full_graph``: (batch, bucket) of a step a
+        full graph serves, whose declared buffers are checked first."""
         owners = self._block_owners()
         before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
+        meta = self.runner.graph_meta() if full_graph is not None else None
+        buffers_before = DeclaredBuffers.snapshot(meta) if meta is not None else {}
         raw, graph, eager = self._graph_and_eager(inputs)
         self.steps_run += 1
         where = f"[{self.check}] {describe(self.steps_run)}"
+        if meta is not None and full_graph is not None:
+            self.check_buffers(where.split("] ", 1)[1], meta, inputs, *full_graph, buffers_before)
         self._check_outputs(where, graph, eager, per_token_seqs, phase, raw=raw)
         self._check_cache(where, before, owners)
         return where
@@ -275,6 +283,17 @@ class Harness:
                 if fewer
                 else "outputs not cut to the live tokens (graphmode_get_outputs must slice to num_tokens)"
             )
+            if fewer and _token_rows_held(raw) >= eager.shape[1]:
+                sequences = len(set(seqs))
+                by_batch = (
+                    f": it cut to batch_size ({sequences} sequences), not num_tokens"
+                    if graph.shape[1] == sequences else ""
+                )
+                cause = (
+                    f"outputs cut short: the graph's output holds {_token_rows_held(raw)} token rows, but "
+                    f"graphmode_get_outputs returned {graph.shape[1]} of the step's {eager.shape[1]} tokens"
+                    f"{by_batch} (with several new tokens per sequence, q_len > 1, tokens are batch_size * q_len)"
+                )
             raise ConformanceFailure(
                 f"{where}: graph output has shape {shape}, eager {tuple(eager.shape)}. Likely cause: {cause}"
             )
@@ -341,13 +360,23 @@ class Harness:
                     for slot in slots[:4]:
                         block = slot // self.sizes.block
                         hurt.append(f"slot {slot}: {owners.get(block, f'free block {block}')}")
-                    raise ConformanceFailure(
-                        f"{where}: the graph step changed {len(slots)} {name}-cache slots of layer "
-                        f"{layer} that no live token of this step writes ({'; '.join(hurt)}). "
-                        "Likely cause: a padding slot wrote into the cache (padding slots must be -1), "
+                    cause = (
+                        "a padding slot wrote into the cache (padding slots must be -1), "
                         "a stale slot index from an earlier, larger batch, or the vendor's fill_kv_cache "
                         "writing for slot -1 (which must write nothing: indexing with -1 writes the "
                         "cache's last slot)"
+                    )
+                    if slots == [changed.shape[0] - 1]:
+                        cause = (
+                            f"slot {slots[0]} is the cache's last slot: the vendor's fill_kv_cache "
+                            "(graphmode_attention_ops) indexed the cache with a padding row's slot -1, which "
+                            "Python and torch read as the last element. A slot < 0 must write nothing: mask it "
+                            "(graphmode.model.ops.write_slots does)"
+                        )
+                    raise ConformanceFailure(
+                        f"{where}: the graph step changed {len(slots)} {name}-cache slots of layer "
+                        f"{layer} that no live token of this step writes ({'; '.join(hurt)}). "
+                        f"Likely cause: {cause}"
                     )
                 graph_rows = self.slot_rows(new)[written].float()
                 eager_rows = self.slot_rows(eager)[written].float()
@@ -374,6 +403,15 @@ def _cut_from_other_rows(raw: Any, eager: torch.Tensor, atol: float, rtol: float
         f"token rows, but graphmode_get_outputs returned the rows from token {start} on (it must return the "
         "first num_tokens rows: padding rows follow the live ones)"
     )
+
+
+def _token_rows_held(raw: Any) -> int:
+    """How many token rows (dimension 1) the memory behind ``raw`` holds from
+    its first row: the graph's output buffer when ``raw`` is a view of it."""
+    if not isinstance(raw, torch.Tensor) or raw.dim() < 2 or raw.stride(1) == 0:
+        return 0
+    elements = raw.untyped_storage().nbytes() // raw.element_size() - raw.storage_offset()
+    return elements // raw.stride(1) if raw.shape[0] == 1 else raw.shape[1]
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

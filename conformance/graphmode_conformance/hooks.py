@@ -101,6 +101,53 @@ def _copies_padded_unlike_their_source(spec, block_size: int) -> list[str]:
     return problems
 
 
+def _bytes(tensor: torch.Tensor) -> str:
+    start = tensor.storage_offset() * tensor.element_size()
+    return f"{start}..{start + _extent(tensor) - 1}"
+
+
+def _extent(tensor: torch.Tensor) -> int:
+    """Bytes from the tensor's first element to past its last."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
+
+
+def _overlapping(buffers: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """Two buffers whose memory overlaps (the first pair found), else None:
+    byte ranges per device, so views of one tensor pass where disjoint."""
+    spans = []
+    for name, tensor in buffers.items():
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            start = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+            spans.append((str(tensor.device), start, start + _extent(tensor), name))
+    spans.sort()
+    for (device, _, end, name), (other_device, start, _, other) in zip(spans, spans[1:]):
+        if device == other_device and start < end:
+            return name, other
+    return None
+
+
+def _check_context_writes_nothing(
+    where: str, meta: GraphMeta, filled: dict[str, torch.Tensor], batch: int, bucket: int,
+) -> None:
+    """graphmode_update_context runs before a capture only, never on replay:
+    what it writes into a buffer, every replay reads as the capture step left it."""
+    for name, tensor in meta.input_buffers.items():
+        now = tensor.detach().cpu()
+        if name in filled and not torch.equal(now, filled[name]):
+            rows = (now != filled[name]).reshape(now.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+            raise ConformanceFailure(
+                f"[step context] {where}, batch {batch} in bucket {bucket}: graphmode_update_context wrote into "
+                f"buffer {name} (rows {rows[:8]}{' ...' if len(rows) > 8 else ''} changed after "
+                "graphmode_fill_buffers had filled it). It runs before each capture only, never on replay, so every "
+                f"replay would read {name} as the capture step left it. Compute per-step values in "
+                "graphmode_fill_buffers (or declare the buffer, BufferSpec(source=...), and graphmode.buffers.fill "
+                "fills it); graphmode_update_context only points the context at the buffers"
+            )
+
+
 class HookContractTests(ConformanceFixtures):
     def test_vendor_describes_itself(self, vendor):
         info = vendor.info
@@ -197,6 +244,15 @@ class HookContractTests(ConformanceFixtures):
                     f"{spec.padding!r}: graphmode_make_buffers must return every buffer holding its padding "
                     "(the runner resets padding rows from that snapshot at every step)"
                 )
+        shared = _overlapping(buffers)
+        if shared:
+            a, b = shared
+            raise ConformanceFailure(
+                f"[buffers] graphmode_make_buffers made buffers {a} and {b} in overlapping memory (the same "
+                f"storage, bytes {_bytes(buffers[a])} and {_bytes(buffers[b])}): every fill of one overwrites the "
+                "other, and the graph reads one step's values through both. Make every buffer its own memory "
+                "(views of one tensor are fine where they do not overlap: rows 0, 1, 2 of a (3, max_batchs) tensor)"
+            )
         for name in REQUIRED_BUFFERS:
             assert buffers[name].dtype in _INTEGER, f"buffer {name} has dtype {buffers[name].dtype}, not int32/int64"
         width = buffers["block_offsets"].shape[1]
@@ -225,6 +281,26 @@ class HookContractTests(ConformanceFixtures):
                 f"[padding] vendor {vendor.name}: the declared padding is not neutral: " + "; ".join(problems)
                 + ". Fix the plugin's GraphSpec (graphmode_graph_spec)"
             )
+
+    def test_query_layout_follows_q_len(self, harness, vendor):
+        """A vendor taking multi-token decode graphs (GraphSpec.max_q_len not
+        1): a buffer no step writes that the context reads as query starts or
+        lengths holds per-sequence constants of one q_len unless declared
+        q_len_scaled, which gives every graph its own q_len's pattern."""
+        spec = harness.runner.spec
+        if spec.max_q_len == 1:
+            pytest.skip("the vendor takes one new token per sequence (GraphSpec.max_q_len 1)")
+        query = {"attn_metadata.q_start_loc": "starts", "attn_metadata.q_seqlens": "lengths"}
+        for buffer in spec.buffers:
+            read_as = [query[path] for path in buffer.contexts if path in query]
+            if read_as and not buffer.written and not buffer.q_len_scaled:
+                raise ConformanceFailure(
+                    f"[declarations] vendor {vendor.name}: buffer {buffer.name} (query {read_as[0]}, written by no "
+                    f"step, padding {buffer.padding!r}) is not q_len_scaled, but the vendor takes multi-token decode "
+                    f"graphs (GraphSpec max_q_len={spec.max_q_len}): a graph of q_len 2 would read the query "
+                    f"{read_as[0]} of one token per sequence. Declare it q_len_scaled=True in graphmode_graph_spec "
+                    "(CUDA_SPEC's q_start_loc and q_seqlens are), or max_q_len=1"
+                )
 
     def test_filling_twice_with_the_same_inputs_is_idempotent(self, harness):
         step = _decode_step(harness, 5)
@@ -258,16 +334,23 @@ class HookContractTests(ConformanceFixtures):
         batch = _padded_batch(harness) or 3  # a padded batch tells bucket rows from batch rows
         step = _decode_step(harness, batch)
         meta, bucket = _fill(harness, step, batch)
+        filled = DeclaredBuffers.snapshot(meta)
         with torch.inference_mode():
             static = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+        _check_context_writes_nothing(f"vendor {vendor.name}{harness.variant}", meta, filled, batch, bucket)
         check_context(f"vendor {vendor.name}{harness.variant}", meta.spec, meta, static, batch, bucket)
         attn = static.attn_metadata
         assert attn.is_decoding
         capacity = attn.block_offsets.shape[1] * meta.block_size
         if 0 < attn.max_kv_seq_len < capacity:
+            width = step.attn_metadata.block_offsets.shape[1]
+            derived = (
+                f" ({width} x {meta.block_size}: the capture step's own block-table width times the block size)"
+                if attn.max_kv_seq_len == width * meta.block_size else ""
+            )
             raise ConformanceFailure(
                 f"[step context] vendor {vendor.name}: the graph context has max_kv_seq_len="
-                f"{attn.max_kv_seq_len}. A graph freezes host values, so every replay would use the "
+                f"{attn.max_kv_seq_len}{derived}. A graph freezes host values, so every replay would use the "
                 "capture step's max length; graph contexts must pass -1 where the kernel derives it on "
                 f"the device, or a bound valid at every replay: the block table's capacity, {capacity}. Hook: "
                 "graphmode_update_context (or the GraphSpec's max_kv_seq_len policy)"

@@ -32,11 +32,14 @@ class MultiTokenHarness(Harness):
         bucket = self.runner.bucket_of(len(seqs))
         phase = "replay" if bucket is not None and self.runner.graph(bucket, q_len) is not None else "capture"
         replays = self.runner.stats.replays
+        # A step a full graph serves: its declared buffers are checked too.
+        served = bucket is not None and self.runner.config.execute_mode in ("graph", "full_and_piecewise")
         # Each sequence id repeated for its tokens, so a wrong token names its sequence.
         where = self._compared(
             inputs, phase, [s for s in seqs for _ in range(q_len)],
             lambda step: f"vendor {self.vendor.name} on {self.device}, batch {len(seqs)} x q_len {q_len}, "
                          f"bucket {bucket}, step {step} ({phase})",
+            full_graph=(len(seqs), bucket) if served and bucket is not None else None,
         )
         if phase == "replay":
             assert self.runner.stats.replays == replays + 1, (

@@ -104,7 +104,13 @@ class DeclaredBuffers:
             if problems:
                 others = [name for name, _ in problems[1:]]
                 more = f" (buffers {', '.join(others)} are wrong too)" if others else ""
-                raise ConformanceFailure(f"[declared buffers] {where}: {problems[0][1]}{more}")
+                per_seq = step.num_tokens // batch
+                rows = {
+                    b.name: (step.num_tokens, bucket * per_seq) if b.per_token else (batch, bucket)
+                    for b in self.spec.buffers if b.name in dict(problems)
+                }
+                danger = _live_slots_in_padding(meta, {b.name: b for b in self.spec.buffers if b.name in rows}, rows)
+                raise ConformanceFailure(f"[declared buffers] {where}: {problems[0][1]}{more}{'.' if danger else ''}{danger}")
         finally:
             self.last = (batch, bucket)
 
@@ -117,13 +123,15 @@ class DeclaredBuffers:
         if buffer is None:
             return f"buffer {name} is declared but graphmode_make_buffers did not make it"
         got = _rows_first(buffer.detach().cpu(), spec)
-        want = _rows_first(self.declared[name], spec)
+        per_seq = step.num_tokens // batch
+        # A graph of q_len > 1 reads the q_len_scaled buffers' padding times q_len.
+        scaled = meta.q_len_padding.get(per_seq, {}).get(name) if spec.q_len_scaled else None
+        want = _rows_first(scaled.detach().cpu() if scaled is not None else self.declared[name], spec)
         if tuple(got.shape) != tuple(want.shape) or buffer.dtype != spec.dtype:
             return (
                 f"buffer {name} is {tuple(buffer.shape)} {buffer.dtype}, declared {tuple(self.declared[name].shape)} "
                 f"{spec.dtype}: graphmode_make_buffers made it otherwise than declared"
             )
-        per_seq = step.num_tokens // batch
         live, full = (step.num_tokens, bucket * per_seq) if spec.per_token else (batch, bucket)
         if not spec.written and self.vendor.implements("graphmode_fill_buffers"):
             # A buffer the vendor's own fill hook writes: its live rows are the
@@ -194,7 +202,8 @@ class DeclaredBuffers:
             f"padding rows {live}..{full - 1})"
         )
         made = meta.padding_buffers.get(name)
-        if made is not None and not torch.equal(_rows_first(made.detach().cpu(), spec)[bad], want[bad]):
+        declared = _rows_first(self.declared[name], spec)  # want, unless scaled for a q_len > 1
+        if made is not None and not torch.equal(_rows_first(made.detach().cpu(), spec)[bad], declared[bad]):
             return (
                 f"{head}. Hook: graphmode_make_buffers made {name} holding {_values(_rows_first(made.cpu(), spec)[bad])} "
                 "there, and every step resets padding rows to what it made: allocate each buffer holding its "
@@ -204,13 +213,19 @@ class DeclaredBuffers:
         stale = previous is not None and not _bad_rows(got[bad], previous[bad])
         if not stale:
             note = ""
-            if name == "kv_seqlens":
+            repeated = _repeated_live_row(got, bad, live)
+            if repeated is not None:
+                note = (
+                    f" They repeat live row {repeated}: the batch padded by repeating a live request; padding rows "
+                    "must not share its slots, block table or lengths."
+                )
+            elif name == "kv_seqlens":
                 note = (
                     f" That is a padding kv length other than the vendor's declared {spec.padding!r}, the length "
-                    "its kernels need for padding rows"
+                    "its kernels need for padding rows."
                 )
             return (
-                f"{head}. Hook: graphmode_fill_buffers wrote {_values(got[bad])} into padding rows.{note}. Fix: reset "
+                f"{head}. Hook: graphmode_fill_buffers wrote {_values(got[bad])} into padding rows.{note} Fix: reset "
                 "padding rows to the declared value (graphmode.buffers.fill does)"
             )
         first = bad[0]
@@ -238,6 +253,34 @@ class DeclaredBuffers:
         else:
             mechanism = "these rows still hold an earlier step's values: padding left stale; reset every padding row at every step"
         return f"{head}. Hook: graphmode_fill_buffers did not reset them: {mechanism}"
+
+
+def _repeated_live_row(got: torch.Tensor, bad: list[int], live: int) -> int | None:
+    """The last live row, when every bad padding row copies it (a batch
+    padded by repeating its last request), else None."""
+    rows = got[bad]
+    if live > 0 and not _bad_rows(rows, got[live - 1].expand_as(rows)):
+        return live - 1
+    return None
+
+
+def _live_slots_in_padding(meta: GraphMeta, spec_of: dict[str, BufferSpec], live: dict[str, tuple[int, int]]) -> str:
+    """A sentence naming the padding rows of a slot buffer that hold slots
+    this step's live tokens write (they would overwrite live KV), or ''."""
+    for name, spec in spec_of.items():
+        fields = {path.rsplit(".", 1)[-1] for path in spec.sources}
+        if name != "kv_start_indices" and "kv_start_indices" not in fields:
+            continue
+        start, stop = live[name]
+        rows = _rows_first(meta.input_buffers[name].detach().cpu(), spec)
+        live_slots = {int(v) for v in rows[:start].flatten().tolist() if v >= 0}
+        hit = [r for r in range(start, stop) if any(int(v) in live_slots for v in rows[r].flatten().tolist())]
+        if hit:
+            return (
+                f" Padding rows {_span(hit)} of {name} hold {_values(rows[hit])}: slots this step's live tokens "
+                "write, so the graph writes padding tokens' keys and values into a live sequence's KV block."
+            )
+    return ""
 
 
 def _context_value(context: StepInputs, path: str) -> Any:
