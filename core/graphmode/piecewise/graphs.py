@@ -174,6 +174,7 @@ class PiecewiseGraphs:
     def _capture(self, inputs: StepInputs, live: LiveStep, *, warmup: bool = False) -> Any:
         bucket, shared, ranks = live.bucket, self.shared, self.shared.ranks
         shared.agree_to_capture(live.tokens, bucket, unit="tokens")
+        shared.check_capture_cache(inputs.past_key_values, f"token bucket {bucket} (piecewise)")
         static = self._inputs.fill(inputs, bucket)
         static = dataclasses.replace(static, attn_metadata=shape_only(inputs.attn_metadata))
         warm_up = EagerForward(live, self._buffers)

@@ -258,9 +258,10 @@ class FullGraphs:
         shared = self.shared
         ranks, hook, staging = shared.ranks, shared.vendor.hook, self.staging
         shared.agree_to_capture(batch, bucket)
+        q_len = inputs.num_tokens // batch  # proved uniform by the caller
+        shared.check_capture_cache(inputs.past_key_values, f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else ""))
         flatten = cache_flattener(inputs.past_key_values)
         check_cache_layout(shared.model, flatten(inputs.past_key_values), shared.config.block_size)
-        q_len = inputs.num_tokens // batch  # proved uniform by the caller
         tokens = bucket * q_len  # the graph's, padding rows included
         meta = shared.graph_meta().for_graph()
         if staging is not None:
