@@ -5,6 +5,7 @@ and in every execute mode where it applies."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -298,6 +299,37 @@ def test_a_cache_tensor_replaced_in_its_list_is_refused_before_a_new_capture(mod
         message = r"^KV-cache tensor 0 has dtype torch.float16, but the model's make_kv_cache gives torch.float32"
     with pytest.raises(InputError, match=message):
         _run(setup, step)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("field", ["kv_start_indices", "block_offsets"])
+def test_an_index_error_inside_a_replay_says_that_debug_mode_names_the_bad_value(mode, field):
+    # A slot or block id past the cache is a device value, unchecked outside debug mode: the replay
+    # (the emulator's, or a piecewise break point's) failed with an IndexError from inside torch naming
+    # neither the field nor the fix. It now carries a note saying so, and debug mode names the value.
+    debug_message = {
+        "kv_start_indices": r"^debug mode: token 0 \(sequence 0\) writes slot 1000000 \(block 62500\), outside the "
+                            r"sequence's own blocks",
+        "block_offsets": r"^debug mode: sequence 0's block table holds block id 1000000 \(column 0\), outside the "
+                         r"cache's 129 blocks",
+    }[field]
+    for debug in (False, True):
+        setup = _setup(mode=mode, debug=debug)
+        seqs = setup.prefill(3, [3, 17, 5])
+        setup.decode(seqs)  # captures bucket 4 (token bucket 4 in piecewise mode)
+        step = setup.engine.decode(seqs)
+        bad = getattr(step.attn_metadata, field).clone()
+        bad.view(-1)[0] = 10**6
+        if debug:
+            with pytest.raises(InputError, match=debug_message):
+                _run(setup, step, **{field: bad})
+            continue
+        with pytest.raises(IndexError) as caught:
+            _run(setup, step, **{field: bad})
+        graph = "bucket 4" if mode != "piecewise" else r"token bucket 4 \(piecewise\)"
+        assert re.fullmatch(rf"graphmode: raised replaying the graph of {graph}\. A step's device values \(block ids, "
+                            r"slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
+                            "\n".join(getattr(caught.value, "__notes__", [])))
 
 
 def test_reset_lets_go_of_the_kv_cache():

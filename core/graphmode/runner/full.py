@@ -29,7 +29,7 @@ from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.runner.common import capture_failed, inert_step
+from graphmode.runner.common import capture_failed, inert_step, note_replay_failure
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
@@ -230,7 +230,11 @@ class FullGraphs:
             guard.running(captured.replay_label)
             if staging is not None:
                 staging.launch(bucket)  # the mirror's one copy into the arena, ordered after the last replay
-            captured.graph.replay()
+            try:
+                captured.graph.replay()
+            except Exception as error:
+                note_replay_failure(error, shared, captured.name)
+                raise
             stats = shared.stats
             stats.replays += 1
             stats.replays_by_q_len[q_len] += 1
