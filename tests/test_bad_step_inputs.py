@@ -10,6 +10,7 @@ from setups import tiny_setup
 
 import graphmode
 from graphmode import ConfigError, InputError
+from graphmode.emulator.host import mark_host
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.spec import SEQUENCES, BufferSpec
 
@@ -188,3 +189,21 @@ def test_a_kv_maximum_below_the_host_lengths_is_refused_in_a_piecewise_step(mode
     with pytest.raises(InputError, match=r"^max_kv_seq_len=5, but attn_metadata.kv_seqlens_cpu holds 7 \(sequence "
                        r"0\).*Pass the step's real max_kv_seq_len \(the largest kv_seqlens\), or -1"):
         _call(setup, step, max_kv_seq_len=5)
+
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_q_start_loc_off_the_prefix_sum_is_refused_in_a_host_built_piecewise_step(mode):
+    # Host lengths cost no synchronisation to check. q_start_loc [0, 2, 0] for q_seqlens [2, 3, 1] ran
+    # before, and its output differed from eager's on the same inputs: sequence 2 read sequence 0's
+    # queries, and its own output rows held the previous replay's values.
+    setup = tiny_setup(execute_mode=mode, capture_token_sizes=[4, 8, 16], capture_batch_sizes=[1, 2, 4],
+                       host_inputs=True)
+    seqs = setup.prefill(3, [3, 17, 5])
+    step = setup.engine.prefill(seqs, [2, 3, 1])
+    assert step.attn_metadata.q_start_loc.tolist() == [0, 2, 5]
+    starts = mark_host(torch.tensor([0, 2, 0], dtype=torch.int32))
+    with pytest.raises(InputError, match=r"^sequence 2 has q_start_loc=0, but its tokens start at token 5 \(the "
+                       r"earlier sequences' q_seqlens summed\): q_start_loc must be the exclusive cumulative sum of "
+                       r"q_seqlens$"):
+        _call(setup, step, q_start_loc=starts)

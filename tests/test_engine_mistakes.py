@@ -5,6 +5,7 @@ and in every execute mode where it applies."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -273,6 +274,62 @@ def test_warmup_with_another_cache_than_the_graphs_captured_is_refused(mode):
             setup.runner.warmup(other, progress=False)
         setup.runner.reset()
         setup.runner.warmup(other, progress=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("replacement", ["copy", "half"])
+def test_a_cache_tensor_replaced_in_its_list_is_refused_before_a_new_capture(mode, replacement):
+    # cache[0] = (new k, new v) in the same list: a step's check passes a container it has seen on its
+    # identity, and replays refuse the new tensors, but a step capturing a new bucket captured them: a
+    # copy ran (the runner then held graphs on two caches, refusing the steps of the older buckets), and
+    # so did a half-precision pair under the fp32 model (layer 0's keys and values rounded to fp16).
+    setup = _setup(mode=mode)
+    seqs = setup.prefill(3, [3, 17, 5])  # 25 tokens: eager in every mode
+    setup.decode(seqs[:2])  # captures bucket 2 (token bucket 4 in piecewise mode)
+    key, value = setup.graph_cache[0]
+    setup.graph_cache[0] = (key.clone(), value.clone()) if replacement == "copy" else (key.half(), value.half())
+    # A step of a bucket not captured yet: full bucket 4 in graph mode, token bucket 8 in the others.
+    step = setup.engine.decode(seqs) if mode == "graph" else setup.engine.prefill(seqs, [2, 3, 1])
+    if replacement == "copy":
+        graph = "bucket 4" if mode == "graph" else r"token bucket 8 \(piecewise\)"
+        held = "bucket 2" if mode != "piecewise" else r"token bucket 4 \(piecewise\)"
+        message = (rf"^a step capturing the graph of {graph} with another KV cache than the runner's graphs captured "
+                   rf"\(the graph of {held} holds other tensors\).*or call runner.reset\(\) first")
+    else:
+        message = r"^KV-cache tensor 0 has dtype torch.float16, but the model's make_kv_cache gives torch.float32"
+    with pytest.raises(InputError, match=message):
+        _run(setup, step)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("field", ["kv_start_indices", "block_offsets"])
+def test_an_index_error_inside_a_replay_says_that_debug_mode_names_the_bad_value(mode, field):
+    # A slot or block id past the cache is a device value, unchecked outside debug mode: the replay
+    # (the emulator's, or a piecewise break point's) failed with an IndexError from inside torch naming
+    # neither the field nor the fix. It now carries a note saying so, and debug mode names the value.
+    debug_message = {
+        "kv_start_indices": r"^debug mode: token 0 \(sequence 0\) writes slot 1000000 \(block 62500\), outside the "
+                            r"sequence's own blocks",
+        "block_offsets": r"^debug mode: sequence 0's block table holds block id 1000000 \(column 0\), outside the "
+                         r"cache's 129 blocks",
+    }[field]
+    for debug in (False, True):
+        setup = _setup(mode=mode, debug=debug)
+        seqs = setup.prefill(3, [3, 17, 5])
+        setup.decode(seqs)  # captures bucket 4 (token bucket 4 in piecewise mode)
+        step = setup.engine.decode(seqs)
+        bad = getattr(step.attn_metadata, field).clone()
+        bad.view(-1)[0] = 10**6
+        if debug:
+            with pytest.raises(InputError, match=debug_message):
+                _run(setup, step, **{field: bad})
+            continue
+        with pytest.raises(IndexError) as caught:
+            _run(setup, step, **{field: bad})
+        graph = "bucket 4" if mode != "piecewise" else r"token bucket 4 \(piecewise\)"
+        assert re.fullmatch(rf"graphmode: raised replaying the graph of {graph}\. A step's device values \(block ids, "
+                            r"slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
+                            "\n".join(getattr(caught.value, "__notes__", [])))
 
 
 def test_reset_lets_go_of_the_kv_cache():

@@ -29,7 +29,7 @@ from graphmode.piecewise.inputs import TokenInputs
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.runner.common import capture_failed, inert_step, live_columns
+from graphmode.runner.common import capture_failed, inert_step, live_columns, note_replay_failure
 from graphmode.runner.debug import check_piecewise_step
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.outputs import SharedOutputs
@@ -115,7 +115,11 @@ class PiecewiseGraphs:
         if debug is not None:
             debug.check_addresses(graph.name, graph.extras)
         self._inputs.fill(inputs, bucket)
-        graph.pieces.replay(live)
+        try:
+            graph.pieces.replay(live)
+        except Exception as error:
+            note_replay_failure(error, shared, graph.name)
+            raise
         stats.piecewise_replays += 1
         stats.replays_by_variant[graph.variant] += 1
         shared.count_tokens(tokens, bucket - tokens)
@@ -174,6 +178,7 @@ class PiecewiseGraphs:
     def _capture(self, inputs: StepInputs, live: LiveStep, *, warmup: bool = False) -> Any:
         bucket, shared, ranks = live.bucket, self.shared, self.shared.ranks
         shared.agree_to_capture(live.tokens, bucket, unit="tokens")
+        shared.check_capture_cache(inputs.past_key_values, f"token bucket {bucket} (piecewise)")
         static = self._inputs.fill(inputs, bucket)
         static = dataclasses.replace(static, attn_metadata=shape_only(inputs.attn_metadata))
         warm_up = EagerForward(live, self._buffers)

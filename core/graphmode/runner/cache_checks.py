@@ -194,6 +194,14 @@ class CacheFit:
             self._check(past_key_values, leaves)
         self._last, self._last_leaves = past_key_values, leaves
 
+    def recheck(self, past_key_values: Any) -> None:
+        """Check the cache as if its container had not been seen: before a
+        capture, which freezes the tensors an engine may have replaced inside
+        a container seen before (``cache[i] = (k, v)``), which a step's check
+        passes on its identity. Tensors seen before pass on theirs."""
+        self._last = _UNSEEN
+        self(past_key_values)
+
     def forget(self) -> None:
         """Drop the last cache seen (``runner.reset()``): an engine
         reallocating its cache frees the old one before making the new."""
@@ -263,9 +271,10 @@ def _leaves(past_key_values: Any) -> list[Any]:
     return tree_flatten(past_key_values)[0]
 
 
-def check_warmup_cache(graphs: list[Any], past_key_values: Any) -> None:
-    """The cache given to ``runner.warmup()`` (the runner checked that it
-    fits the model) is the cache the runner's graphs (every family's)
+def check_warmup_cache(graphs: list[Any], past_key_values: Any, doing: str = "warmup()") -> None:
+    """The cache given to ``runner.warmup()``, or to a step about to capture a
+    graph (``doing`` says which, as errors name it; the runner checked that it
+    fits the model), is the cache the runner's graphs (every family's)
     captured, if any: otherwise the runner would hold graphs on two caches,
     and steps on either would be refused."""
     now = _leaves(past_key_values)
@@ -273,7 +282,8 @@ def check_warmup_cache(graphs: list[Any], past_key_values: Any) -> None:
         then = captured.cache_tensors
         if len(now) != len(then) or not all(map(operator.is_, now, then)):
             raise InputError(
-                f"warmup() with another KV cache than the runner's graphs captured (the graph of {captured.name} holds "
-                "other tensors): the runner would hold graphs on two caches. Pass the cache the graphs captured, or call runner.reset() "
-                "first (after reallocating the cache)"
+                f"{doing} with another KV cache than the runner's graphs captured (the graph of {captured.name} holds "
+                "other tensors): the runner would hold graphs on two caches. Pass the cache the graphs captured "
+                "(change its tensors in place, .copy_(), rather than replace them in their list), or call "
+                "runner.reset() first (after reallocating or replacing any KV-cache tensor)"
             )

@@ -1,6 +1,6 @@
 """What every graph family needs, once: the inert warm-up step, how a
 captured cache is listed, the output cut to the live tokens, and what a
-failed capture raises."""
+failed capture or replay raises."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import torch
 from torch.utils._pytree import tree_map
 
 from graphmode.context import AttnMetadata, StepInputs
+from graphmode.errors import GraphModeError
 from graphmode.meta import GraphMeta
 from graphmode.runner.family import Shared
 
-__all__ = ["capture_failed", "inert_step", "live_columns"]
+__all__ = ["capture_failed", "inert_step", "live_columns", "note_replay_failure"]
 
 
 def inert_step(
@@ -71,3 +72,17 @@ def capture_failed(error: Exception, shared: Shared, meta: GraphMeta, bucket: in
             f"and execute_mode={shared.config.execute_mode!r}"
         )
     raise error
+
+
+def note_replay_failure(error: Exception, shared: Shared, graph: str) -> None:
+    """Note on an error raised inside the replay of ``graph`` (a kernel's
+    index out of range: the emulator's, or an eager break point's), outside
+    debug mode, that the step's device values were not checked and how to
+    have them checked: a block id past the cache or a slot past it fails
+    there, as an IndexError from inside torch that names neither."""
+    if shared.debug is None and not isinstance(error, GraphModeError) and hasattr(error, "add_note"):
+        error.add_note(
+            f"graphmode: raised replaying the graph of {graph}. A step's device values (block ids, slots, "
+            "lengths) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 (or debug=True) to have a "
+            "bad one named, with its sequence and the fix"
+        )

@@ -275,9 +275,11 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
     clamps the lengths it reads to it: a silently wrong result). A step built
     on the host (``on_host``) is also checked, from its lengths, for what
     :func:`check_query_lengths` reads first: its query lengths sum to its
-    tokens, stay within its maxima (CUDA's Triton prefill sizes its grid by
+    tokens, ``q_start_loc`` is their exclusive cumulative sum, the lengths
+    stay within its maxima (CUDA's Triton prefill sizes its grid by
     ``max_q_seq_len``), and ``kv_seqlens_cpu`` (which Ascend's kernels read)
-    equals ``kv_seqlens``. Host tensors cost no synchronisation: a few
+    equals ``kv_seqlens``. Sequences without new tokens and KV lengths below
+    the query lengths are debug mode's (two more reductions a step). Host tensors cost no synchronisation: a few
     reductions, whatever the batch; rows are walked only when one fails, to
     name the first bad one."""
     host, kv_max = attn.kv_seqlens_cpu, attn.max_kv_seq_len
@@ -290,10 +292,14 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
         )
     if not on_host:
         return
-    q_lens, kv_lens = attn.q_seqlens, attn.kv_seqlens
-    if int(q_lens.sum()) != tokens or 0 <= attn.max_q_seq_len < int(q_lens.max()) \
-            or 0 <= kv_max < int(kv_lens.max()):
-        check_query_lengths(attn, tokens, q_lens, attn.q_start_loc, kv_lens)
+    q_lens, kv_lens, starts = attn.q_seqlens, attn.kv_seqlens, attn.q_start_loc
+    # Each sequence's start plus its length is the running total of the lengths, ending at the step's
+    # tokens: a start off it has the sequence read another's queries and leaves its own output rows
+    # stale in the graph's buffer (piecewise != eager).
+    ends = q_lens.cumsum(0)
+    if int(ends[-1]) != tokens or not torch.equal(starts + q_lens, ends) \
+            or 0 <= attn.max_q_seq_len < int(q_lens.max()) or 0 <= kv_max < int(kv_lens.max()):
+        check_query_lengths(attn, tokens, q_lens, starts, kv_lens)
     if host is not None and not torch.equal(host, kv_lens):  # any dtypes
         row = int((host != kv_lens).nonzero()[0])
         raise InputError(

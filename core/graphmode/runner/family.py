@@ -26,6 +26,7 @@ from graphmode.context import StepInputs
 from graphmode.errors import ConfigError
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
+from graphmode.runner.cache_checks import CacheFit, check_warmup_cache
 from graphmode.runner.compile import compiled_forward
 from graphmode.runner.debug import StepChecker
 from graphmode.runner.stats import RunnerStats
@@ -163,6 +164,8 @@ class Shared:
         self.families: Sequence[GraphFamily] = ()
         self.meta: GraphMeta | None = None
         self.debug = StepChecker(model, config.block_size) if config.debug else None
+        #: Where the KV cache first meets the runner: every step, warmup() and every capture.
+        self.cache_fit = CacheFit(model, config.block_size)
         #: Why the vendor cannot stage this runner's inputs on the host, or None.
         self.staging_refusal = staging_refusal(vendor, config.device)
         if config.host_staging and self.staging_refusal is not None:
@@ -252,6 +255,17 @@ class Shared:
         already agree on every step."""
         if self.ranks is not None and not self.ranks.check_replays:
             self.ranks.agree_on_step(size, bucket, "capture", unit=unit, variant=self.variant_index)
+
+    def check_capture_cache(self, past_key_values: Any, graph: str) -> None:
+        """Before the capture of ``graph`` (as errors name it): the KV cache
+        fits the model, checked again where the engine replaced tensors in a
+        container seen before (a step passes the container on its identity),
+        and it is the cache the runner's graphs hold, if any (graphs on two
+        caches would refuse the steps of either). Once per capture."""
+        self.cache_fit.recheck(past_key_values)
+        held = next((captured for family in self.families for captured in family.captured()), None)
+        if held is not None:  # every capture checks it: the first graph stands for all
+            check_warmup_cache([held], past_key_values, f"a step capturing the graph of {graph}")
 
     def warm_up(self, run: Callable[[], Any]) -> Any:
         """``run()``, a capture's warm-up forward; with ``compile=True`` its

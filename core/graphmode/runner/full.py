@@ -31,7 +31,7 @@ from graphmode.meta import GraphMeta
 from graphmode.native import NativeSteps, native_module
 from graphmode.plugins import Vendor
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.runner.common import capture_failed, inert_step
+from graphmode.runner.common import capture_failed, inert_step, note_replay_failure
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
@@ -238,7 +238,11 @@ class FullGraphs:
             guard.running(captured.replay_label)
             if staging is not None:
                 staging.launch(bucket)  # the mirror's one copy into the arena, ordered after the last replay
-            captured.graph.replay()
+            try:
+                captured.graph.replay()
+            except Exception as error:
+                note_replay_failure(error, shared, captured.name)
+                raise
             stats = shared.stats
             stats.replays += 1
             stats.replays_by_q_len[q_len] += 1
@@ -291,9 +295,10 @@ class FullGraphs:
         shared = self.shared
         ranks, hook, staging = shared.ranks, shared.vendor.hook, self.staging
         shared.agree_to_capture(batch, bucket)
+        q_len = inputs.num_tokens // batch  # proved uniform by the caller
+        shared.check_capture_cache(inputs.past_key_values, f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else ""))
         flatten = cache_flattener(inputs.past_key_values)
         check_cache_layout(shared.model, flatten(inputs.past_key_values), shared.config.block_size)
-        q_len = inputs.num_tokens // batch  # proved uniform by the caller
         tokens = bucket * q_len  # the graph's, padding rows included
         meta = shared.graph_meta().for_graph()
         if staging is not None:

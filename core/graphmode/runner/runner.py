@@ -28,7 +28,7 @@ from graphmode.memory.plan import GraphMemory, MemoryPlan, WarmupMemory, plan
 from graphmode.meta import GraphMeta
 from graphmode.piecewise.graphs import PiecewiseGraphs
 from graphmode.plugins import Vendor
-from graphmode.runner.cache_checks import CacheFit, check_warmup_cache
+from graphmode.runner.cache_checks import check_warmup_cache
 from graphmode.runner.family import Shared
 from graphmode.runner.full import CapturedGraph, FullGraphs, bucket_table
 from graphmode.runner.guard import busy, one_at_a_time
@@ -69,8 +69,8 @@ class GraphRunner:
         self._bucket_of = bucket_table(vendor, config.max_batches, self.capture_sizes)
         ranks = _rank_sync(process_group, check_ranks)
         self._shared = Shared(model, config, vendor, self.spec, self.capture_sizes, self._bucket_of, ranks)
+        self._cache_fit = self._shared.cache_fit
         self._busy = self._shared.lock = threading.RLock()  # one step at a time (graphmode.runner.guard)
-        self._cache_fit = CacheFit(model, config.block_size)
         self._check_inputs = StepChecks(config)  # check_inputs, its per-layout part once per layout
         #: The execute mode's families (graphmode.runner.modes), tried in order for every step.
         self.families = build_families(self._shared)
