@@ -1,0 +1,83 @@
+"""Slips of a vendor writing a plugin from docs/ alone (an outsider's plugin
+for a made-up accelerator, written from README.md and docs/ without reading
+the code): each is either refused with an error naming the value, the limit
+and the fix, or diagnosed by the conformance suite naming the hook."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+import torch
+from plugins import walkthrough
+from test_writing_a_plugin import graphmode_get_outputs as copied_outputs
+
+import graphmode
+from graphmode import hookimpl
+from graphmode_conformance import ConformanceFailure, Harness, Sizes
+from graphmode_conformance.modes import build_in_mode, mixed_steps
+from graphmode_conformance.outputs import MultiOutputHarness, SeveralOutputs
+
+SIZES = Sizes(max_batches=12, block_size=32, table_width=6)
+
+
+def acme(**hooks: Any) -> graphmode.Vendor:
+    """The walkthrough plugin (docs/writing-a-plugin.md), the given hooks added or replaced."""
+    plugin = argparse.Namespace(**{n: getattr(walkthrough, n) for n in dir(walkthrough) if n.startswith("graphmode_")})
+    for name, function in hooks.items():
+        setattr(plugin, name, function)
+    return graphmode.load_vendor("acme", plugin=plugin)
+
+
+def several_outputs(vendor: graphmode.Vendor, structure: str) -> MultiOutputHarness:
+    def build(cls: type[Harness] = Harness, sizes: Sizes = SIZES, **options: Any) -> Harness:
+        return cls.build(vendor, torch.device("cpu"), sizes, **options)
+
+    harness = build_in_mode(build, SIZES, "graph", MultiOutputHarness, wrap=lambda model: SeveralOutputs(model, structure))
+    harness.check = f"every output of a {structure} equals eager"
+    return harness
+
+
+# The hook as docs/hooks.md stated it before 2026-11-26: "returns
+# meta.output_buffers["output"] cut to the num_tokens live tokens".
+@hookimpl
+def _outputs_as_one_tensor(meta, batch_size, num_tokens):
+    return meta.output_buffers["output"][:, :num_tokens]
+
+
+def test_an_outputs_hook_that_takes_the_output_for_a_tensor_is_told_it_may_be_a_tuple():
+    harness = several_outputs(acme(graphmode_get_outputs=_outputs_as_one_tensor), "tuple")
+    with pytest.raises(ConformanceFailure) as failure:
+        mixed_steps(harness)
+    message = str(failure.value)
+    assert message.startswith("[every output of a tuple equals eager] vendor acme on cpu, a step of 8 sequences"), message
+    assert "the runner raised TypeError in graphmode_get_outputs (plugin acme)" in message, message
+    assert "The model returns a tuple here: meta.output_buffers['output'] is what the captured forward returned" \
+        in message, message
+    assert "wrap the default (@hookimpl(wrapper=True): outputs = yield)" in message, message
+
+
+@pytest.mark.parametrize("structure", ["tuple", "dict"])
+def test_the_documented_outputs_wrapper_returns_copies_of_every_cut_tensor(structure):
+    """docs/writing-a-plugin.md's get_outputs wrapper (a region of
+    tests/test_writing_a_plugin.py): every output equals eager, and each is
+    a copy: the next replay leaves it as it was (a view of the graph's
+    output would change)."""
+    harness = several_outputs(acme(graphmode_get_outputs=copied_outputs), structure)
+    mixed_steps(harness)
+    engine = harness.engine
+    seqs = [engine.add() for _ in range(3)]
+    harness.prefill(seqs, [4, 7, 2])
+
+    def decode() -> list[torch.Tensor]:
+        step = engine.decode(seqs)
+        with torch.inference_mode():
+            outputs = harness.runner(step.input_ids, step.position_ids, harness.graph_cache, step.attn_metadata)
+        return list(outputs.values()) if structure == "dict" else list(outputs)
+
+    first = decode()
+    kept = [t.clone() for t in first]
+    decode()  # a replay of the same bucket, other tokens
+    assert harness.runner.stats.replays > 0
+    assert all(t.shape[1] == 3 and torch.equal(t, k) for t, k in zip(first, kept))
