@@ -15,7 +15,7 @@ from test_writing_a_plugin import graphmode_get_outputs as copied_outputs
 
 import graphmode
 from graphmode import hookimpl
-from graphmode_conformance import ConformanceFailure, Harness, Sizes
+from graphmode_conformance import ConformanceFailure, Harness, HookContractTests, Sizes
 from graphmode_conformance.modes import build_in_mode, mixed_steps
 from graphmode_conformance.outputs import MultiOutputHarness, SeveralOutputs
 
@@ -81,3 +81,48 @@ def test_the_documented_outputs_wrapper_returns_copies_of_every_cut_tensor(struc
     decode()  # a replay of the same bucket, other tokens
     assert harness.runner.stats.replays > 0
     assert all(t.shape[1] == 3 and torch.equal(t, k) for t, k in zip(first, kept))
+
+
+# A compatible size that "rounds differently", as docs/hooks.md allowed before
+# 2026-11-26 ("a member of capture_sizes that is >= batch_size"): even buckets
+# only. The runner accepted it; capture size 1 was captured and never replayed.
+@hookimpl
+def _even_buckets(batch_size, capture_sizes):
+    return next((size for size in capture_sizes if size >= batch_size and size % 2 == 0), None)
+
+
+# Batch 2 pads into 6 while batch 3 takes bucket 3.
+@hookimpl
+def _small_batches_pad_high(batch_size, capture_sizes):
+    return 6 if batch_size == 2 else next(size for size in capture_sizes if size >= batch_size)
+
+
+@pytest.mark.parametrize("hook, refusal", [
+    (_even_buckets, r"graphmode_compatible_size\(1\) returned 6, but 1 is a capture size of \[1, 3, 6, 12\]: each "
+                    r"capture size must be its own bucket, or its graph is captured and never replayed"),
+    (_small_batches_pad_high, r"graphmode_compatible_size\(3\) returned 3, after graphmode_compatible_size\(2\) "
+                              r"returned 6: buckets must not shrink as batches grow"),
+], ids=["not_idempotent", "not_monotone"])
+def test_a_compatible_size_that_rounds_differently_is_refused_when_the_runner_is_built(hook, refusal):
+    with pytest.raises(graphmode.ConfigError, match=refusal) as refused:
+        Harness.build(acme(graphmode_compatible_size=hook), torch.device("cpu"), SIZES)
+    assert "declares that as its capture sizes (GraphSpec.capture_sizes, FixedSizes)" in str(refused.value)
+
+
+# Right up to the suite's runner (12 sequences), off above: batches 97..192 pad into 384.
+@hookimpl
+def _large_batches_pad_high(batch_size, capture_sizes):
+    if 96 < batch_size <= 192 and 384 in capture_sizes:
+        return 384
+    return next((size for size in capture_sizes if size >= batch_size), None)
+
+
+def test_the_suite_checks_the_compatible_size_on_the_vendors_policy_up_to_512_sequences():
+    vendor = acme(graphmode_compatible_size=_large_batches_pad_high)
+    harness = Harness.build(vendor, torch.device("cpu"), SIZES)  # the runner's own list is fine
+    with pytest.raises(ConformanceFailure, match=(
+        r"\[hook contract\] vendor acme: graphmode_compatible_size is not idempotent: \(192\) returned 384, but "
+        r"192 is a capture size: each capture size must be its own bucket, or its graph is captured and never "
+        r"replayed, on \[1, 3, 6, .*\]. So the one right answer is the smallest capture size that holds the batch"
+    )):
+        HookContractTests().test_compatible_size_holds_the_batch_and_is_a_capture_size(vendor, harness)
