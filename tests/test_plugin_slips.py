@@ -14,6 +14,7 @@ from plugins import walkthrough
 from test_writing_a_plugin import graphmode_get_outputs as copied_outputs
 
 import graphmode
+import graphmode.model
 from graphmode import hookimpl
 from graphmode_conformance import ConformanceFailure, Harness, HookContractTests, Sizes
 from graphmode_conformance.modes import build_in_mode, mixed_steps
@@ -126,3 +127,16 @@ def test_the_suite_checks_the_compatible_size_on_the_vendors_policy_up_to_512_se
         r"replayed, on \[1, 3, 6, .*\]. So the one right answer is the smallest capture size that holds the batch"
     )):
         HookContractTests().test_compatible_size_holds_the_batch_and_is_a_capture_size(vendor, harness)
+
+
+def test_a_runner_takes_a_loaded_plugin_that_is_not_installed():
+    """build_reference_model and the Hugging Face loader took a graphmode.Vendor;
+    build_graph_runner raised AttributeError: 'Vendor' object has no attribute 'strip'."""
+    vendor = acme()
+    model = graphmode.model.build_reference_model(graphmode.model.ModelConfig.tiny(), vendor=vendor)
+    runner = graphmode.build_graph_runner(model, vendor=vendor, max_batches=8, max_blocks_per_seq=4, block_size=32)
+    assert runner.vendor is vendor and runner.capture_sizes == (1, 3, 6, 8)
+    with pytest.raises(graphmode.VendorError, match=r"vendor=<module 'plugins.walkthrough'.*give an installed vendor's "
+                       r"name \(its entry-point name\), or a graphmode.Vendor \(graphmode.load_vendor\(name, "
+                       r"plugin=module\)"):
+        graphmode.build_graph_runner(model, vendor=walkthrough, max_batches=8, max_blocks_per_seq=4, block_size=32)
