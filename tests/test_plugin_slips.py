@@ -140,3 +140,43 @@ def test_a_runner_takes_a_loaded_plugin_that_is_not_installed():
                        r"name \(its entry-point name\), or a graphmode.Vendor \(graphmode.load_vendor\(name, "
                        r"plugin=module\)"):
         graphmode.build_graph_runner(model, vendor=walkthrough, max_batches=8, max_blocks_per_seq=4, block_size=32)
+
+
+class _MultipliedMask(walkthrough.AcmeAttentionOps):
+    """Acme's kernels, masking by multiplying the probabilities: right while
+    block 0 holds zeros, NaN for every live row once it holds NaN (every
+    table's unused columns point at it)."""
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        head_dim = query.shape[-1]
+        keys = self._gather(k_cache, attn.block_offsets, head_dim)  # (B, S, K, D)
+        values = self._gather(v_cache, attn.block_offsets, head_dim)
+        group = query.shape[1] // keys.shape[2]
+        keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
+        scores = torch.einsum("bhd,bshd->bhs", query.float(), keys.float()) * scale
+        visible = torch.arange(keys.shape[1], device=query.device)[None, :] < attn.kv_seqlens[:, None].long()
+        probs = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+        probs = probs * visible[:, None, :]  # the slip: 0 * NaN is NaN
+        return torch.einsum("bhs,bshd->bhd", probs, values.float()).to(query.dtype)
+
+    def prefill_attention(self, query, k_cache, v_cache, attn, scale):
+        return super().prefill_attention(query, k_cache, v_cache, attn, scale)
+
+
+@hookimpl
+def _multiplied_mask_ops():
+    return _MultipliedMask()
+
+
+def test_a_kernel_that_lets_nan_in_the_reserved_block_reach_live_rows_fails():
+    """Zeroed block 0 everywhere else in the suite: this kernel passed it all."""
+    from graphmode_conformance import KVCacheIntegrityTests
+
+    correct = Harness.build(acme(), torch.device("cpu"), SIZES)
+    KVCacheIntegrityTests().test_live_results_never_depend_on_the_reserved_block(correct)
+    slipped = Harness.build(acme(graphmode_attention_ops=_multiplied_mask_ops), torch.device("cpu"), SIZES)
+    with pytest.raises(ConformanceFailure, match=(
+        r"\[reserved block\] vendor acme on cpu, batch 11, bucket 12, step 1 \(capture\): max \|graph - eager\| = nan"
+        r".*, with NaN in the reserved block 0 .*Likely cause: the vendor's attention kernels \(graphmode_attention_ops\) "
+        r"read block 0 and mask it by multiplying \(0 \* NaN is NaN\)")):
+        KVCacheIntegrityTests().test_live_results_never_depend_on_the_reserved_block(slipped)
