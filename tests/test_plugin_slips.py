@@ -17,6 +17,7 @@ import graphmode
 import graphmode.model
 from graphmode import hookimpl
 from graphmode_conformance import ConformanceFailure, Harness, HookContractTests, Sizes
+from graphmode_conformance.fixtures import ConformanceFixtures, VariantsNotRun
 from graphmode_conformance.modes import build_in_mode, mixed_steps
 from graphmode_conformance.outputs import MultiOutputHarness, SeveralOutputs
 
@@ -180,3 +181,37 @@ def test_a_kernel_that_lets_nan_in_the_reserved_block_reach_live_rows_fails():
         r".*, with NaN in the reserved block 0 .*Likely cause: the vendor's attention kernels \(graphmode_attention_ops\) "
         r"read block 0 and mask it by multiplying \(0 \* NaN is NaN\)")):
         KVCacheIntegrityTests().test_live_results_never_depend_on_the_reserved_block(slipped)
+
+
+@hookimpl
+def _acme_with_variants():
+    return walkthrough.ACME_SPEC.replace(option_variants=({"max_graphs": None}, {"max_graphs": 2}))
+
+
+class TestOwnTreeWithOptionVariants(ConformanceFixtures):
+    """A vendor's own test class (docs/writing-a-plugin.md, section 6) overriding
+    `vendor` for a vendor that declares option variants: they did not run, and
+    nothing said so (GraphSpec.option_variants says every run takes each)."""
+
+    @pytest.fixture
+    def vendor(self):
+        return acme(graphmode_graph_spec=_acme_with_variants)
+
+    def test_the_default_vendor_options_warn_that_the_variants_do_not_run(self, recwarn, vendor_options):
+        assert vendor_options is None
+        (warning,) = [w for w in recwarn.list if issubclass(w.category, VariantsNotRun)]
+        assert str(warning.message).startswith(
+            "vendor acme declares option variants [{'max_graphs': None}, {'max_graphs': 2}] "
+            "(GraphSpec.option_variants), but this test class overrides the `vendor` fixture and not "
+            "`vendor_options`, so its tests run under the vendor's defaults only. To run each variant, add"
+        ), warning.message
+
+
+class TestOwnTreeWithoutOptionVariants(ConformanceFixtures):
+    @pytest.fixture
+    def vendor(self):
+        return acme()
+
+    def test_a_vendor_without_variants_runs_its_defaults_silently(self, recwarn, vendor_options):
+        assert vendor_options is None
+        assert not [w for w in recwarn.list if issubclass(w.category, VariantsNotRun)]
