@@ -68,7 +68,7 @@ class KVCacheIntegrityTests(ConformanceFixtures):
                 if "= nan" not in str(failure):
                     raise
                 raise ConformanceFailure(
-                    f"{str(failure).split(' Likely cause:')[0]}, with NaN in the reserved block 0 (a decode step "
+                    f"{str(failure).split(' Likely cause:')[0].rstrip('.')}, with NaN in the reserved block 0 (a decode step "
                     f"eagerly and in its graph alike, or in the graph alone). {_NAN_IN_BLOCK_0}, or a padding row's "
                     "result reaching a live one in the graph"
                 ) from failure
