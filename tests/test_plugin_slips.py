@@ -16,6 +16,7 @@ from test_writing_a_plugin import graphmode_get_outputs as copied_outputs
 import graphmode
 import graphmode.model
 from graphmode import hookimpl
+from graphmode.spec import BufferSpec
 from graphmode_conformance import ConformanceFailure, Harness, HookContractTests, Sizes
 from graphmode_conformance.fixtures import ConformanceFixtures, VariantsNotRun
 from graphmode_conformance.modes import build_in_mode, mixed_steps
@@ -36,7 +37,8 @@ def several_outputs(vendor: graphmode.Vendor, structure: str) -> MultiOutputHarn
     def build(cls: type[Harness] = Harness, sizes: Sizes = SIZES, **options: Any) -> Harness:
         return cls.build(vendor, torch.device("cpu"), sizes, **options)
 
-    harness = build_in_mode(build, SIZES, "graph", MultiOutputHarness, wrap=lambda model: SeveralOutputs(model, structure))
+    harness = build_in_mode(build, SIZES, "graph", MultiOutputHarness,
+                            wrap=lambda model: SeveralOutputs(model, structure))
     harness.check = f"every output of a {structure} equals eager"
     return harness
 
@@ -53,7 +55,8 @@ def test_an_outputs_hook_that_takes_the_output_for_a_tensor_is_told_it_may_be_a_
     with pytest.raises(ConformanceFailure) as failure:
         mixed_steps(harness)
     message = str(failure.value)
-    assert message.startswith("[every output of a tuple equals eager] vendor acme on cpu, a step of 8 sequences"), message
+    assert message.startswith(
+        "[every output of a tuple equals eager] vendor acme on cpu, a step of 8 sequences"), message
     assert "the runner raised TypeError in graphmode_get_outputs (plugin acme)" in message, message
     assert "The model returns a tuple here: meta.output_buffers['output'] is what the captured forward returned" \
         in message, message
@@ -178,7 +181,8 @@ def test_a_kernel_that_lets_nan_in_the_reserved_block_reach_live_rows_fails():
     slipped = Harness.build(acme(graphmode_attention_ops=_multiplied_mask_ops), torch.device("cpu"), SIZES)
     with pytest.raises(ConformanceFailure, match=(
         r"\[reserved block\] vendor acme on cpu, batch 11, bucket 12, step 1 \(capture\): max \|graph - eager\| = nan"
-        r".*, with NaN in the reserved block 0 .*Likely cause: the vendor's attention kernels \(graphmode_attention_ops\) "
+        r".*, with NaN in the reserved block 0 .*Likely cause: the vendor's attention kernels "
+        r"\(graphmode_attention_ops\) "
         r"read block 0 and mask it by multiplying \(0 \* NaN is NaN\)")):
         KVCacheIntegrityTests().test_live_results_never_depend_on_the_reserved_block(slipped)
 
@@ -215,3 +219,22 @@ class TestOwnTreeWithoutOptionVariants(ConformanceFixtures):
     def test_a_vendor_without_variants_runs_its_defaults_silently(self, recwarn, vendor_options):
         assert vendor_options is None
         assert not [w for w in recwarn.list if issubclass(w.category, VariantsNotRun)]
+
+
+@hookimpl
+def _cumulative_lengths_spec():
+    # lmdeploy's cu_seqlens: the kv lengths' running sum after a leading 0, one row more than the sequences.
+    return walkthrough.ACME_SPEC.with_buffers(BufferSpec(
+        "cu_kv_seqlens", torch.int32, padding=0,
+        source=lambda step: torch.nn.functional.pad(step.attn_metadata.kv_seqlens.cumsum(0), (1, 0)),
+    ))
+
+
+def test_a_source_giving_one_row_more_than_the_sequences_is_told_what_a_buffer_holds():
+    harness = Harness.build(acme(graphmode_graph_spec=_cumulative_lengths_spec), torch.device("cpu"), SIZES)
+    seqs = harness.start(3)
+    with pytest.raises(ConformanceFailure, match=(
+        r"step input 'cu_kv_seqlens' has shape \(4,\); its buffer takes \(3,\) for 3 sequences and 3 tokens "
+        r"\(declared shape \('sequences',\)\): its source must give one row per sequence \(no extra row, a "
+        r"leading 0, can be declared\)")):
+        harness.step(seqs)
