@@ -30,7 +30,10 @@ def test_a_mistaken_vendor_name_is_one_clear_error(capsys):
     assert captured.out == ""  # no pytest process was started
     first, *rest = captured.err.splitlines()
     assert first == "graphmode conformance: no vendor plugin named 'acme' is installed. Installed vendors:"
-    assert rest[-1] == "Install the vendor's package (pip install graphmode[acme]) or pick one above."
+    assert rest[-1] == (  # graphmode has no acme extra: the vendor's own package
+        "Install the vendor's package (the package that ships it; a plugin package declares `NAME = module` under "
+        "[project.entry-points.graphmode] in its pyproject.toml) or pick one above."
+    )
 
 
 def test_plugin_and_size_options_are_documented_in_help():

@@ -279,7 +279,8 @@ SABOTAGES = {
         walkthrough, _keeps_the_smallest, trimmed_capture_list_ends_at_the_maximum,
         r"returned \[1, 3, 6\] at max_batches=16: it ends at 6, and the vendor declares no largest graph"),
     "graphmode_compatible_size": Sabotage(
-        walkthrough, _next_size_up, compatible_size_is_a_fitting_capture_size, "compatible size is not idempotent"),
+        walkthrough, _next_size_up, compatible_size_is_a_fitting_capture_size,
+        r"graphmode_compatible_size\(1\) returned 3, but 1 is a capture size .*: each capture size must be its own bucket"),
     "graphmode_make_buffers": Sabotage(walkthrough, _without_padding, buffers_are_made_as_declared, "graphmode_make_buffers"),
     "graphmode_fill_buffers": Sabotage(cuda, _live_rows_only, padding_is_neutral, "padding left stale after the batch shrank"),
     "graphmode_update_context": Sabotage(

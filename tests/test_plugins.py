@@ -143,6 +143,40 @@ def test_allow_list_hides_other_plugins(installed, monkeypatch):
         load_vendor("detected_a")
 
 
+def test_an_allowed_list_that_hides_an_installed_plugin_says_so(installed, monkeypatch):
+    installed(detected_a="detected_a", absent="absent")
+    monkeypatch.setenv("GRAPHMODE_PLUGINS", "absent")
+    with pytest.raises(graphmode.VendorError) as refused:
+        load_vendor("detected_a")
+    assert str(refused.value).startswith(
+        "no vendor plugin named 'detected_a' is admitted: it is installed, but $GRAPHMODE_PLUGINS='absent' does not "
+        "list it. Add it there, or unset $GRAPHMODE_PLUGINS."
+    ), refused.value
+
+
+def test_a_plugin_in_another_entry_point_group_is_named_with_the_fix(installed, monkeypatch):
+    """A vendor's package declaring its entry point under "graphmode.plugins"
+    was told only that no such vendor is installed, and to `pip install
+    graphmode[xyz]`, an extra graphmode does not have."""
+    misfiled = FakeDistribution("graphmode-xyz", {})
+    misfiled.files_text["entry_points.txt"] = "[graphmode.plugins]\nxyz = graphmode_xyz.plugin\n"
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [misfiled])
+    with pytest.raises(graphmode.VendorError) as refused:
+        load_vendor("xyz")
+    message = str(refused.value)
+    assert "no vendor plugin named 'xyz' is installed" in message
+    assert ("The package graphmode-xyz declares xyz = graphmode_xyz.plugin in the entry-point group "
+            "'graphmode.plugins', but graphmode reads only the group 'graphmode': declare it under "
+            "[project.entry-points.graphmode] and reinstall the package.") in message, message
+    assert "graphmode[xyz]" not in message, message
+    assert message.endswith("Install the vendor's package (the package that ships it; a plugin package declares "
+                            "`NAME = module` under [project.entry-points.graphmode] in its pyproject.toml) or pick "
+                            "one above."), message
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [])
+    assert str(pytest.raises(graphmode.VendorError, load_vendor, "camb").value).endswith(
+        "Install the vendor's package (pip install graphmode[camb]) or pick one above.")
+
+
 def test_tracing_writes_hook_calls(installed, monkeypatch, capsys):
     installed(absent="absent")
     monkeypatch.setenv("GRAPHMODE_TRACE", "1")

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from plugins import walkthrough
+from torch.utils._pytree import tree_map
 
 import graphmode
-from graphmode import ConfigError
+from graphmode import ConfigError, hookimpl
 from graphmode_conformance import ConformanceTests, Sizes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,3 +142,13 @@ class TestAcmeConformance(ConformanceTests):
     def sizes(self):
         return Sizes(block_size=32, table_width=6)  # 6 blocks of 32: 192 tokens per sequence
 # --8<-- [end:suite]
+
+
+# A get_outputs override (section 5): the default wrapped, its cut structure copied.
+# --8<-- [start:outputs_wrapper]
+@hookimpl(wrapper=True)
+def graphmode_get_outputs(meta, batch_size, num_tokens):
+    outputs = yield  # the default: every tensor of the model's output cut to num_tokens
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
+# --8<-- [end:outputs_wrapper]
+

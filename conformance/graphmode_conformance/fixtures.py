@@ -21,6 +21,7 @@ Fixtures derived from those, never overridden: ``capabilities``,
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,7 +32,11 @@ import graphmode
 from graphmode_conformance.harness import Harness
 from graphmode_conformance.sizes import Sizes, sizes_from_options
 
-__all__ = ["ConformanceFixtures"]
+__all__ = ["ConformanceFixtures", "VariantsNotRun"]
+
+
+class VariantsNotRun(UserWarning):
+    """A test class runs a vendor that declares option variants under its defaults only."""
 
 
 class ConformanceFixtures:
@@ -53,8 +58,22 @@ class ConformanceFixtures:
         return sizes_from_options(request.config)
 
     @pytest.fixture
-    def vendor_options(self) -> Mapping[str, Any] | None:
-        """None: the vendor's defaults (see the module's doc)."""
+    def vendor_options(self, vendor) -> Mapping[str, Any] | None:
+        """None: the vendor's defaults (see the module's doc). Reached only
+        where nothing parametrized it: a class overriding ``vendor`` of a
+        vendor that declares option variants is warned that they do not run."""
+        variants = vendor.spec.option_variants
+        if variants:
+            warnings.warn(
+                f"vendor {vendor.name} declares option variants {[dict(v) for v in variants]} "
+                "(GraphSpec.option_variants), but this test class overrides the `vendor` fixture and not "
+                "`vendor_options`, so its tests run under the vendor's defaults only. To run each variant, add "
+                "`@pytest.fixture(params=[dict(v) for v in YOUR_SPEC.option_variants]) def vendor_options(self, "
+                "request): return request.param` to the class (docs/conformance.md), or override vendor_options "
+                "returning None to mean the defaults only; `graphmode conformance` runs every variant",
+                VariantsNotRun,
+                stacklevel=1,
+            )
         return None
 
     # -- derived -----------------------------------------------------------

@@ -263,7 +263,16 @@ class Harness:
         """The step through the runner (as returned, and copied: the next step
         overwrites it) and eagerly on the model."""
         with torch.inference_mode():
-            raw = self._call_runner(inputs)
+            try:
+                raw = self._call_runner(inputs)
+            except ConformanceFailure:
+                raise
+            except Exception as error:  # named with the hook it came from, as decode steps are
+                raise ConformanceFailure(
+                    f"[{self.check}] vendor {self.vendor.name} on {self.device}{self.variant}, a step of "
+                    f"{len(inputs.attn_metadata.q_seqlens)} sequences and {inputs.num_tokens} tokens: "
+                    f"{self.describe_error(error)}"
+                ) from error
             graph = raw.clone() if isinstance(raw, torch.Tensor) else raw
             return raw, graph, self._call_model(inputs)
 

@@ -18,6 +18,13 @@ from graphmode_conformance.sizes import bucket_with_smaller_batches
 
 __all__ = ["CapabilityTests", "KVCacheIntegrityTests", "LifecycleTests", "ParameterUpdateTests"]
 
+_NAN_IN_BLOCK_0 = (
+    "Block 0 may hold anything, and every table's unused columns and every padding row point at it. Likely "
+    "cause: the vendor's attention kernels (graphmode_attention_ops) read block 0 and mask it by multiplying "
+    "(0 * NaN is NaN); mask the scores with -inf before the softmax and zero masked probabilities with "
+    "torch.where (graphmode.model.ops.attend does both)"
+)
+
 
 class KVCacheIntegrityTests(ConformanceFixtures):
     def test_padding_never_touches_the_reserved_block(self, harness):
@@ -27,6 +34,44 @@ class KVCacheIntegrityTests(ConformanceFixtures):
             harness.step(seqs[:batch])
         after = [harness.slot_rows(t)[: harness.sizes.block] for pair in harness.graph_cache for t in pair]
         assert all(torch.equal(a, b) for a, b in zip(reserved, after)), "the reserved block 0 changed"
+
+    def test_live_results_never_depend_on_the_reserved_block(self, harness):
+        """Block 0 may hold anything, NaN included (an engine's cache made
+        with torch.empty): with NaN there, a prefill and padded decode steps
+        give finite live results equal to eager's. Every table's unused
+        columns point at block 0, so a kernel that gathers whole tables and
+        masks by multiplying (0 * NaN is NaN) fails here, though a zeroed
+        block 0 hides it everywhere else."""
+        if not harness.model.config.dtype.is_floating_point:
+            pytest.skip("the model's dtype has no NaN")
+        head_dim = harness.model.config.head_dim
+        for pair in (*harness.graph_cache, *harness.eager_cache):
+            for cache in pair:
+                harness.model.ops.block_view(cache, head_dim)[0].fill_(float("nan"))
+        harness.check = "reserved block"
+        where = f"[reserved block] vendor {harness.vendor.name} on {harness.device}{harness.variant}"
+        seqs = [harness.engine.add() for _ in range(11)]
+        step = harness.engine.prefill(seqs, [harness.engine.rng.randrange(1, 3 * harness.sizes.block) for _ in seqs])
+        with torch.inference_mode():
+            harness._call_runner(step)
+            eager = harness._call_model(step)
+        if not torch.isfinite(eager).all():
+            rows = (~torch.isfinite(eager)).flatten(2).any(-1)[0].nonzero().flatten().tolist()
+            raise ConformanceFailure(
+                f"{where}: an eager prefill of 11 sequences gives non-finite logits at tokens "
+                f"{rows[:8]}{' ...' if len(rows) > 8 else ''} with NaN in the reserved block 0. {_NAN_IN_BLOCK_0}"
+            )
+        for batch in (11, 5, 9, 2, 11, 7):
+            try:
+                harness.step(seqs[:batch])
+            except ConformanceFailure as failure:
+                if "= nan" not in str(failure):
+                    raise
+                raise ConformanceFailure(
+                    f"{str(failure).split(' Likely cause:')[0].rstrip('.')}, with NaN in the reserved block 0 (a decode step "
+                    f"eagerly and in its graph alike, or in the graph alone). {_NAN_IN_BLOCK_0}, or a padding row's "
+                    "result reaching a live one in the graph"
+                ) from failure
 
     def test_sequences_left_out_of_a_step_keep_their_cache(self, harness):
         seqs = harness.start(8)

@@ -75,6 +75,20 @@ class MultiOutputHarness(ModeHarness):
             first_right = first_right or name
 
 
+    def describe_error(self, error: BaseException) -> str:
+        """A hook that fails on the model's tuple or dict is told that
+        ``meta.output_buffers["output"]`` holds what the forward returned."""
+        described = super().describe_error(error)
+        if " in graphmode_get_outputs " not in described:
+            return described
+        return (
+            f"{described}. The model returns a {self.model.structure} here: meta.output_buffers['output'] is "
+            f"what the captured forward returned, a tensor or a tuple, list or dict of them, so "
+            "graphmode_get_outputs must cut every tensor of it to num_tokens; to change the outputs, wrap the "
+            "default (@hookimpl(wrapper=True): outputs = yield) rather than replacing it (docs/hooks.md)"
+        )
+
+
 def _structure(value: Any) -> str:
     leaves, spec = tree_flatten(value)
     return f"{type(value).__name__} of {len(leaves)} leaves ({spec})"

@@ -191,7 +191,8 @@ class _Plan:
             if target.numel() != math.prod(shape):
                 raise InputError(
                     f"step input {spec.name!r} has shape {shape}; its buffer takes {tuple(target.shape)} for "
-                    f"{batch} sequences and {tokens} tokens (declared shape {spec.shape})"
+                    f"{batch} sequences and {tokens} tokens (declared shape {spec.shape}): its source must give one "
+                    f"row per {str(spec.shape[spec.row_dim]).rstrip('s')} (no extra row, a leading 0, can be declared)"
                 )
             self.sourced.append((_fusable(target.view(shape)), get, shape, spec))
 

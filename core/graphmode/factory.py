@@ -11,7 +11,7 @@ import torch
 from graphmode.config import RunnerConfig
 from graphmode.deprecated import renamed_keywords
 from graphmode.memory import MemoryMeter, MemoryPlan
-from graphmode.plugins import select_vendor
+from graphmode.plugins import Vendor, select_vendor
 from graphmode.runner import GraphRunner
 from graphmode.spec import BufferSpec
 
@@ -33,7 +33,7 @@ def build_graph_runner(
     max_blocks_per_seq: int,
     block_size: int,
     device: torch.device | str | None = None,
-    vendor: str | None = None,
+    vendor: str | Vendor | None = None,
     execute_mode: str | None = None,
     capture_batch_sizes: Sequence[int] | None = None,
     num_layers: int | None = None,
@@ -61,7 +61,9 @@ def build_graph_runner(
         ``make_kv_cache(num_cache_blocks, block_size)`` takes; ``num_blocks=``
         is its deprecated spelling. block_size: tokens per KV block.
     device: the model's device by default; "cpu" captures emulated graphs.
-    vendor: a vendor name; else ``$GRAPHMODE_VENDOR``; else detection.
+    vendor: a vendor name, or a loaded :class:`graphmode.Vendor` (as
+        ``build_reference_model`` takes: ``load_vendor(name, plugin=module)``
+        for a plugin not installed); else ``$GRAPHMODE_VENDOR``; else detection.
     execute_mode: "graph" (full graphs for decode steps), "piecewise" (every
         step in piecewise graphs), "full_and_piecewise" (full graphs for
         uniform decode, piecewise for the rest), or "eager"; None takes the

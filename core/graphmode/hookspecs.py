@@ -170,8 +170,9 @@ def graphmode_update_context(
 @hookspec(firstresult=True)
 def graphmode_get_outputs(meta: GraphMeta, batch_size: int, num_tokens: int) -> Any:
     """The step's result from ``meta.output_buffers["output"]`` (what the
-    captured forward returned), cut to the ``num_tokens`` live tokens (the
-    second dimension). The result may be a view of the output buffer, valid
+    captured forward returned: a tensor, or a tuple, list or dict of them),
+    every tensor cut to the ``num_tokens`` live tokens (the second
+    dimension), the structure kept. The result may be a view of the output buffer, valid
     until the next replay. Called at every full-graph step, capture and
     replay: no host reads of device values.
 

@@ -172,7 +172,7 @@ def load_vendor(name: str, plugin: Any = None) -> Vendor:
         allowed = _allowed()
         entry_point = _entry_points().get(name)
         if entry_point is None or (allowed is not None and name not in allowed):
-            raise VendorError(_unknown_vendor_message(name))
+            raise VendorError(_unknown_vendor_message(name, installed=entry_point is not None))
         dist = entry_point.dist
         version = dist.version if dist is not None else "unknown"
         try:
@@ -261,12 +261,42 @@ def describe_vendors() -> str:
     return "\n".join(f"  {name}: {status}" for name, _, status in vendor_statuses())
 
 
-def _unknown_vendor_message(name: str) -> str:
-    return (
-        f"no vendor plugin named {name!r} is installed. Installed vendors:\n"
-        f"{describe_vendors()}\n"
-        f"Install the vendor's package (pip install graphmode[{name}]) or pick one above."
+# The vendors graphmode ships, each an extra of its own package.
+_SHIPPED = ("ascend", "camb", "maca", "ppu")
+
+
+def _unknown_vendor_message(name: str, installed: bool = False) -> str:
+    if installed:
+        return (
+            f"no vendor plugin named {name!r} is admitted: it is installed, but ${ENV_PLUGINS}="
+            f"{os.environ.get(ENV_PLUGINS)!r} does not list it. Add it there, or unset ${ENV_PLUGINS}. "
+            f"Admitted vendors:\n{describe_vendors()}"
+        )
+    install = (
+        f"pip install graphmode[{name}]" if name in _SHIPPED
+        else "the package that ships it; a plugin package declares `NAME = module` under "
+        f"[project.entry-points.{ENTRY_POINT_GROUP}] in its pyproject.toml"
     )
+    lines = [f"no vendor plugin named {name!r} is installed. Installed vendors:", describe_vendors()]
+    lines += [
+        f"The package {package} declares {ep.name} = {ep.value} in the entry-point group {ep.group!r}, but "
+        f"graphmode reads only the group {ENTRY_POINT_GROUP!r}: declare it under "
+        f"[project.entry-points.{ENTRY_POINT_GROUP}] and reinstall the package."
+        for package, ep in _misfiled(name)
+    ]
+    lines.append(f"Install the vendor's package ({install}) or pick one above.")
+    return "\n".join(lines)
+
+
+def _misfiled(name: str) -> list[tuple[str, importlib.metadata.EntryPoint]]:
+    """(package, entry point) of each entry point called ``name`` in another
+    group named after graphmode (``graphmode.plugins``): a plugin package's slip."""
+    return [
+        (dist.metadata["Name"], ep)
+        for dist in importlib.metadata.distributions()
+        for ep in dist.entry_points
+        if ep.name == name and ep.group != ENTRY_POINT_GROUP and "graphmode" in ep.group.lower()
+    ]
 
 
 def _graphmode_version() -> str:

@@ -85,8 +85,30 @@ def bucket_table(vendor: Vendor, max_batches: int, capture_sizes: tuple[int, ...
                 f"{list(capture_sizes)} (padding a batch into a smaller graph "
                 "would drop sequences)"
             )
+        if bucket is not None and bucket < (table[-1] or 0):
+            raise ConfigError(
+                f"vendor {vendor.name!r}: graphmode_compatible_size({batch}) returned {bucket}, after "
+                f"graphmode_compatible_size({batch - 1}) returned {table[-1]}: buckets must not shrink as "
+                f"batches grow. {_ROUNDING}"
+            )
         table.append(bucket)
+    for size in capture_sizes:
+        if size <= max_batches and table[size] != size:
+            raise ConfigError(
+                f"vendor {vendor.name!r}: graphmode_compatible_size({size}) returned {table[size]}, but {size} is a "
+                f"capture size of {list(capture_sizes)}: each capture size must be its own bucket, or its graph is "
+                f"captured and never replayed. {_ROUNDING}"
+            )
     return table
+
+
+# Monotone, and each capture size its own bucket: the smallest capture size
+# that holds the batch is then the only answer, so rounding is declared as sizes.
+_ROUNDING = (
+    "A vendor whose batches round up differently declares that as its capture sizes "
+    "(GraphSpec.capture_sizes, FixedSizes) and leaves graphmode_compatible_size to the default, "
+    "the smallest capture size that holds the batch"
+)
 
 
 class FullGraphs:
