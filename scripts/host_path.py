@@ -17,8 +17,12 @@ queue behind work, as in a served loop):
 - ``graphmode host``: the runner with host inputs (host staging: the same
   packed copy and replay, plus graphmode's checks).
 
-Part 3 (printed after part 1): the replay path part by part, timed in
-place, idle and busy, and the rest of the call beyond the parts.
+The paths take turns call by call. The graphmode calls are the native step
+where it is built (``graphmode.native``); ``GRAPHMODE_NATIVE=0`` times the
+Python path instead.
+
+Part 3 (printed after part 1): the Python replay path part by part, timed
+in place, idle and busy, and the rest of the call beyond the parts.
 
 Part 2, per batch size, an engine loop of ``--steps`` steps. Each step
 samples on the device (argmax of the logits) and the engine reads the
@@ -171,10 +175,12 @@ def per_call(workload: Workload, runners: dict[str, Any], batches: list[int], de
 
 
 def in_place(workload: Workload, runners: dict[str, Any], batches: list[int], device: Device, repeats: int) -> None:
-    """The runner's replay path part by part, timed in place, the same
-    calls in the same order as a runner call; what the call costs beyond
-    their sum is printed as "rest" (the call's own glue: keyword binding,
-    inference mode, the family lookup)."""
+    """The runner's Python replay path part by part, timed in place, the
+    same calls in the same order as a runner call; what the call costs
+    beyond their sum is printed as "rest" (the call's own glue: keyword
+    binding, inference mode, the family lookup). The whole call is timed
+    with the native step set aside, so that it is the path the parts are
+    of: the path a step takes when the native step declines it."""
     from graphmode.context import StepInputs
     from graphmode.runner.cache_checks import check_same_objects
     from graphmode.runner.validate import uniform_q_len
@@ -225,7 +231,11 @@ def in_place(workload: Workload, runners: dict[str, Any], batches: list[int], de
                     for (_, then), (name, now) in zip(marks, marks[1:]):
                         parts.setdefault(name, []).append(now - then)
                 medians = {name: statistics.median(values) * 1e6 for name, values in parts.items()}
-                whole = host_us(lambda: runner(step.input_ids, step.position_ids, kv, attn), device, repeats, busy)
+                native, family.native_step = family.native_step, None
+                try:
+                    whole = host_us(lambda: runner(step.input_ids, step.position_ids, kv, attn), device, repeats, busy)
+                finally:
+                    family.native_step = native
                 listed = ", ".join(f"{name} {value:.1f}" for name, value in medians.items())
                 print(f"{batch:5d} {kind:4} {'busy' if busy else 'idle'}: call {whole:.1f} = {listed}, "
                       f"rest {whole - sum(medians.values()):.1f}")
