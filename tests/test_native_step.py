@@ -173,3 +173,17 @@ def test_runners_the_native_step_does_not_take(monkeypatch):
         assert setup.runner._full.native is None
     finally:
         native_module.cache_clear()
+
+
+def test_host_inputs_the_runner_copies_to_the_device_are_not_learned():
+    """Without host staging, host inputs are copied to the device before the
+    fill: the step the fill read is not the engine's, so the memo keeps
+    nothing (it would learn the copy's layout at every step, and never match)."""
+    setup = tiny_setup(max_batches=8, host_inputs=True, capture_batch_sizes=[4, 8], host_staging=False)
+    seqs = setup.prefill(4)
+    for _ in range(4):
+        graph, eager = setup.decode(seqs[:3])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    native = setup.runner._full.native
+    assert native is None or len(native.memo) == 0
+    assert setup.runner.stats.replays == 3

@@ -164,6 +164,7 @@ class FullGraphs:
         return None
 
     def run(self, inputs: StepInputs, batch: int, q_len: int | None, on_host: bool) -> Any:
+        given = inputs
         inputs = self._placed(inputs, on_host)
         bucket = self.bucket_of[batch]
         assert bucket is not None and q_len is not None  # refusal() said why otherwise
@@ -176,7 +177,8 @@ class FullGraphs:
         captured = self._current().get((bucket, q_len))
         if captured is None:
             return self._capture(inputs, batch, bucket)
-        return self._replay(captured, inputs, batch)
+        # The native step repeats steps whose tensors the engine gave as the fill read them (not moved).
+        return self._replay(captured, inputs, batch, learn=inputs is given)
 
     def pending(self, q_lens: Sequence[int]) -> int:
         return len(self._todo(q_lens))
@@ -242,7 +244,7 @@ class FullGraphs:
             self.staging = HostStaging(self.shared.graph_meta())
         self._staging_decided = True
 
-    def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int) -> Any:
+    def _replay(self, captured: CapturedGraph, inputs: StepInputs, batch: int, learn: bool = True) -> Any:
         check_same_objects(captured, inputs)
         shared = self.shared
         if shared.debug is not None:
@@ -272,9 +274,9 @@ class FullGraphs:
             shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
             guard.running("graphmode_get_outputs")
             output = self.result(captured, batch)
-        if not self._native_decided:
+        if learn and not self._native_decided:
             self._decide_native()
-        if self.native is not None:
+        if learn and self.native is not None:
             # The view the output hook gave, not this step's alias of it (the engine's to reshape).
             plan = meta.views.get(plan_key(meta, inputs, batch, bucket))
             self.native.learn(captured, inputs, batch, plan, captured.results.get(batch))
