@@ -36,6 +36,17 @@ def _native_replays(runner) -> int:
     return now - before
 
 
+def _learned(steps: int = 3, **options):
+    """A runner (buckets 4 and 8) after ``steps`` decode steps of 3 of 4
+    prefilled sequences: a capture, then Python replays that teach the memo."""
+    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8], **options)
+    seqs = setup.prefill(4)
+    for _ in range(steps):
+        graph, eager = setup.decode(seqs[:3])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    return setup, seqs
+
+
 @pytest.mark.parametrize("host_inputs", [False, True], ids=["device inputs", "host staging"])
 def test_steady_state_steps_run_natively_and_equal_eager(host_inputs):
     setup = tiny_setup(max_batches=8, host_inputs=host_inputs, capture_batch_sizes=[4, 8])
@@ -72,10 +83,7 @@ def test_native_replays_count_in_the_statistics_as_they_run():
 
 
 def test_a_step_it_cannot_prove_the_same_gets_the_python_paths_error():
-    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
-    seqs = setup.prefill(4)
-    for _ in range(4):
-        setup.decode(seqs[:3])
+    setup, seqs = _learned(4)
     assert len(setup.runner._full.native.memo) == 1
     step = setup.engine.decode(seqs[:3])
     # A KV-cache tensor replaced by another of the same shape: the graph would write the old one.
@@ -96,10 +104,7 @@ def test_a_step_it_cannot_prove_the_same_gets_the_python_paths_error():
 def test_a_strided_step_of_the_same_sizes_takes_the_python_path_and_equals_eager():
     """Strides are not part of the layout; the int64-as-int32-words copy needs a
     contiguous last dimension, so the native step declines such a step."""
-    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
-    seqs = setup.prefill(4)
-    for _ in range(3):
-        setup.decode(seqs[:3])
+    setup, seqs = _learned(3)
     _native_replays(setup.runner)
     step = setup.engine.decode(seqs[:3])
     wide = torch.stack([step.input_ids, step.input_ids], dim=-1)[..., 0]  # (1, 3), last-dimension stride 2
@@ -112,10 +117,7 @@ def test_a_strided_step_of_the_same_sizes_takes_the_python_path_and_equals_eager
 
 
 def test_reset_forgets_the_memo_and_steps_learn_again():
-    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
-    seqs = setup.prefill(4)
-    for _ in range(3):
-        setup.decode(seqs[:3])
+    setup, seqs = _learned(3)
     assert len(setup.runner._full.native.memo) == 1
     assert _native_replays(setup.runner) == 1
     setup.runner.reset()
@@ -129,10 +131,7 @@ def test_reset_forgets_the_memo_and_steps_learn_again():
 
 def test_a_second_thread_is_refused_while_a_native_step_runs():
     """The native step holds the runner's one-step lock, as the Python path does."""
-    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
-    seqs = setup.prefill(4)
-    for _ in range(3):
-        setup.decode(seqs[:3])
+    setup, seqs = _learned(3)
     step = setup.engine.decode(seqs[:3])
     holding = threading.Event()
     release = threading.Event()
