@@ -82,8 +82,9 @@ def test_vendors_with_its_defaults_lists_every_installed_vendor(capsys):
 
 def test_the_package_declares_its_license_and_ships_its_type_hints():
     """What a wheel carries (checked on a built wheel once: LICENSE under
-    dist-info/licenses, every package's py.typed): the pyproject fields that
-    put them there, in the form setuptools >= 77 requires (PEP 639)."""
+    dist-info/licenses, every package's py.typed; the native step's C++
+    source, which it builds on first use): the pyproject fields that put
+    them there, in the form setuptools >= 77 requires (PEP 639)."""
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["build-system"]["requires"] == ["setuptools>=77"]
@@ -93,7 +94,9 @@ def test_the_package_declares_its_license_and_ships_its_type_hints():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License\n                           Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
-    assert project["tool"]["setuptools"]["package-data"] == {"*": ["py.typed"]}
+    package_data = project["tool"]["setuptools"]["package-data"]
+    assert package_data == {"*": ["py.typed"], "graphmode.native": ["step.cpp"]}
+    assert (ROOT / "core" / "graphmode" / "native" / "step.cpp").exists()
     for where in project["tool"]["setuptools"]["packages"]["find"]["where"]:
         packages = [p for p in (ROOT / where).iterdir() if (p / "__init__.py").exists()]
         assert packages and all((p / "py.typed").exists() for p in packages), where
