@@ -84,14 +84,24 @@ DIAGNOSES = {
 }
 
 
+# The suite's test that meets a bug first, for the bugs it meets late (a
+# minute into a loaded CI run each): the run goes to that test only.
+FIRST_MET_BY = {
+    "outputs_cut_to_the_batch": "q_len_1_2_4_with_batch_churn",
+    "slots_per_sequence": "q_len_1_2_4_with_batch_churn",
+    "slot_minus_one_wraps": "warmup_reset_and_recapture_in_every_mode",
+}
+
+
 def test_every_shipped_bug_has_a_diagnosis():
     assert set(BROKEN) == set(DIAGNOSES)
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_the_suite_names_each_shipped_bug(name, tmp_path):
+    only = ["-k", FIRST_MET_BY[name]] if name in FIRST_MET_BY else []
     status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", f"shipped_bugs:{name}", *OPTIONS.get(name, ()),
-                               "--", "-x")
+                               "--", "-x", *only)
     assert status != 0
     failed = failures(report)
     assert failed, f"{name}: the suite reported no failure"

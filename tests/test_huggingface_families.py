@@ -246,8 +246,10 @@ def test_a_forward_that_reads_the_device_on_the_host_is_refused_when_the_runner_
                                  execute_mode="eager")
 
 
+# transformers 4.x takes exactly (type, short_factor, long_factor), the original length a config field.
 LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[4.0] * 8,
-                original_max_position_embeddings=16)
+                original_max_position_embeddings=16) if V5 else \
+    dict(type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8)
 
 
 @pytest.mark.parametrize("family, fields, kind, limit, name", [
@@ -264,6 +266,12 @@ def test_a_rope_that_depends_on_the_longest_sequence_is_refused_past_its_length(
     # Before: served, and a decode step batching a sequence past the length
     # with one before it gave the shorter one other logits than generate.
     model = load_model(config(family, **fields))
+    if not V5 and kind == "longrope" and mode != "eager":
+        # transformers 4.x updates longrope's frequencies behind a host read: refused in graph modes at any width.
+        with pytest.raises(ConfigError, match="reads device memory on the host"):
+            graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=4, block_size=BLOCK_SIZE,
+                                         execute_mode=mode)
+        return
     with pytest.raises(ConfigError, match=rf"'{family}': its RoPE \(rope_type '{kind}'\) changes its frequencies for a "
                        rf"whole step once the step's longest position passes {limit} tokens \(config.{name}\), but the "
                        r"block table can address 32 tokens \(max_blocks_per_seq 8 x block_size 4\).* Lower the table "
