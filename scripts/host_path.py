@@ -36,6 +36,10 @@ host-bound with host and device time about equal) schedules the next step.
   pinned memory, then read step N-1's tokens and schedule step N+1 while
   step N runs: a step should cost max(host time, device time).
 
+Each loop runs ``--loop-repeats`` times, the two loops in turn; the median
+run counts, and ``worst`` shows the slowest run of the loop that schedules
+ahead.
+
 Two input kinds: ``dev``, the next step's input ids are the tokens sampled
 on the device (as vLLM's async scheduling passes them), the rest of the step
 on the device; ``host``, host-built steps through host staging (the tokens
@@ -304,11 +308,12 @@ class Loop:
 
 
 def loops(workload: Workload, runners: dict[str, Any], batches: list[int], device: Device, count: int,
-          engine_us: float | None, repeats: int) -> None:
-    print(f"\nPart 2: engine loops of {count} steps, microseconds per step; H: host time of one iteration (device "
-          "idle), Hb: the same behind queued device work, D: device time of one step; max: max(H, D)")
+          engine_us: float | None, repeats: int, loop_repeats: int) -> None:
+    print(f"\nPart 2: engine loops of {count} steps, microseconds per step, median of {loop_repeats} runs of each "
+          "loop; H: host time of one iteration (device idle), Hb: the same behind queued device work, D: device time "
+          "of one step; max: max(H, D); worst: the slowest ahead run / max")
     print(f"{'batch':>5} {'inputs':6} {'engine':>7} {'H':>8} {'Hb':>8} {'D':>8} {'H+D':>8} {'max':>8} {'plain':>8} "
-          f"{'ahead':>8} {'ahead/max':>10} {'/max(Hb,D)':>11} {'same tokens':>12}")
+          f"{'ahead':>8} {'ahead/max':>10} {'/max(Hb,D)':>11} {'worst':>6} {'same tokens':>12}")
     for batch in batches:
         for kind in ("dev", "host"):
             loop = Loop(kind, runners[kind], workload, batch, count, device)
@@ -331,13 +336,21 @@ def loops(workload: Workload, runners: dict[str, Any], batches: list[int], devic
             # Hb: the same work launched behind queued device work, as the loop
             # that schedules ahead launches it (a launch then costs the host more).
             host, host_busy = engine + work(False), engine + work(True)
-            plain, plain_tokens = loop.plain(count, engine)
-            ahead, ahead_tokens = loop.ahead(count, engine)
+            # Each loop runs loop_repeats times in turn, and the median counts: a
+            # single run is one figure, and one pause of the host in its 200 steps
+            # moved it by up to half on the H100 (2026-11-26, one row per run).
+            plains, aheads, same = [], [], True
+            for _ in range(loop_repeats):
+                plain, plain_tokens = loop.plain(count, engine)
+                ahead, ahead_tokens = loop.ahead(count, engine)
+                plains.append(plain)
+                aheads.append(ahead)
+                same = same and plain_tokens == ahead_tokens
+            plain, ahead = statistics.median(plains), statistics.median(aheads)
             top, top_busy = max(host, step_device), max(host_busy, step_device)
-            same = plain_tokens == ahead_tokens
             print(f"{batch:5d} {kind:6} {engine:7.1f} {host:8.1f} {host_busy:8.1f} {step_device:8.1f} "
                   f"{host + step_device:8.1f} {top:8.1f} {plain:8.1f} {ahead:8.1f} {ahead / top:10.2f} "
-                  f"{ahead / top_busy:11.2f} {str(same):>12}")
+                  f"{ahead / top_busy:11.2f} {max(aheads) / top:6.2f} {str(same):>12}")
 
 
 def main() -> None:
@@ -346,6 +359,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=200, help="calls per host-time median")
     parser.add_argument("--steps", type=int, default=200, help="steps per engine loop")
+    parser.add_argument("--loop-repeats", type=int, default=5, help="runs of each engine loop (the median counts)")
     parser.add_argument("--engine-us", type=float, default=None,
                         help="host work per step in the loops (default: the step's device time)")
     parser.add_argument("--model", choices=("host-bound", "bench"), default="host-bound")
@@ -366,7 +380,8 @@ def main() -> None:
         runners = {"dev": runner(False), "host": runner(True)}
         per_call(workload, runners, batches, device, args.repeats)
         in_place(workload, runners, batches, device, args.repeats)
-        loops(workload, runners, batches, device, args.steps, args.engine_us, max(10, args.repeats // 10))
+        loops(workload, runners, batches, device, args.steps, args.engine_us, max(10, args.repeats // 10),
+              args.loop_repeats)
         # Graph against eager, one step of each kind at the largest batch.
         step = workload.steps(batches[-1], 2)[1]
         eager = workload.model(step.input_ids, step.position_ids, workload.kv_cache, step.attn_metadata).float()
