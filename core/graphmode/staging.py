@@ -16,11 +16,13 @@ first ``b`` rows of the block table (the rows its context reads).
 Ordering, without host waits for the device: the copy into the arena is
 launched on the stream after the previous replay, so it never overwrites
 inputs a running graph reads. The host must not write a mirror before the
-copy launched from it has run: steps take the mirrors in turn, an event is
-recorded after each copy, and a step waits on its mirror's event, recorded
-:data:`SLOTS` steps before. With two mirrors, a step issued while the
-previous one runs (an engine scheduling ahead) writes the other mirror and
-never waits; only a host two steps ahead of the device waits.
+copy launched from it has run: steps take the :data:`SLOTS` mirrors in
+turn, an event is recorded after every :data:`GROUP` copies (a record costs
+the host about a launch), and a step that starts a group waits on the
+group's event from the previous lap. With four mirrors in groups of two, a
+step waits at most for the copy launched three steps before it: a host
+issuing steps while earlier ones run (an engine scheduling ahead) never
+waits, unless it is three steps ahead of the device.
 """
 
 from __future__ import annotations
@@ -41,11 +43,15 @@ from graphmode.meta import GraphMeta
 from graphmode.native import native_module
 from graphmode.plugins.manager import DEFAULT_PLUGIN_NAME
 
-__all__ = ["ALIGNMENT", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
+__all__ = ["ALIGNMENT", "GROUP", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
 
 ALIGNMENT = 256
-#: Pinned mirrors, used in turn: a step written while the previous one runs never waits.
-SLOTS = 2
+#: Pinned mirrors, used in turn: a step written while earlier ones run waits only
+#: for a copy SLOTS - GROUP + 1 steps back.
+SLOTS = 4
+#: Consecutive mirrors whose copies one event orders: an event record costs the
+#: host about as much as a launch (3 to 5 us on the H100), so one per GROUP steps.
+GROUP = 2
 _TABLE = "block_offsets"
 _ROUTE_CACHE_LIMIT = 4096
 
@@ -171,6 +177,14 @@ class HostStaging:
         tensor's place in the arena."""
         return _like(self.mirror, tensor, tensor.storage_offset())
 
+    def in_mirror(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
+        """``tensor``, a view of one of the mirrors, as the same view of
+        mirror ``slot``; any other tensor as it is."""
+        home = tensor.untyped_storage().data_ptr()
+        if not any(m.untyped_storage().data_ptr() == home for m in self.mirrors):
+            return tensor
+        return _like(self.mirrors[slot], tensor, tensor.storage_offset())
+
     def host_source(self, source: torch.Tensor, destination: torch.Tensor) -> torch.Tensor:
         """``source`` as a host tensor: itself when on the host, the same view
         of the host copy of a constant (padding, live values); a step input on
@@ -221,45 +235,65 @@ class HostStaging:
 
 
 class _Ring:
-    """The mirrors' turns and the ordering of their copies: an event per
-    mirror, recorded after the copy launched from it, waited on before the
-    mirror is written again (``graphmode.native`` has the same in C++,
-    ``Ring``, used on CUDA where it is built)."""
+    """The mirrors' turns and the ordering of their copies: the mirrors in
+    groups of :data:`GROUP` consecutive ones, an event per group, recorded
+    after the copy from its last mirror (or, when that step stopped before
+    its copy, when the group is next entered), and waited on before the
+    group's first mirror is written again: that wait covers every copy from
+    the group, which ran before the event in stream order. One record every
+    :data:`GROUP` steps, not one per step (``graphmode.native`` has the same
+    in C++, ``Ring``, used on CUDA where it is built)."""
 
     def __init__(self, device: torch.device, emulated: bool) -> None:
         event = emulated_stream.Event if emulated else torch.cuda.Event
-        self.events: list[Any] = [event() for _ in range(SLOTS)]
-        self.recorded = [False] * SLOTS
+        self.events: list[Any] = [event() for _ in range(SLOTS // GROUP)]
+        self.recorded = [False] * (SLOTS // GROUP)
+        self.pending = [False] * (SLOTS // GROUP)  # a copy launched since the group's event was recorded
         self.stream = None if emulated else _CurrentStream(device)
-        self.slot = 0
+        self.slot = SLOTS - 1  # the first step takes mirror 0
 
     def begin(self) -> int:
         slot = (self.slot + 1) % SLOTS
-        if self.recorded[slot]:
-            self.events[slot].synchronize()
+        if slot % GROUP == 0:
+            group = slot // GROUP
+            if self.pending[group]:  # a step of the group stopped before its copy: record now
+                self._record(group)
+            if self.recorded[group]:
+                self.events[group].synchronize()
         self.slot = slot
         return slot
 
     def copy(self, arena: torch.Tensor, mirror: torch.Tensor) -> None:
+        group = self.slot // GROUP
         if self.stream is None:  # the emulator
             emulated_stream.launch(functools.partial(arena.copy_, mirror))
-            self.events[self.slot].record()
-        else:  # recorded on the stream the copy ran on (the arena device's current one)
+        else:
             arena.copy_(mirror, non_blocking=True)
-            self.events[self.slot].record(self.stream())
-        self.recorded[self.slot] = True
+        self.pending[group] = True
+        if self.slot % GROUP == GROUP - 1:
+            self._record(group)
+
+    def _record(self, group: int) -> None:
+        if self.stream is None:  # the emulator
+            self.events[group].record()
+        else:  # on the stream the copies ran on (the arena device's current one)
+            self.events[group].record(self.stream())
+        self.recorded[group], self.pending[group] = True, False
 
     def wait(self) -> None:
-        for slot in range(SLOTS):
-            if self.recorded[slot]:
-                self.events[slot].synchronize()
+        for group in range(SLOTS // GROUP):
+            if self.pending[group]:
+                self._record(group)
+            if self.recorded[group]:
+                self.events[group].synchronize()
 
 
 def _native_ring(device: torch.device) -> Any:
     """The C++ ring (graphmode.native) for a CUDA device, or None."""
     module = native_module()
-    return module.Ring(SLOTS, device.index if device.index is not None else torch.cuda.current_device()) \
-        if module is not None and device.type == "cuda" else None
+    if module is None or device.type != "cuda":
+        return None
+    return module.Ring(SLOTS, GROUP, device.index if device.index is not None else torch.cuda.current_device())
 
 
 class _CurrentStream:

@@ -138,11 +138,18 @@ class NativeSteps:
         inner = getattr(graph, "graph", None)
         replay = inner.replay if inner is not None and type(graph).replay is _torch_graph_replay() else graph.replay
         staging = self._staging
-        slot = staging.slot if staging is not None else 0
-        views = staging.copy_views(slot, captured.bucket) if staging is not None else None
         marks = self._marks(tensors) if self._marks is not None else None
-        self.memo.learn(inputs.input_ids, inputs.position_ids, attn, batch, captured.bucket, kv_limit,
-                        list(leaves), slot, program, replay, output, marks, views)
+        if staging is None:
+            self.memo.learn(inputs.input_ids, inputs.position_ids, attn, batch, captured.bucket, kv_limit,
+                            list(leaves), 0, program, replay, output, marks, None)
+            return
+        # With host staging, the step's copies for every mirror at once: the fill plan
+        # puts each buffer's rows at the same place of whichever mirror is the step's.
+        for slot in range(len(staging.mirrors)):
+            copies = [([staging.in_mirror(d, slot) for d in destinations], sources, constants)
+                      for destinations, sources, constants in program]
+            self.memo.learn(inputs.input_ids, inputs.position_ids, attn, batch, captured.bucket, kv_limit,
+                            list(leaves), slot, copies, replay, output, marks, staging.copy_views(slot, captured.bucket))
 
     def clear(self) -> None:
         self.memo.clear()

@@ -19,6 +19,7 @@
 #include <array>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 namespace py = pybind11;
@@ -27,7 +28,7 @@ namespace {
 
 // input_ids, position_ids, then the AttnMetadata tensors every step passes.
 constexpr int kTensors = 7;
-constexpr int kSlots = 2;  // graphmode.staging.SLOTS
+constexpr int kMaxSlots = 8;  // at least graphmode.staging.SLOTS (the Memo refuses more)
 
 struct Source {
   int index;   // into the step's tensors
@@ -48,9 +49,9 @@ struct Entry {
   int64_t kv_limit = 0;  // the largest max_kv_seq_len the Python checks pass unlooked at
   std::vector<py::object> leaves;  // the KV-cache tensors the graph captured
   std::vector<const void*> pointers;
-  std::array<std::vector<Group>, kSlots> programs;  // by host staging mirror (slot 0 without)
-  std::array<bool, kSlots> learned{false, false};
-  std::array<at::Tensor, kSlots> arena, mirror;  // host staging: the views of the mirror's one copy
+  std::array<std::vector<Group>, kMaxSlots> programs;  // by host staging mirror (slot 0 without)
+  std::array<bool, kMaxSlots> learned{};
+  std::array<at::Tensor, kMaxSlots> arena, mirror;  // host staging: the views of the mirror's one copy
   py::object replay;
   at::Tensor output;
   py::object host_marks;  // the emulator's host marks of the step's tensors (None on a device)
@@ -68,41 +69,62 @@ bool is_int(PyObject* value, int64_t* out) {
 }
 
 // Host staging's mirrors on a CUDA device: whose turn, and an event per
-// mirror recorded after the copy launched from it (graphmode.staging._Ring
-// is the same in Python, for the emulator and where this is not built).
-// Device-generic c10 calls: built without CUDA's headers.
+// group of consecutive mirrors, recorded after the copy from the group's
+// last one and waited on before its first is written again
+// (graphmode.staging._Ring is the same in Python, and says why; it serves
+// the emulator and where this is not built). Device-generic c10 calls:
+// built without CUDA's headers.
 class Ring {
  public:
-  Ring(int slots, int device_index) : device_(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)) {
-    for (int i = 0; i < slots; ++i) events_.push_back(std::make_unique<c10::Event>(c10::DeviceType::CUDA));
+  Ring(int slots, int group, int device_index)
+      : slots_(slots), group_(group), slot_(slots - 1),
+        device_(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)) {
+    if (slots < 1 || slots > kMaxSlots || group < 1 || slots % group != 0) {
+      throw std::invalid_argument("Ring: slots must be 1 to 8 and a multiple of group");
+    }
+    for (int i = 0; i < slots / group; ++i) events_.push_back(std::make_unique<c10::Event>(c10::DeviceType::CUDA));
+    pending_.assign(events_.size(), false);
   }
 
-  int next() const { return (slot_ + 1) % static_cast<int>(events_.size()); }
+  int next() const { return (slot_ + 1) % slots_; }
 
-  // Take the next mirror, once the copy launched from it has run.
+  // Take the next mirror, once every copy launched from its group has run.
   int begin() {
     slot_ = next();
-    events_[slot_]->synchronize();  // returns at once for an event never recorded
+    if (slot_ % group_ == 0) {
+      int group = slot_ / group_;
+      if (pending_[group]) record(group);  // a step of the group stopped before its copy
+      events_[group]->synchronize();       // returns at once for an event never recorded
+    }
     return slot_;
   }
 
-  // The mirror's copy into the arena, on the current stream, then its event.
+  // The mirror's copy into the arena on the current stream; the group's event after its last.
   void copy(at::Tensor arena, const at::Tensor& mirror) {
     arena.copy_(mirror, /*non_blocking=*/true);
-    auto stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device_);
-    events_[slot_]->record(stream);
+    pending_[slot_ / group_] = true;
+    if (slot_ % group_ == group_ - 1) record(slot_ / group_);
   }
 
   void wait() {
-    for (auto& event : events_) event->synchronize();
+    for (size_t group = 0; group < events_.size(); ++group) {
+      if (pending_[group]) record(static_cast<int>(group));
+      events_[group]->synchronize();
+    }
   }
 
   int slot() const { return slot_; }
 
  private:
+  void record(int group) {
+    events_[group]->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device_));
+    pending_[group] = false;
+  }
+
+  int slots_, group_, slot_;
   c10::Device device_;
   std::vector<std::unique_ptr<c10::Event>> events_;
-  int slot_ = 0;
+  std::vector<bool> pending_;
 };
 
 class Memo {
@@ -122,6 +144,8 @@ class Memo {
         begin_ = ring_object_.attr("begin");
         copy_ = ring_object_.attr("copy");
       }
+      slots_ = py::len(staging_.attr("mirrors"));
+      if (slots_ > kMaxSlots) throw std::invalid_argument("Memo: more host staging mirrors than kMaxSlots");
     }
   }
 
@@ -131,6 +155,7 @@ class Memo {
              py::object host_marks, py::object copy_views) {
     std::array<py::object, kTensors> held;
     Key key;
+    if (slot < 0 || slot >= kMaxSlots) throw std::invalid_argument("slot out of range");
     if (!layout(input_ids, position_ids, attn, held, key)) throw std::invalid_argument("not a step layout");
     Entry& entry = entries_[key];
     entry.batch = batch;
@@ -186,7 +211,7 @@ class Memo {
     }
     int slot = 0;
     if (!staging_.is_none()) {
-      slot = ring_ != nullptr ? ring_->next() : (ring_object_.attr("slot").cast<int>() + 1) % kSlots;
+      slot = ring_ != nullptr ? ring_->next() : (ring_object_.attr("slot").cast<int>() + 1) % slots_;
     }
     if (!entry.learned[slot]) return py::none();
     // Every source before any effect: a view that cannot be made declines the step.
@@ -346,6 +371,7 @@ class Memo {
   py::object lock_, acquire_, release_;
   py::object staging_, ring_object_, begin_, copy_;
   Ring* ring_ = nullptr;
+  int slots_ = 1;
   py::object host_marks_;
   py::object stats_, variant_;
   py::str replays_name_{"replays"}, real_name_{"real_tokens"}, padded_name_{"padded_tokens"};
@@ -359,7 +385,7 @@ class Memo {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   py::class_<Ring>(module, "Ring")
-      .def(py::init<int, int>())
+      .def(py::init<int, int, int>())
       .def("begin", &Ring::begin)
       .def("copy", &Ring::copy)
       .def("wait", &Ring::wait)

@@ -251,7 +251,7 @@ class FullGraphs:
             shared.debug.check_addresses(captured.name, captured.extras)
         meta, bucket, staging, q_len = captured.meta, captured.bucket, self.staging, captured.q_len
         if staging is not None:
-            staging.begin()  # the next mirror, whose last copy has run (a wait only two steps ahead)
+            staging.begin()  # the next mirror, whose last copy has run (a wait only three steps ahead)
         # No hook may read a device value on the host from here on.
         with self.replay_guard as guard:
             guard.running("graphmode_fill_buffers")
