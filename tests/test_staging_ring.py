@@ -14,7 +14,7 @@ import torch
 
 from graphmode.emulator import stream
 from graphmode.native import native_module
-from graphmode.staging import GROUP, SLOTS, _Ring
+from graphmode.ring import GROUP, SLOTS, Ring
 
 STEPS = 4 * SLOTS + 1  # four laps, and a last step in the middle of a group (wait() records for it)
 # No step skipped; the last step of a group (its event would be recorded there),
@@ -43,7 +43,7 @@ def _run(ring, arena, mirrors, skipped, launch_read, between=None):
 
 @pytest.mark.parametrize("skipped", SKIPPED)
 def test_the_ring_waits_for_every_copy_from_a_mirror_before_the_host_writes_it_again(skipped):
-    ring = _Ring(torch.device("cpu"), emulated=True)
+    ring = Ring(torch.device("cpu"), emulated=True)
     mirrors = [torch.zeros(1) for _ in range(SLOTS)]
     arena = torch.zeros(1)
     seen = []

@@ -28,7 +28,6 @@ waits, unless it is three steps ahead of the device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,22 +35,15 @@ from typing import Any
 import torch
 
 from graphmode.context import REQUIRED_TENSORS, StepInputs
-from graphmode.emulator import stream as emulated_stream
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
-from graphmode.native import native_module
 from graphmode.plugins.manager import DEFAULT_PLUGIN_NAME
+from graphmode.ring import GROUP, SLOTS, Ring, native_ring
 
 __all__ = ["ALIGNMENT", "GROUP", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
 
 ALIGNMENT = 256
-#: Pinned mirrors, used in turn: a step written while earlier ones run waits only
-#: for a copy SLOTS - GROUP + 1 steps back.
-SLOTS = 4
-#: Consecutive mirrors whose copies one event orders: an event record costs the
-#: host about as much as a launch (3 to 5 us on the H100), so one per GROUP steps.
-GROUP = 2
 _TABLE = "block_offsets"
 _ROUTE_CACHE_LIMIT = 4096
 
@@ -106,9 +98,9 @@ class HostStaging:
         self._slot_routes: list[dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = [{} for _ in range(SLOTS)]
         self._host_sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: Whose turn each mirror is, and the ordering of their copies (the native ring on CUDA where it is built).
-        self.ring: Any = _native_ring(meta.device) if not emulated else None
+        self.ring: Any = native_ring(meta.device) if not emulated else None
         if self.ring is None:
-            self.ring = _Ring(meta.device, emulated)
+            self.ring = Ring(meta.device, emulated)
         self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket) -> (arena, mirror) views
         meta.views.clear()  # views of the old buffers
         meta.staging = self
@@ -232,89 +224,6 @@ class HostStaging:
             else:
                 routed.append((mirror, self.host_source(source, destination) if host_sources else source))
         return routed
-
-
-class _Ring:
-    """The mirrors' turns and the ordering of their copies: the mirrors in
-    groups of :data:`GROUP` consecutive ones, an event per group, recorded
-    after the copy from its last mirror (or, when that step stopped before
-    its copy, when the group is next entered), and waited on before the
-    group's first mirror is written again: that wait covers every copy from
-    the group, which ran before the event in stream order. One record every
-    :data:`GROUP` steps, not one per step (``graphmode.native`` has the same
-    in C++, ``Ring``, used on CUDA where it is built)."""
-
-    def __init__(self, device: torch.device, emulated: bool) -> None:
-        event = emulated_stream.Event if emulated else torch.cuda.Event
-        self.events: list[Any] = [event() for _ in range(SLOTS // GROUP)]
-        self.recorded = [False] * (SLOTS // GROUP)
-        self.pending = [False] * (SLOTS // GROUP)  # a copy launched since the group's event was recorded
-        self.stream = None if emulated else _CurrentStream(device)
-        self.slot = SLOTS - 1  # the first step takes mirror 0
-
-    def begin(self) -> int:
-        slot = (self.slot + 1) % SLOTS
-        if slot % GROUP == 0:
-            group = slot // GROUP
-            if self.pending[group]:  # a step of the group stopped before its copy: record now
-                self._record(group)
-            if self.recorded[group]:
-                self.events[group].synchronize()
-        self.slot = slot
-        return slot
-
-    def copy(self, arena: torch.Tensor, mirror: torch.Tensor) -> None:
-        group = self.slot // GROUP
-        if self.stream is None:  # the emulator
-            emulated_stream.launch(functools.partial(arena.copy_, mirror))
-        else:
-            arena.copy_(mirror, non_blocking=True)
-        self.pending[group] = True
-        if self.slot % GROUP == GROUP - 1:
-            self._record(group)
-
-    def _record(self, group: int) -> None:
-        if self.stream is None:  # the emulator
-            self.events[group].record()
-        else:  # on the stream the copies ran on (the arena device's current one)
-            self.events[group].record(self.stream())
-        self.recorded[group], self.pending[group] = True, False
-
-    def wait(self) -> None:
-        for group in range(SLOTS // GROUP):
-            if self.pending[group]:
-                self._record(group)
-            if self.recorded[group]:
-                self.events[group].synchronize()
-
-
-def _native_ring(device: torch.device) -> Any:
-    """The C++ ring (graphmode.native) for a CUDA device, or None."""
-    module = native_module()
-    if module is None or device.type != "cuda":
-        return None
-    return module.Ring(SLOTS, GROUP, device.index if device.index is not None else torch.cuda.current_device())
-
-
-class _CurrentStream:
-    """``torch.cuda.current_stream(device)``, the Stream object made once per
-    stream: ``current_stream()`` builds a new one at every call (a few
-    microseconds of Python per step, more than the event record it is for)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.index = device.index
-        self._id: int | None = None
-        self._stream: Any = None
-        self._query = getattr(torch._C, "_cuda_getCurrentStream", None)
-
-    def __call__(self) -> Any:
-        if self._query is None:  # a build without it: the public call
-            return torch.cuda.current_stream(self.index)
-        stream_id, index, kind = self._query(self.index)
-        if stream_id != self._id:
-            self._stream = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
-            self._id = stream_id
-        return self._stream
 
 
 # Every live HostStaging, for the deprecated ``graphmode.buffers.stage(pairs)``

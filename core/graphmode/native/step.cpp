@@ -28,7 +28,7 @@ namespace {
 
 // input_ids, position_ids, then the AttnMetadata tensors every step passes.
 constexpr int kTensors = 7;
-constexpr int kMaxSlots = 8;  // at least graphmode.staging.SLOTS (the Memo refuses more)
+constexpr int kMaxSlots = 8;  // at least graphmode.ring.SLOTS (the Memo refuses more)
 
 struct Source {
   int index;   // into the step's tensors
@@ -68,12 +68,8 @@ bool is_int(PyObject* value, int64_t* out) {
   return true;
 }
 
-// Host staging's mirrors on a CUDA device: whose turn, and an event per
-// group of consecutive mirrors, recorded after the copy from the group's
-// last one and waited on before its first is written again
-// (graphmode.staging._Ring is the same in Python, and says why; it serves
-// the emulator and where this is not built). Device-generic c10 calls:
-// built without CUDA's headers.
+// Host staging's mirrors on a CUDA device: graphmode.ring.Ring, in C++ (that
+// module says why). Device-generic c10 calls: built without CUDA's headers.
 class Ring {
  public:
   Ring(int slots, int group, int device_index)
