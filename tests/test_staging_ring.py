@@ -9,6 +9,8 @@ behind the host."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -54,6 +56,41 @@ def test_the_ring_waits_for_every_copy_from_a_mirror_before_the_host_writes_it_a
     assert after_wait == copied[-1]
 
 
+def _returns(call, timeout=10.0):
+    """Whether ``call()`` returns within ``timeout`` seconds (it runs on a thread)."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+@pytest.mark.parametrize("skipped", [None, GROUP - 1])
+def test_a_step_waits_only_for_the_copies_from_its_own_group(skipped):
+    """The device held before every copy: the host runs a whole lap ahead
+    without waiting, and the step that starts the first group again waits
+    for that group's copies only, not for the later work. A ring that waited
+    anywhere else, or for everything launched, would hold the host back."""
+    ring = Ring(torch.device("cpu"), emulated=True)
+    mirrors = [torch.zeros(1) for _ in range(SLOTS)]
+    arena = torch.zeros(1)
+    gates = [threading.Event() for _ in range(SLOTS)]  # gate i: the device may run step i's copy
+    with stream.asynchronous():
+        try:
+            for step in range(SLOTS):
+                assert _returns(ring.begin), f"step {step} of the first lap waited for the device"
+                if step == skipped:  # the step stopped before its copy
+                    gates[step].set()
+                    continue
+                stream.launch(gates[step].wait)
+                ring.copy(arena, mirrors[step])
+            for gate in gates[:GROUP]:
+                gate.set()
+            assert _returns(ring.begin), "the step starting a group waited for more than that group's copies"
+        finally:
+            for gate in gates:
+                gate.set()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or native_module() is None,
                     reason="the C++ ring needs a CUDA device and graphmode.native")
 @pytest.mark.parametrize("skipped", SKIPPED)
@@ -66,3 +103,21 @@ def test_the_native_ring_waits_for_every_copy_from_a_mirror_on_a_gpu(skipped):
                   between=lambda: torch.cuda._sleep(2_000_000))  # ~1 ms: the host runs far ahead
     torch.cuda.synchronize()
     assert reads[copied].tolist() == [float(step) for step in copied]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or native_module() is None,
+                    reason="the C++ ring needs a CUDA device and graphmode.native")
+def test_the_native_ring_is_ready_unless_its_next_step_would_wait():
+    """The native step takes a step only when the ring's turn will not wait
+    (a wait is left to the Python path, which releases the GIL for it)."""
+    ring = native_module().Ring(SLOTS, GROUP, torch.cuda.current_device())
+    mirrors = [torch.zeros(1, pin_memory=True) for _ in range(SLOTS)]
+    arena = torch.zeros(1, device="cuda")
+    for step in range(SLOTS):  # a lap whose copies queue behind a busy device
+        assert ring.ready(), f"step {step} of the first lap"
+        ring.begin()
+        torch.cuda._sleep(20_000_000)  # ~10 ms
+        ring.copy(arena, mirrors[step])
+    assert not ring.ready()  # the next step starts the first group again: its copies have not run
+    torch.cuda.synchronize()
+    assert ring.ready()

@@ -2,11 +2,13 @@
 copies (graphmode.staging says what host staging is).
 
 The host must not write a pinned mirror before the copy launched from it
-has run. Steps take the :data:`SLOTS` mirrors in turn; an event is
-recorded after every :data:`GROUP` copies, and a step that starts a group
-waits on that group's event from the previous lap. :class:`Ring` is the
-Python ring (the emulator, and CUDA where ``graphmode.native`` is not
-built); ``graphmode.native``'s C++ ``Ring`` is the same, used on CUDA.
+has run. Steps take the :data:`SLOTS` mirrors in turn, in groups of
+:data:`GROUP`; an event is recorded after the copy from a group's last
+mirror, and a step that starts a group waits on that group's event from
+the previous lap: with four mirrors in pairs, for the copy launched three
+steps before it. :class:`Ring` is the Python ring (the emulator, and CUDA
+where ``graphmode.native`` is not built); ``graphmode.native``'s C++
+``Ring`` is the same, used on CUDA.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Ring:
     """The mirrors' turns and the ordering of their copies: the mirrors in
     groups of :data:`GROUP` consecutive ones, an event per group, recorded
     after the copy from its last mirror (or, when that step stopped before
-    its copy, when the group is next entered), and waited on before the
+    its copy, as the next group is entered), and waited on before the
     group's first mirror is written again: that wait covers every copy from
     the group, which ran before the event in stream order. One record every
     :data:`GROUP` steps, not one per step (``graphmode.native`` has the same
@@ -50,9 +52,10 @@ class Ring:
     def begin(self) -> int:
         slot = (self.slot + 1) % SLOTS
         if slot % GROUP == 0:
+            left = self.slot // GROUP
+            if self.pending[left]:  # the group just left ended with a step stopped before its copy
+                self._record(left)
             group = slot // GROUP
-            if self.pending[group]:  # a step of the group stopped before its copy: record now
-                self._record(group)
             if self.recorded[group]:
                 self.events[group].synchronize()
         self.slot = slot

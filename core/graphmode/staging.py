@@ -17,12 +17,13 @@ Ordering, without host waits for the device: the copy into the arena is
 launched on the stream after the previous replay, so it never overwrites
 inputs a running graph reads. The host must not write a mirror before the
 copy launched from it has run: steps take the :data:`SLOTS` mirrors in
-turn, an event is recorded after every :data:`GROUP` copies (a record costs
-the host about a launch), and a step that starts a group waits on the
-group's event from the previous lap. With four mirrors in groups of two, a
-step waits at most for the copy launched three steps before it: a host
-issuing steps while earlier ones run (an engine scheduling ahead) never
-waits, unless it is three steps ahead of the device.
+turn, in groups of :data:`GROUP`; an event is recorded after the copy from
+a group's last mirror (a record costs the host about a launch), and a step
+that starts a group waits on the group's event from the previous lap
+(graphmode.ring). With four mirrors in groups of two, a step waits at most
+for the copy launched three steps before it: a host issuing steps while
+earlier ones run (an engine scheduling ahead) never waits, unless it is
+three steps ahead of the device.
 """
 
 from __future__ import annotations
@@ -135,15 +136,16 @@ class HostStaging:
 
     def begin(self) -> None:
         """Before a step writes a mirror: take the next mirror, waiting (on
-        the host) only until the copy launched from it :data:`SLOTS` steps
-        ago has run."""
+        the host) until no copy launched from it can still run: at a group's
+        first mirror, for the group's event from the previous lap
+        (graphmode.ring)."""
         self.ring.begin()
 
     def launch(self, bucket: int) -> None:
         """Launch the copy of this step's mirror (its region for ``bucket``)
         into the arena, after the work launched before it (the previous
-        replay: it never overwrites inputs a running graph reads), and record
-        the mirror's event after it."""
+        replay: it never overwrites inputs a running graph reads); after the
+        copy from a group's last mirror, the group's event."""
         self.ring.copy(*self.copy_views(self.ring.slot, bucket))
 
     def copy_views(self, slot: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 namespace py = pybind11;
@@ -44,8 +45,7 @@ struct Group {
 };
 
 struct Entry {
-  int64_t batch = 0;
-  int64_t bucket = 0;
+  int64_t batch = 0, bucket = 0;
   int64_t kv_limit = 0;  // the largest max_kv_seq_len the Python checks pass unlooked at
   std::vector<py::object> leaves;  // the KV-cache tensors the graph captured
   std::vector<const void*> pointers;
@@ -60,12 +60,10 @@ struct Entry {
 using Key = std::vector<int64_t>;
 
 bool is_int(PyObject* value, int64_t* out) {
-  if (!PyLong_CheckExact(value)) return false;
   int overflow = 0;
-  long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
-  if (overflow != 0) return false;
-  *out = v;
-  return true;
+  if (!PyLong_CheckExact(value)) return false;
+  *out = PyLong_AsLongLongAndOverflow(value, &overflow);
+  return overflow == 0;
 }
 
 // Host staging's mirrors on a CUDA device: graphmode.ring.Ring, in C++ (that
@@ -75,23 +73,33 @@ class Ring {
   Ring(int slots, int group, int device_index)
       : slots_(slots), group_(group), slot_(slots - 1),
         device_(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)) {
-    if (slots < 1 || slots > kMaxSlots || group < 1 || slots % group != 0) {
+    if (slots < 1 || slots > kMaxSlots || group < 1 || slots % group != 0)
       throw std::invalid_argument("Ring: slots must be 1 to 8 and a multiple of group");
-    }
     for (int i = 0; i < slots / group; ++i) events_.push_back(std::make_unique<c10::Event>(c10::DeviceType::CUDA));
     pending_.assign(events_.size(), false);
   }
 
   int next() const { return (slot_ + 1) % slots_; }
 
+  // Whether begin() would return at once (the memo's step never waits with the GIL
+  // held: it leaves a wait to the Python path, whose call of begin() releases it).
+  bool ready() const {
+    int slot = next();
+    if (slot % group_ != 0) return true;
+    int group = slot / group_;
+    if (slot_ / group_ == group && pending_[group]) return false;  // one group: begin() records, then waits
+    return events_[group]->query();  // true for an event never recorded
+  }
+
   // Take the next mirror, once every copy launched from its group has run.
   int begin() {
-    slot_ = next();
-    if (slot_ % group_ == 0) {
-      int group = slot_ / group_;
-      if (pending_[group]) record(group);  // a step of the group stopped before its copy
-      events_[group]->synchronize();       // returns at once for an event never recorded
+    int slot = next();
+    if (slot % group_ == 0) {
+      int left = slot_ / group_;
+      if (pending_[left]) record(left);  // the group just left ended with a step stopped before its copy
+      events_[slot / group_]->synchronize();  // returns at once for an event never recorded
     }
+    slot_ = slot;
     return slot_;
   }
 
@@ -153,7 +161,9 @@ class Memo {
     Key key;
     if (slot < 0 || slot >= kMaxSlots) throw std::invalid_argument("slot out of range");
     if (!layout(input_ids, position_ids, attn, held, key)) throw std::invalid_argument("not a step layout");
-    Entry& entry = entries_[key];
+    std::shared_ptr<Entry>& owned = entries_[key];
+    if (!owned) owned = std::make_shared<Entry>();
+    Entry& entry = *owned;
     entry.batch = batch;
     entry.bucket = bucket;
     entry.kv_limit = kv_limit;
@@ -168,19 +178,14 @@ class Memo {
       auto group = item.cast<py::tuple>();
       Group g;
       g.destinations = group[0].cast<std::vector<at::Tensor>>();
-      for (auto s : group[1].cast<py::list>()) {
-        auto pair = s.cast<py::tuple>();
-        g.sources.push_back(Source{pair[0].cast<int>(), pair[1].cast<bool>()});
-      }
+      for (auto [i, words] : group[1].cast<std::vector<std::pair<int, bool>>>()) g.sources.push_back({i, words});
       g.constants = group[2].cast<std::vector<at::Tensor>>();
       program.push_back(std::move(g));
     }
     entry.programs[slot] = std::move(program);
     entry.learned[slot] = true;
     if (!copy_views.is_none()) {
-      auto views = copy_views.cast<py::tuple>();
-      entry.arena[slot] = views[0].cast<at::Tensor>();
-      entry.mirror[slot] = views[1].cast<at::Tensor>();
+      std::tie(entry.arena[slot], entry.mirror[slot]) = copy_views.cast<std::pair<at::Tensor, at::Tensor>>();
     }
     entry.replay = replay;
     entry.output = output;
@@ -189,16 +194,16 @@ class Memo {
 
   // The step, or None: see the contract at the top.
   py::object step(py::handle input_ids, py::handle position_ids, py::handle past_key_values, py::handle attn) {
-    if (entries_.empty() || Py_TYPE(attn.ptr()) != reinterpret_cast<PyTypeObject*>(attn_type_.ptr())) {
+    if (entries_.empty() || Py_TYPE(attn.ptr()) != reinterpret_cast<PyTypeObject*>(attn_type_.ptr()))
       return py::none();
-    }
     c10::InferenceMode inference;  // as the Python path: buffers made in it are written in it
     std::array<py::object, kTensors> held;
     Key key;
     if (!layout(input_ids, position_ids, attn, held, key)) return py::none();
     auto found = entries_.find(key);
     if (found == entries_.end()) return py::none();
-    Entry& entry = found->second;
+    std::shared_ptr<Entry> owned = found->second;  // alive through a reset() while the replay runs without the GIL
+    Entry& entry = *owned;
     if (!scalars_pass(attn, entry) || !same_cache(past_key_values, entry)) return py::none();
     if (!host_marks_.is_none()) {  // the emulator: which tensors are host memory is part of the layout
       py::tuple tensors(kTensors);
@@ -217,16 +222,13 @@ class Memo {
       list.reserve(group.destinations.size());
       for (const Source& source : group.sources) {
         const at::Tensor& tensor = THPVariable_Unpack(held[source.index].ptr());
-        if (source.words) {
-          if (tensor.dim() == 0 || tensor.stride(-1) != 1) return py::none();
-          list.push_back(tensor.view(at::kInt));
-        } else {
-          list.push_back(tensor);
-        }
+        if (source.words && (tensor.dim() == 0 || tensor.stride(-1) != 1)) return py::none();
+        list.push_back(source.words ? tensor.view(at::kInt) : tensor);
       }
       list.insert(list.end(), group.constants.begin(), group.constants.end());
       sources.push_back(std::move(list));
     }
+    if (ring_ != nullptr && !ring_->ready()) return py::none();  // a wait: the Python path's, without the GIL
     if (!acquire_(false).cast<bool>()) return py::none();  // another step under way: the Python path says so
     struct Release {
       py::object& release;
@@ -281,9 +283,10 @@ class Memo {
     py::object host = attn.attr("kv_seqlens_cpu");
     if (host.is_none()) {
       key.push_back(-1);
-    } else {
-      if (!THPVariable_Check(host.ptr())) return false;
+    } else if (THPVariable_Check(host.ptr())) {
       describe(THPVariable_Unpack(host.ptr()), key);
+    } else {
+      return false;
     }
     return true;
   }
@@ -373,7 +376,7 @@ class Memo {
   py::str replays_name_{"replays"}, real_name_{"real_tokens"}, padded_name_{"padded_tokens"};
   py::str by_q_len_name_{"replays_by_q_len"}, by_variant_name_{"replays_by_variant"};
   py::int_ one_{1};
-  std::map<Key, Entry> entries_;
+  std::map<Key, std::shared_ptr<Entry>> entries_;
   int64_t replays_ = 0;
 };
 
@@ -382,13 +385,13 @@ class Memo {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   py::class_<Ring>(module, "Ring")
       .def(py::init<int, int, int>())
-      .def("begin", &Ring::begin)
+      .def("begin", &Ring::begin, py::call_guard<py::gil_scoped_release>())  // it may wait for the device
       .def("copy", &Ring::copy)
-      .def("wait", &Ring::wait)
+      .def("wait", &Ring::wait, py::call_guard<py::gil_scoped_release>())
+      .def("ready", &Ring::ready)
       .def_property_readonly("slot", &Ring::slot);
   py::class_<Memo>(module, "Memo")
-      .def(py::init<py::object, std::vector<std::string>, py::object, py::object, py::object, py::object,
-                    py::object>())
+      .def(py::init<py::object, std::vector<std::string>, py::object, py::object, py::object, py::object, py::object>())
       .def("learn", &Memo::learn)
       .def("step", &Memo::step)
       .def_property_readonly("replays", &Memo::replays)
