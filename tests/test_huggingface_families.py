@@ -94,6 +94,12 @@ def config(family: str, **fields):
     return transformers.AutoConfig.for_model(family, **fields)
 
 
+
+def build(model, width=WIDTH, **options):
+    """The runner of these tests: the small cache, ``width`` blocks per sequence."""
+    return graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=width, block_size=BLOCK_SIZE,
+                                        **options)
+
 def requests() -> list[serve_hf.Request]:
     # Two prompts of different lengths prefilled in one step, a third later.
     generator = torch.Generator().manual_seed(1)
@@ -114,7 +120,7 @@ def test_family_decodes_hf_greedy_tokens(family):
         with pytest.raises(ConfigError, match=rf"'{family}' cannot run in execute_mode='graph' \(transformers 4\.\S+\): "
                            r"its forward calls aten.nonzero.default at \S+modeling_\w+\.py:\d+ in forward, whose "
                            r"output size depends on tensor values.*execute_mode='eager'"):
-            graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
+            build(model)
         return
     if not V5 and family in REFUSED_BEFORE_V5:
         with pytest.raises(ConfigError, match=f"'{family}' is not supported"):
@@ -134,7 +140,7 @@ def test_family_decodes_hf_greedy_tokens(family):
     model.hf_model.load_state_dict(reference.state_dict())
     cache_blocks = MAX_BATCH * WIDTH + 1
     kv_cache = model.make_kv_cache(cache_blocks, BLOCK_SIZE)
-    runner = graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
+    runner = build(model)
     batch = serve_hf.PagedBatch(cache_blocks, BLOCK_SIZE, WIDTH, torch.device("cpu"))
     served = requests()
     steps = serve_hf.serve(runner, kv_cache, batch, served, max_batch=MAX_BATCH, eos=eos)
@@ -197,10 +203,9 @@ def test_sliding_window_shorter_than_the_table_is_refused_when_the_runner_is_bui
     with pytest.raises(ConfigError, match=r"has a sliding window of 16 tokens \(config.sliding_window\), but the "
                        r"block table can address 32 tokens \(max_blocks_per_seq 8 x block_size 4\).* Raise the window, "
                        r"lower the table width \(max_blocks_per_seq \* block_size <= 16\), or use a model without"):
-        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
-                                     execute_mode=mode)
+        build(model, execute_mode=mode)
     # A table within the window is served.
-    graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=4, block_size=BLOCK_SIZE, execute_mode=mode)
+    build(model, width=4, execute_mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["graph", "piecewise", "full_and_piecewise"])
@@ -219,10 +224,8 @@ def test_a_forward_no_graph_can_capture_is_refused_when_the_runner_is_built(mode
                        r"aten.nonzero.default at \S+test_huggingface_families.py:\d+ in route, whose output size "
                        r"depends on tensor values, so no device graph can capture it. Build the runner with "
                        r"execute_mode='eager'"):
-        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
-                                     execute_mode=mode)
-    graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
-                                 execute_mode="eager")
+        build(model, execute_mode=mode)
+    build(model, execute_mode="eager")
 
 
 @pytest.mark.parametrize("family, fields, call, where", [
@@ -241,9 +244,8 @@ def test_a_forward_that_reads_the_device_on_the_host_is_refused_when_the_runner_
     with pytest.raises(ConfigError, match=rf"'{family}' cannot run in execute_mode='graph' .*: its forward calls "
                        rf"{call} at \S+{where}, which reads device memory on the host, so no device graph can "
                        r"capture it. Build the runner with execute_mode='eager'"):
-        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE)
-    graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
-                                 execute_mode="eager")
+        build(model)
+    build(model, execute_mode="eager")
 
 
 # transformers 4.x takes exactly (type, short_factor, long_factor), the original length a config field.
@@ -269,15 +271,12 @@ def test_a_rope_that_depends_on_the_longest_sequence_is_refused_past_its_length(
     if not V5 and kind == "longrope" and mode != "eager":
         # transformers 4.x updates longrope's frequencies behind a host read: refused in graph modes at any width.
         with pytest.raises(ConfigError, match="reads device memory on the host"):
-            graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=4, block_size=BLOCK_SIZE,
-                                         execute_mode=mode)
+            build(model, width=4, execute_mode=mode)
         return
     with pytest.raises(ConfigError, match=rf"'{family}': its RoPE \(rope_type '{kind}'\) changes its frequencies for a "
                        rf"whole step once the step's longest position passes {limit} tokens \(config.{name}\), but the "
                        r"block table can address 32 tokens \(max_blocks_per_seq 8 x block_size 4\).* Lower the table "
                        rf"width \(max_blocks_per_seq \* block_size <= {limit}\)"):
-        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=WIDTH, block_size=BLOCK_SIZE,
-                                     execute_mode=mode)
+        build(model, execute_mode=mode)
     if mode == "eager" or kind == "longrope":  # dynamic RoPE's host read keeps it out of graphs
-        graphmode.build_graph_runner(model, max_batches=MAX_BATCH, max_blocks_per_seq=4, block_size=BLOCK_SIZE,
-                                     execute_mode=mode)
+        build(model, width=4, execute_mode=mode)

@@ -17,7 +17,7 @@ Ordering, without host waits for the device: the copy into the arena is
 launched on the stream after the previous replay, so it never overwrites
 inputs a running graph reads. The host must not write a mirror before the
 copy launched from it has run: steps take the :data:`SLOTS` mirrors in
-turn, in groups of :data:`GROUP`; an event is recorded after the copy from
+turn, in groups of ``graphmode.ring.GROUP``; an event is recorded after the copy from
 a group's last mirror (a record costs the host about a launch), and a step
 that starts a group waits on the group's event from the previous lap
 (graphmode.ring). With four mirrors in groups of two, a step waits at most
@@ -40,9 +40,9 @@ from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
 from graphmode.plugins.manager import DEFAULT_PLUGIN_NAME
-from graphmode.ring import GROUP, SLOTS, Ring, native_ring
+from graphmode.ring import SLOTS, Ring, native_ring
 
-__all__ = ["ALIGNMENT", "GROUP", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
+__all__ = ["ALIGNMENT", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
 
 ALIGNMENT = 256
 _TABLE = "block_offsets"

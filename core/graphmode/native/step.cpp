@@ -91,13 +91,13 @@ class Ring {
     return events_[group]->query();  // true for an event never recorded
   }
 
-  // Take the next mirror, once every copy launched from its group has run.
-  int begin() {
+  // Take the next mirror, once every copy launched from its group has run (wait false: ready() said so).
+  int begin(bool wait = true) {
     int slot = next();
     if (slot % group_ == 0) {
       int left = slot_ / group_;
       if (pending_[left]) record(left);  // the group just left ended with a step stopped before its copy
-      events_[slot / group_]->synchronize();  // returns at once for an event never recorded
+      if (wait) events_[slot / group_]->synchronize();  // returns at once for an event never recorded
     }
     slot_ = slot;
     return slot_;
@@ -235,7 +235,7 @@ class Memo {
       ~Release() { release(); }
     } unlock{release_};
     if (ring_ != nullptr) {
-      ring_->begin();
+      ring_->begin(/*wait=*/false);
     } else if (!staging_.is_none()) {
       begin_();
     }
@@ -385,7 +385,7 @@ class Memo {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   py::class_<Ring>(module, "Ring")
       .def(py::init<int, int, int>())
-      .def("begin", &Ring::begin, py::call_guard<py::gil_scoped_release>())  // it may wait for the device
+      .def("begin", &Ring::begin, py::arg("wait") = true, py::call_guard<py::gil_scoped_release>())
       .def("copy", &Ring::copy)
       .def("wait", &Ring::wait, py::call_guard<py::gil_scoped_release>())
       .def("ready", &Ring::ready)
