@@ -332,6 +332,33 @@ def test_an_index_error_inside_a_replay_says_that_debug_mode_names_the_bad_value
                             "\n".join(getattr(caught.value, "__notes__", [])))
 
 
+
+@pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
+def test_an_index_error_inside_a_native_replay_carries_the_same_note(mode):
+    # A steady decode step of a layout replayed before is the native step's (graphmode.native): an
+    # IndexError inside its replay (a slot past the cache) reached the engine without the note the
+    # Python path's replay adds, naming neither the graph nor GRAPHMODE_DEBUG=1.
+    from graphmode.native import native_module
+
+    if native_module() is None:
+        pytest.skip("graphmode.native could not be built here (no C++ compiler)")
+    setup = _setup(mode=mode)
+    seqs = setup.prefill(3, [3, 17, 5])
+    setup.decode(seqs)  # captures bucket 4
+    setup.decode(seqs)  # a replay the native step learns
+    memo = setup.runner._full.native.memo
+    setup.decode(seqs)
+    assert memo.replays == 1  # the native step takes this layout's steps now
+    step = setup.engine.decode(seqs)
+    bad = step.attn_metadata.kv_start_indices.clone()
+    bad[0] = 10**6
+    with pytest.raises(IndexError) as caught:
+        _run(setup, step, kv_start_indices=bad)
+    assert re.fullmatch(r"graphmode: raised replaying the graph of bucket 4\. A step's device values \(block ids, "
+                        r"slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
+                        "\n".join(getattr(caught.value, "__notes__", [])))
+
+
 def test_reset_lets_go_of_the_kv_cache():
     # An engine reallocating its cache frees the old one first: the runner must not keep it alive.
     import gc
