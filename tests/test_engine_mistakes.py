@@ -327,8 +327,8 @@ def test_an_index_error_inside_a_replay_says_that_debug_mode_names_the_bad_value
         with pytest.raises(IndexError) as caught:
             _run(setup, step, **{field: bad})
         graph = "bucket 4" if mode != "piecewise" else r"token bucket 4 \(piecewise\)"
-        assert re.fullmatch(rf"graphmode: raised replaying the graph of {graph}\. A step's device values \(block ids, "
-                            r"slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
+        assert re.fullmatch(rf"graphmode: raised replaying the graph of {graph}\. A step's device values \(input ids, block "
+                            r"ids, slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
                             "\n".join(getattr(caught.value, "__notes__", [])))
 
 
@@ -354,8 +354,8 @@ def test_an_index_error_inside_a_native_replay_carries_the_same_note(mode):
     bad[0] = 10**6
     with pytest.raises(IndexError) as caught:
         _run(setup, step, kv_start_indices=bad)
-    assert re.fullmatch(r"graphmode: raised replaying the graph of bucket 4\. A step's device values \(block ids, "
-                        r"slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
+    assert re.fullmatch(r"graphmode: raised replaying the graph of bucket 4\. A step's device values \(input ids, block "
+                        r"ids, slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
                         "\n".join(getattr(caught.value, "__notes__", [])))
 
 

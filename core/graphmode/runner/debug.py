@@ -4,7 +4,8 @@ The runner's normal checks (``graphmode.runner.validate``) read host facts
 only, so that a step costs no synchronisation. Some engine mistakes show
 only in the values: a slot in another sequence's block, two tokens writing
 one slot, a block id past the cache, a length the table cannot hold, host
-lengths that disagree with the device's. A graph replays them silently (an
+lengths that disagree with the device's, an input id outside the model's
+vocabulary. A graph replays them silently (an
 eager kernel might fault, or might not). With ``debug=True`` (or
 ``$GRAPHMODE_DEBUG=1``) every graph step reads its attention tensors to the
 host in one copy (one synchronisation) and refuses such values, naming the
@@ -52,6 +53,7 @@ class _Step:
     slots: torch.Tensor  # (T,), T = B x q_len
     q_lens: torch.Tensor  # (B,)
     q_starts: torch.Tensor  # (B,)
+    ids: torch.Tensor  # (T,)
 
 
 class StepChecker:
@@ -62,6 +64,9 @@ class StepChecker:
         self.model = model
         self.block_size = block_size
         self.geometry = cache_geometry(model)
+        # The embedding's rows (model.config.vocab_size: the reference model's, a Hugging Face model's), if known.
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self.vocab = vocab if type(vocab) is int and vocab > 0 else None
         self._addresses: dict[str, list[tuple[str, int]]] = {}
 
     # -- values ---------------------------------------------------------------
@@ -78,6 +83,11 @@ class StepChecker:
         width = step.table.shape[1]
         capacity = width * block_size
         cache_blocks = self._cache_blocks(inputs.past_key_values)
+        if self.vocab is not None:  # an id past the embedding: an IndexError inside the replay, a device assert on CUDA
+            _first((step.ids < 0) | (step.ids >= self.vocab), lambda t: (
+                f"token {t} has input id {int(step.ids[t])}, outside the model's vocabulary 0..{self.vocab - 1} "
+                f"(config.vocab_size={self.vocab}): the embedding would index past its rows. Pass token ids the "
+                "model knows (a tokenizer with added tokens needs the model's embeddings resized)"))
         if uniform:
             self._check_uniform(inputs, step, batch)
             _check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ")
@@ -321,14 +331,15 @@ def _read(inputs: StepInputs, batch: int) -> _Step:
     """The step's attention tensors on the host, in one copy: one
     synchronisation however many tensors."""
     attn = inputs.attn_metadata
-    parts = (attn.block_offsets, attn.kv_seqlens, attn.kv_start_indices, attn.q_seqlens, attn.q_start_loc)
+    parts = (attn.block_offsets, attn.kv_seqlens, attn.kv_start_indices, attn.q_seqlens, attn.q_start_loc,
+             inputs.input_ids)
     flat = torch.cat([t.reshape(-1).long() for t in parts]).cpu()
     table_size = attn.block_offsets.numel()
     table = flat[:table_size].view(batch, -1)
-    kv_lens, slots, q_lens, q_starts = flat[table_size:].split(
-        [batch, attn.kv_start_indices.numel(), batch, batch]
+    kv_lens, slots, q_lens, q_starts, ids = flat[table_size:].split(
+        [batch, attn.kv_start_indices.numel(), batch, batch, inputs.input_ids.numel()]
     )
-    return _Step(table, kv_lens, slots, q_lens, q_starts)
+    return _Step(table, kv_lens, slots, q_lens, q_starts, ids)
 
 
 def _first(bad: torch.Tensor, message: Any) -> None:
