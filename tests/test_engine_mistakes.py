@@ -137,6 +137,10 @@ def test_kv_lengths_past_the_block_table_are_refused_from_host_facts(vendor, mod
     # A bool is an int to Python (True is 1): a flag passed by mistake would pass as a length.
     ("max_kv_seq_len", True, r"attn_metadata.max_kv_seq_len is a bool; it must be an int"),
     ("max_q_seq_len", True, r"attn_metadata.max_q_seq_len is a bool; it must be an int"),
+    # kv_seqlens.max(): a tensor is an index too; every check then read it on the host (on a GPU, a
+    # synchronisation per step), and the native step never took such a step.
+    ("max_kv_seq_len", torch.tensor(14), r"attn_metadata.max_kv_seq_len is a Tensor; it must be an int.*"
+     r"int\(\) of the lengths the engine keeps on the host"),
 ])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_host_maximum_that_is_not_an_int_is_named(mode, field, value, message):
