@@ -13,6 +13,7 @@ import torch
 from setups import tiny_setup
 
 from graphmode import InputError
+from graphmode.emulator.host import mark_host
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.spec import TOKENS, BufferSpec
 
@@ -128,6 +129,30 @@ def test_kv_lengths_past_the_block_table_are_refused_from_host_facts(vendor, mod
     with pytest.raises(InputError, match=r"max_kv_seq_len=100 is above the 64 tokens the step's block table "
                        r"addresses \(4 blocks x block_size=16\)"):
         _run(setup, step, block_offsets=step.attn_metadata.block_offsets[:, :4], max_kv_seq_len=100)
+    assert setup.runner.stats.replays == 0
+
+
+
+@pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
+@pytest.mark.parametrize("wrong", ["q_seqlens", "q_start_loc"])
+def test_a_host_built_verify_step_whose_lengths_are_not_its_graphs_is_refused(mode, wrong):
+    # A verify step (2 tokens per sequence) replays its graph's q_len pattern. Query lengths [1, 3, 2] under
+    # max_q_seq_len=2 (a maximum below an entry), or an inclusive cumsum as q_start_loc, ran silently, and
+    # eager steps of the same inputs gave other logits (0.35 and 0.41 off). Host tensors cost no synchronisation.
+    setup = _setup(mode=mode, max_q_len=2, host_inputs=True)
+    seqs = setup.prefill(3, [5, 9, 3])
+    setup.decode(seqs, 2)  # captures bucket 4, q_len 2
+    if wrong == "q_seqlens":
+        step = setup.engine.decode(seqs, [1, 3, 2])
+        changes = {"max_q_seq_len": 2}
+        message = (r"^sequence 0 \(row 0\) has q_seqlens=1, but this graph decode step has 2 new token\(s\) per "
+                   r"sequence \(6 tokens for 3 sequences, max_q_seq_len=2\); pass the step's real q_seqlens")
+    else:
+        step = setup.engine.decode(seqs, 2)
+        changes = {"q_start_loc": mark_host(torch.tensor([2, 4, 6], dtype=torch.int32))}
+        message = r"^sequence 0 has q_start_loc=2; .* q_start_loc must be arange\(batch\) x 2$"
+    with pytest.raises(InputError, match=message):
+        _run(setup, step, **changes)
     assert setup.runner.stats.replays == 0
 
 

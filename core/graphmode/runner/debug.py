@@ -39,7 +39,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import InputError
 from graphmode.runner.validate import cache_geometry
 
-__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_piecewise_step", "check_query_lengths"]
+__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_piecewise_step", "check_query_lengths", "check_uniform_step"]
 
 ENV_DEBUG_DUMP = "GRAPHMODE_DEBUG_DUMP"
 
@@ -119,17 +119,7 @@ class StepChecker:
     def _check_uniform(self, inputs: StepInputs, step: _Step, batch: int) -> None:
         """A full graph's decode step: every sequence has the graph's q_len
         new tokens, starting at row x q_len."""
-        q_len = inputs.num_tokens // batch
-        rows = torch.arange(batch)
-        _first(step.q_lens != q_len, lambda r: (
-            f"sequence {r} (row {r}) has q_seqlens={int(step.q_lens[r])}, but this graph decode step has "
-            f"{q_len} new token(s) per sequence ({inputs.num_tokens} tokens for {batch} sequences, "
-            f"max_q_seq_len={inputs.attn_metadata.max_q_seq_len}); pass the step's real q_seqlens and "
-            "max_q_seq_len (a step of unequal query lengths runs eagerly), or is_decoding=False"))
-        _first(step.q_starts != rows * q_len, lambda r: (
-            f"sequence {r} has q_start_loc={int(step.q_starts[r])}; in a decode step of {q_len} token(s) per "
-            f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
-            f"arange(batch) x {q_len}"))
+        check_uniform_step(inputs.attn_metadata, batch, inputs.num_tokens, step.q_lens, step.q_starts, "debug mode: ")
 
     def _check_slots(self, step: _Step, owned: torch.Tensor) -> None:
         block_size, slots = self.block_size, step.slots
@@ -233,6 +223,29 @@ class StepChecker:
             found += [(f"model parameter {n!r}", p.data_ptr()) for n, p in named()]
             found += [(f"model buffer {n!r}", b.data_ptr()) for n, b in self.model.named_buffers()]
         return found
+
+
+def check_uniform_step(attn: AttnMetadata, batch: int, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
+                       prefix: str = "") -> None:
+    """Refuse host copies of a full graph's decode step's lengths that are
+    not the graph's: every sequence has ``q_len = tokens / batch`` new tokens
+    (host facts proved it from ``max_q_seq_len``, which bounds every entry),
+    starting at row x q_len. The graph replays its own q_len pattern, so an
+    engine's other values ran silently, and eager steps of the same inputs
+    gave other results. Debug mode checks every graph step; without it, a
+    host-built step of several tokens per sequence is checked
+    (``FullGraphs.run``: host tensors, no synchronisation)."""
+    q_len = tokens // batch
+    rows = torch.arange(batch)
+    _first(q_lens != q_len, lambda r: (
+        f"sequence {r} (row {r}) has q_seqlens={int(q_lens[r])}, but this graph decode step has "
+        f"{q_len} new token(s) per sequence ({tokens} tokens for {batch} sequences, "
+        f"max_q_seq_len={attn.max_q_seq_len}); pass the step's real q_seqlens and "
+        "max_q_seq_len (a step of unequal query lengths runs eagerly), or is_decoding=False"), prefix)
+    _first(q_starts != rows * q_len, lambda r: (
+        f"sequence {r} has q_start_loc={int(q_starts[r])}; in a decode step of {q_len} token(s) per "
+        f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
+        f"arange(batch) x {q_len}"), prefix)
 
 
 def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
@@ -342,10 +355,10 @@ def _read(inputs: StepInputs, batch: int) -> _Step:
     return _Step(table, kv_lens, slots, q_lens, q_starts, ids)
 
 
-def _first(bad: torch.Tensor, message: Any) -> None:
+def _first(bad: torch.Tensor, message: Any, prefix: str = "debug mode: ") -> None:
     """Raise InputError(message(row)) for the first row where ``bad`` holds."""
     if bad.any():
-        raise InputError("debug mode: " + message(int(bad.nonzero()[0])))
+        raise InputError(prefix + message(int(bad.nonzero()[0])))
 
 
 def _bad(row: torch.Tensor, mask: torch.Tensor) -> int:
