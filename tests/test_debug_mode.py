@@ -103,6 +103,23 @@ def test_bad_device_values_are_refused_before_the_graph_runs(case):
     assert setup.runner.stats.replays == 0
 
 
+
+@pytest.mark.parametrize("mode", ["graph", "piecewise", "full_and_piecewise"])
+@pytest.mark.parametrize("bad", [256, -1])
+def test_an_input_id_outside_the_vocabulary_is_named(mode, bad):
+    # A tokenizer with added tokens and a model whose embeddings were not resized: the replay failed with
+    # "index out of range in self" from inside torch (a device assert on CUDA), and its note sent the engine
+    # to debug mode, which then failed the same way.
+    setup, seqs = _setup(execute_mode=mode, capture_token_sizes=[4, 8])
+    setup.decode(seqs)  # captures bucket 4 (token bucket 4)
+    step = setup.engine.decode(seqs)
+    ids = step.input_ids.clone()
+    ids[0, 1] = bad
+    with pytest.raises(InputError, match=rf"^debug mode: token 1 has input id {bad}, outside the model's vocabulary "
+                       r"0\.\.255 \(config.vocab_size=256\).*embeddings resized"), torch.inference_mode():
+        setup.runner(ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+
+
 def test_two_tokens_writing_one_slot_are_refused():
     # Both tokens in the same sequence's own block cannot happen in a decode
     # (one token per sequence); a sequence listed twice can.

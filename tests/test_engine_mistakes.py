@@ -13,6 +13,7 @@ import torch
 from setups import tiny_setup
 
 from graphmode import InputError
+from graphmode.emulator.host import mark_host
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.spec import TOKENS, BufferSpec
 
@@ -131,12 +132,40 @@ def test_kv_lengths_past_the_block_table_are_refused_from_host_facts(vendor, mod
     assert setup.runner.stats.replays == 0
 
 
+
+@pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
+@pytest.mark.parametrize("wrong", ["q_seqlens", "q_start_loc"])
+def test_a_host_built_verify_step_whose_lengths_are_not_its_graphs_is_refused(mode, wrong):
+    # A verify step (2 tokens per sequence) replays its graph's q_len pattern. Query lengths [1, 3, 2] under
+    # max_q_seq_len=2 (a maximum below an entry), or an inclusive cumsum as q_start_loc, ran silently, and
+    # eager steps of the same inputs gave other logits (0.35 and 0.41 off). Host tensors cost no synchronisation.
+    setup = _setup(mode=mode, max_q_len=2, host_inputs=True)
+    seqs = setup.prefill(3, [5, 9, 3])
+    setup.decode(seqs, 2)  # captures bucket 4, q_len 2
+    if wrong == "q_seqlens":
+        step = setup.engine.decode(seqs, [1, 3, 2])
+        changes = {"max_q_seq_len": 2}
+        message = (r"^sequence 0 \(row 0\) has q_seqlens=1, but this graph decode step has 2 new token\(s\) per "
+                   r"sequence \(6 tokens for 3 sequences, max_q_seq_len=2\); pass the step's real q_seqlens")
+    else:
+        step = setup.engine.decode(seqs, 2)
+        changes = {"q_start_loc": mark_host(torch.tensor([2, 4, 6], dtype=torch.int32))}
+        message = r"^sequence 0 has q_start_loc=2; .* q_start_loc must be arange\(batch\) x 2$"
+    with pytest.raises(InputError, match=message):
+        _run(setup, step, **changes)
+    assert setup.runner.stats.replays == 0
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("max_kv_seq_len", None, r"attn_metadata.max_kv_seq_len is None; it must be an int"),
     ("max_q_seq_len", 1.0, r"attn_metadata.max_q_seq_len is a float; it must be an int"),
     # A bool is an int to Python (True is 1): a flag passed by mistake would pass as a length.
     ("max_kv_seq_len", True, r"attn_metadata.max_kv_seq_len is a bool; it must be an int"),
     ("max_q_seq_len", True, r"attn_metadata.max_q_seq_len is a bool; it must be an int"),
+    # kv_seqlens.max(): a tensor is an index too; every check then read it on the host (on a GPU, a
+    # synchronisation per step), and the native step never took such a step.
+    ("max_kv_seq_len", torch.tensor(14), r"attn_metadata.max_kv_seq_len is a Tensor; it must be an int.*"
+     r"int\(\) of the lengths the engine keeps on the host"),
 ])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_host_maximum_that_is_not_an_int_is_named(mode, field, value, message):
@@ -327,9 +356,36 @@ def test_an_index_error_inside_a_replay_says_that_debug_mode_names_the_bad_value
         with pytest.raises(IndexError) as caught:
             _run(setup, step, **{field: bad})
         graph = "bucket 4" if mode != "piecewise" else r"token bucket 4 \(piecewise\)"
-        assert re.fullmatch(rf"graphmode: raised replaying the graph of {graph}\. A step's device values \(block ids, "
-                            r"slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
+        assert re.fullmatch(rf"graphmode: raised replaying the graph of {graph}\. A step's device values \(input ids, block "
+                            r"ids, slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
                             "\n".join(getattr(caught.value, "__notes__", [])))
+
+
+
+@pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
+def test_an_index_error_inside_a_native_replay_carries_the_same_note(mode):
+    # A steady decode step of a layout replayed before is the native step's (graphmode.native): an
+    # IndexError inside its replay (a slot past the cache) reached the engine without the note the
+    # Python path's replay adds, naming neither the graph nor GRAPHMODE_DEBUG=1.
+    from graphmode.native import native_module
+
+    if native_module() is None:
+        pytest.skip("graphmode.native could not be built here (no C++ compiler)")
+    setup = _setup(mode=mode)
+    seqs = setup.prefill(3, [3, 17, 5])
+    setup.decode(seqs)  # captures bucket 4
+    setup.decode(seqs)  # a replay the native step learns
+    memo = setup.runner._full.native.memo
+    setup.decode(seqs)
+    assert memo.replays == 1  # the native step takes this layout's steps now
+    step = setup.engine.decode(seqs)
+    bad = step.attn_metadata.kv_start_indices.clone()
+    bad[0] = 10**6
+    with pytest.raises(IndexError) as caught:
+        _run(setup, step, kv_start_indices=bad)
+    assert re.fullmatch(r"graphmode: raised replaying the graph of bucket 4\. A step's device values \(input ids, block "
+                        r"ids, slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
+                        "\n".join(getattr(caught.value, "__notes__", [])))
 
 
 def test_reset_lets_go_of_the_kv_cache():

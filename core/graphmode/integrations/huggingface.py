@@ -28,7 +28,7 @@ Families and features the paged kernels do not have are refused at load
 (``huggingface_support``: from the config, then a one-token probe), never
 approximated: composite (multimodal) configs, attention outside the
 interface, a layer calling attention more than once per forward, logit
-soft-capping, attention sinks, chunked or linear attention layers, keys and
+soft-capping, attention sinks, a layer's own attention mask (a bias), chunked or linear attention layers, keys and
 values of different head sizes. When the runner is built
 (:meth:`HuggingFaceModel.check_runner`): a block table that can address more
 tokens than a layer's sliding window, or than the length past which a
@@ -129,7 +129,7 @@ def paged_attention(
     """
     probe = active_probe()
     if probe is not None:  # the load-time probe: record, attend to nothing
-        return probe.record(module, query, key, value, kwargs)
+        return probe.record(module, query, key, value, kwargs, attention_mask)
     step = kwargs.get("graphmode_step")
     if not isinstance(step, PagedStep):
         raise ConfigError(

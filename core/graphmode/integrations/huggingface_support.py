@@ -14,7 +14,7 @@ Two checks, both before the model serves a step:
   must reach the attention function with graphmode's step (a decoder layer
   that does not pass keyword arguments through cannot be served), carry
   ``layer_idx``, call it once (differential attention calls it twice, with
-  different values for one cache), pass no soft-capping or sinks, and give
+  different values for one cache), pass no soft-capping, sinks or mask of its own, and give
   keys and values of one head size. It also reads each layer's sliding window (the keyword the
   layer passes, or the module's ``sliding_window``, which some families set
   and apply through the mask only), which the runner's table capacity must
@@ -174,6 +174,7 @@ class Call:
     softcap: Any
     sinks: str | None  # "name shape", never values
     causal: bool
+    mask: str | None = None  # the attention mask the layer passed, by shape: the model's own (none is built)
 
 
 @dataclass
@@ -203,7 +204,7 @@ class Probe:
         return None
 
     def record(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kwargs: dict) -> tuple[torch.Tensor, None]:
+               kwargs: dict, mask: Any = None) -> tuple[torch.Tensor, None]:
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
         sinks = kwargs.get("s_aux")
         self.calls.append(Call(
@@ -212,6 +213,7 @@ class Probe:
             key=tuple(key.shape), value=tuple(value.shape), window=int(window) if window else None,
             softcap=kwargs.get("softcap"), sinks=None if sinks is None else _describe(module, sinks),
             causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
+            mask=None if mask is None else _describe(module, mask),
         ))
         batch, heads, tokens = query.shape[:3]
         return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
@@ -254,6 +256,15 @@ class Probe:
                     f"{family!r} is not supported: {call.name} has attention sinks ({call.sinks}: a learned logit "
                     "per head in every softmax), which graphmode's paged attention kernels do not implement. Use "
                     f"a model without attention sinks; {SUPPORTED}"
+                )
+            if call.mask is not None:
+                # transformers builds no mask for graphmode's implementation (it has no mask function),
+                # so a mask that reaches attention is the layer's own: a bias the paged kernels ignore.
+                raise ConfigError(
+                    f"{family!r} is not supported: {call.name} ({call.cls}) passes an attention mask of its own "
+                    f"({call.mask}) to attention, where transformers builds none for graphmode's attention: a "
+                    "bias or mask computed by the layer (Doge's from its values), which graphmode's paged kernels "
+                    f"ignore, giving other logits. Use a model that leaves masking to transformers; {SUPPORTED}"
                 )
             if call.key[1:2] + call.key[3:] != call.value[1:2] + call.value[3:]:
                 raise ConfigError(

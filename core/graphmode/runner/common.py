@@ -82,7 +82,7 @@ def note_replay_failure(error: Exception, shared: Shared, graph: str) -> None:
     there, as an IndexError from inside torch that names neither."""
     if shared.debug is None and not isinstance(error, GraphModeError) and hasattr(error, "add_note"):
         error.add_note(
-            f"graphmode: raised replaying the graph of {graph}. A step's device values (block ids, slots, "
-            "lengths) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 (or debug=True) to have a "
+            f"graphmode: raised replaying the graph of {graph}. A step's device values (input ids, block ids, "
+            "slots, lengths) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 (or debug=True) to have a "
             "bad one named, with its sequence and the fix"
         )

@@ -4,7 +4,8 @@ The runner's normal checks (``graphmode.runner.validate``) read host facts
 only, so that a step costs no synchronisation. Some engine mistakes show
 only in the values: a slot in another sequence's block, two tokens writing
 one slot, a block id past the cache, a length the table cannot hold, host
-lengths that disagree with the device's. A graph replays them silently (an
+lengths that disagree with the device's, an input id outside the model's
+vocabulary. A graph replays them silently (an
 eager kernel might fault, or might not). With ``debug=True`` (or
 ``$GRAPHMODE_DEBUG=1``) every graph step reads its attention tensors to the
 host in one copy (one synchronisation) and refuses such values, naming the
@@ -38,7 +39,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import InputError
 from graphmode.runner.validate import cache_geometry
 
-__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_piecewise_step", "check_query_lengths"]
+__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_piecewise_step", "check_query_lengths", "check_uniform_step"]
 
 ENV_DEBUG_DUMP = "GRAPHMODE_DEBUG_DUMP"
 
@@ -52,6 +53,7 @@ class _Step:
     slots: torch.Tensor  # (T,), T = B x q_len
     q_lens: torch.Tensor  # (B,)
     q_starts: torch.Tensor  # (B,)
+    ids: torch.Tensor  # (T,)
 
 
 class StepChecker:
@@ -62,6 +64,9 @@ class StepChecker:
         self.model = model
         self.block_size = block_size
         self.geometry = cache_geometry(model)
+        # The embedding's rows (model.config.vocab_size: the reference model's, a Hugging Face model's), if known.
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        self.vocab = vocab if type(vocab) is int and vocab > 0 else None
         self._addresses: dict[str, list[tuple[str, int]]] = {}
 
     # -- values ---------------------------------------------------------------
@@ -78,6 +83,11 @@ class StepChecker:
         width = step.table.shape[1]
         capacity = width * block_size
         cache_blocks = self._cache_blocks(inputs.past_key_values)
+        if self.vocab is not None:  # an id past the embedding: an IndexError inside the replay, a device assert on CUDA
+            _first((step.ids < 0) | (step.ids >= self.vocab), lambda t: (
+                f"token {t} has input id {int(step.ids[t])}, outside the model's vocabulary 0..{self.vocab - 1} "
+                f"(config.vocab_size={self.vocab}): the embedding would index past its rows. Pass token ids the "
+                "model knows (a tokenizer with added tokens needs the model's embeddings resized)"))
         if uniform:
             self._check_uniform(inputs, step, batch)
             _check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ")
@@ -109,17 +119,7 @@ class StepChecker:
     def _check_uniform(self, inputs: StepInputs, step: _Step, batch: int) -> None:
         """A full graph's decode step: every sequence has the graph's q_len
         new tokens, starting at row x q_len."""
-        q_len = inputs.num_tokens // batch
-        rows = torch.arange(batch)
-        _first(step.q_lens != q_len, lambda r: (
-            f"sequence {r} (row {r}) has q_seqlens={int(step.q_lens[r])}, but this graph decode step has "
-            f"{q_len} new token(s) per sequence ({inputs.num_tokens} tokens for {batch} sequences, "
-            f"max_q_seq_len={inputs.attn_metadata.max_q_seq_len}); pass the step's real q_seqlens and "
-            "max_q_seq_len (a step of unequal query lengths runs eagerly), or is_decoding=False"))
-        _first(step.q_starts != rows * q_len, lambda r: (
-            f"sequence {r} has q_start_loc={int(step.q_starts[r])}; in a decode step of {q_len} token(s) per "
-            f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
-            f"arange(batch) x {q_len}"))
+        check_uniform_step(inputs.attn_metadata, batch, inputs.num_tokens, step.q_lens, step.q_starts, "debug mode: ")
 
     def _check_slots(self, step: _Step, owned: torch.Tensor) -> None:
         block_size, slots = self.block_size, step.slots
@@ -225,6 +225,29 @@ class StepChecker:
         return found
 
 
+def check_uniform_step(attn: AttnMetadata, batch: int, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
+                       prefix: str = "") -> None:
+    """Refuse host copies of a full graph's decode step's lengths that are
+    not the graph's: every sequence has ``q_len = tokens / batch`` new tokens
+    (host facts proved it from ``max_q_seq_len``, which bounds every entry),
+    starting at row x q_len. The graph replays its own q_len pattern, so an
+    engine's other values ran silently, and eager steps of the same inputs
+    gave other results. Debug mode checks every graph step; without it, a
+    host-built step of several tokens per sequence is checked
+    (``FullGraphs.run``: host tensors, no synchronisation)."""
+    q_len = tokens // batch
+    rows = torch.arange(batch)
+    _first(q_lens != q_len, lambda r: (
+        f"sequence {r} (row {r}) has q_seqlens={int(q_lens[r])}, but this graph decode step has "
+        f"{q_len} new token(s) per sequence ({tokens} tokens for {batch} sequences, "
+        f"max_q_seq_len={attn.max_q_seq_len}); pass the step's real q_seqlens and "
+        "max_q_seq_len (a step of unequal query lengths runs eagerly), or is_decoding=False"), prefix)
+    _first(q_starts != rows * q_len, lambda r: (
+        f"sequence {r} has q_start_loc={int(q_starts[r])}; in a decode step of {q_len} token(s) per "
+        f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
+        f"arange(batch) x {q_len}"), prefix)
+
+
 def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
                         kv_lens: torch.Tensor, prefix: str = "") -> None:
     """Refuse host copies of a step's lengths that a piecewise step (prefill,
@@ -321,20 +344,21 @@ def _read(inputs: StepInputs, batch: int) -> _Step:
     """The step's attention tensors on the host, in one copy: one
     synchronisation however many tensors."""
     attn = inputs.attn_metadata
-    parts = (attn.block_offsets, attn.kv_seqlens, attn.kv_start_indices, attn.q_seqlens, attn.q_start_loc)
+    parts = (attn.block_offsets, attn.kv_seqlens, attn.kv_start_indices, attn.q_seqlens, attn.q_start_loc,
+             inputs.input_ids)
     flat = torch.cat([t.reshape(-1).long() for t in parts]).cpu()
     table_size = attn.block_offsets.numel()
     table = flat[:table_size].view(batch, -1)
-    kv_lens, slots, q_lens, q_starts = flat[table_size:].split(
-        [batch, attn.kv_start_indices.numel(), batch, batch]
+    kv_lens, slots, q_lens, q_starts, ids = flat[table_size:].split(
+        [batch, attn.kv_start_indices.numel(), batch, batch, inputs.input_ids.numel()]
     )
-    return _Step(table, kv_lens, slots, q_lens, q_starts)
+    return _Step(table, kv_lens, slots, q_lens, q_starts, ids)
 
 
-def _first(bad: torch.Tensor, message: Any) -> None:
+def _first(bad: torch.Tensor, message: Any, prefix: str = "debug mode: ") -> None:
     """Raise InputError(message(row)) for the first row where ``bad`` holds."""
     if bad.any():
-        raise InputError("debug mode: " + message(int(bad.nonzero()[0])))
+        raise InputError(prefix + message(int(bad.nonzero()[0])))
 
 
 def _bad(row: torch.Tensor, mask: torch.Tensor) -> int:

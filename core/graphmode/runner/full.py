@@ -32,6 +32,7 @@ from graphmode.native import NativeSteps, native_module
 from graphmode.plugins import Vendor
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
 from graphmode.runner.common import capture_failed, inert_step, note_replay_failure
+from graphmode.runner.debug import check_uniform_step
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.outputs import SharedOutputs
@@ -174,6 +175,9 @@ class FullGraphs:
             shared.ranks.agree_on_step(batch, bucket, "run", variant=shared.variant_index)
         if shared.debug is not None:
             shared.debug.check_step(inputs, batch)
+        elif q_len > 1 and on_host:  # host lengths: no synchronisation (q_len 1, the hot path, is debug mode's)
+            attn = given.attn_metadata
+            check_uniform_step(attn, batch, inputs.num_tokens, attn.q_seqlens, attn.q_start_loc)
         captured = self._current().get((bucket, q_len))
         if captured is None:
             return self._capture(inputs, batch, bucket)

@@ -29,6 +29,7 @@ from graphmode.meta import GraphMeta
 from graphmode.piecewise.graphs import PiecewiseGraphs
 from graphmode.plugins import Vendor
 from graphmode.runner.cache_checks import check_warmup_cache
+from graphmode.runner.common import note_replay_failure
 from graphmode.runner.family import Shared
 from graphmode.runner.full import CapturedGraph, FullGraphs, bucket_table
 from graphmode.runner.guard import busy, one_at_a_time
@@ -155,7 +156,11 @@ class GraphRunner:
     ) -> Any:
         native = self._full.native_step if self._full is not None else None
         if native is not None and not extras:  # a replay step of a layout seen before (graphmode.native)
-            output = native(input_ids, position_ids, past_key_values, attn_metadata)
+            try:
+                output = native(input_ids, position_ids, past_key_values, attn_metadata)
+            except Exception as error:  # raised by its replay: noted as the Python path's replay notes it
+                note_replay_failure(error, self._shared, f"bucket {self._bucket_of[attn_metadata.batch_size]}")
+                raise
             if output is not None:
                 return output
         inputs = StepInputs(input_ids, position_ids, past_key_values, attn_metadata, extras)

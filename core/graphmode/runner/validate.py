@@ -147,10 +147,14 @@ def _check_maxima_types(attn: AttnMetadata) -> None:
     for name in ("max_q_seq_len", "max_kv_seq_len"):
         value = getattr(attn, name)
         # A bool is an index too (True is 1): a flag passed by mistake would pass as a length.
-        if not hasattr(type(value), "__index__") or isinstance(value, bool):
+        # A tensor is an index too (kv_seqlens.max()): every comparison would read it on the host.
+        if not hasattr(type(value), "__index__") or isinstance(value, (bool, torch.Tensor)):
+            tensor = isinstance(value, torch.Tensor)
             raise InputError(
-                f"attn_metadata.{name} is {_described(value)}; it must be an int: the step's largest "
-                f"{'query' if name == 'max_q_seq_len' else 'KV'} length, or -1 when unknown"
+                f"attn_metadata.{name} is {'a Tensor' if tensor else _described(value)}; it must be an int: the "
+                f"step's largest {'query' if name == 'max_q_seq_len' else 'KV'} length, or -1 when unknown"
+                + ("; a tensor's value would be read on the host at every step (a synchronisation for a device "
+                   "tensor): pass int() of the lengths the engine keeps on the host" if tensor else "")
             )
 
 
