@@ -238,3 +238,28 @@ def test_a_source_giving_one_row_more_than_the_sequences_is_told_what_a_buffer_h
         r"\(declared shape \('sequences',\)\): its source must give one row per sequence \(no extra row, a "
         r"leading 0, can be declared\)")):
         harness.step(seqs)
+
+
+class _CopiedBlockView(_MultipliedMask):
+    """The multiplied mask above, behind a ``block_view`` that returns a copy
+    (as a reshape of a permuted cache does, e.g. for a layout splitting
+    head_dim): NaN written through it never reached the cache, so the
+    reserved-block test passed this kernel without testing it."""
+
+    def block_view(self, cache, head_dim):
+        return cache.transpose(1, 2).contiguous()
+
+
+@hookimpl
+def _copied_block_view_ops():
+    return _CopiedBlockView()
+
+
+def test_a_block_view_that_copies_the_cache_is_named_before_the_reserved_block_is_filled():
+    slipped = Harness.build(acme(graphmode_attention_ops=_copied_block_view_ops), torch.device("cpu"), SIZES)
+    from graphmode_conformance import KVCacheIntegrityTests
+
+    with pytest.raises(ConformanceFailure, match=(
+        r"\[reserved block\] vendor acme on cpu: NaN written into block 0 of block_view\(cache, head_dim\) did not "
+        r"reach the KV cache: block_view returned a copy.*Fix graphmode_attention_ops' block_view")):
+        KVCacheIntegrityTests().test_live_results_never_depend_on_the_reserved_block(slipped)
