@@ -195,7 +195,7 @@ class Harness:
                 check_context(where, meta.spec, meta, context, batch, bucket)
         where = f"[{self.check}] {where}"
         self._check_outputs(where, graph, eager, seqs, phase, raw=raw)
-        if graph_step and phase == "replay" and self.check != "reserved block":
+        if graph_step and bucket is not None and phase == "replay" and self.check != "reserved block":
             captured = self.runner.graph(bucket, inputs.input_ids.shape[-1] // batch)
             if captured is not None:
                 _check_padding_finite(where, captured.meta, inputs.input_ids.shape[-1])
