@@ -238,3 +238,76 @@ def test_a_source_giving_one_row_more_than_the_sequences_is_told_what_a_buffer_h
         r"\(declared shape \('sequences',\)\): its source must give one row per sequence \(no extra row, a "
         r"leading 0, can be declared\)")):
         harness.step(seqs)
+
+
+class _CopiedBlockView(_MultipliedMask):
+    """The multiplied mask above, behind a ``block_view`` that returns a copy
+    (as a reshape of a permuted cache does, e.g. for a layout splitting
+    head_dim): NaN written through it never reached the cache, so the
+    reserved-block test passed this kernel without testing it."""
+
+    def block_view(self, cache, head_dim):
+        return cache.transpose(1, 2).contiguous()
+
+
+@hookimpl
+def _copied_block_view_ops():
+    return _CopiedBlockView()
+
+
+def test_a_block_view_that_copies_the_cache_is_named_before_the_reserved_block_is_filled():
+    slipped = Harness.build(acme(graphmode_attention_ops=_copied_block_view_ops), torch.device("cpu"), SIZES)
+    from graphmode_conformance import KVCacheIntegrityTests
+
+    with pytest.raises(ConformanceFailure, match=(
+        r"\[reserved block\] vendor acme on cpu: NaN written into block 0 of block_view\(cache, head_dim\) did not "
+        r"reach the KV cache: block_view returned a copy.*Fix graphmode_attention_ops' block_view")):
+        KVCacheIntegrityTests().test_live_results_never_depend_on_the_reserved_block(slipped)
+
+
+class _EmptyRowsNaN(walkthrough.AcmeAttentionOps):
+    """Acme's decode kernel masking with -inf and no rule for a row that sees
+    nothing: a softmax over no token is NaN. With kv length 0 as padding
+    (declared, so every buffer check passes) the padding rows' outputs are
+    NaN; cut away, they passed the suite, though docs/writing-a-plugin.md
+    requires finite padding results."""
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        head_dim = query.shape[-1]
+        keys = self._gather(k_cache, attn.block_offsets, head_dim)
+        values = self._gather(v_cache, attn.block_offsets, head_dim)
+        group = query.shape[1] // keys.shape[2]
+        keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
+        scores = torch.einsum("bhd,bshd->bhs", query.float(), keys.float()) * scale
+        visible = torch.arange(keys.shape[1], device=query.device)[None, :] < attn.kv_seqlens[:, None].long()
+        visible &= walkthrough.owned_positions(attn.block_offsets, keys.shape[1])
+        probs = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+        return torch.einsum("bhs,bshd->bhd", probs, values.float()).to(query.dtype)
+
+
+@hookimpl
+def _empty_rows_nan_ops():
+    return _EmptyRowsNaN()
+
+
+@hookimpl
+def _zero_padding_length_spec():
+    return walkthrough.ACME_SPEC.with_buffers(BufferSpec("kv_seqlens", torch.int32, padding=0))
+
+
+def test_padding_rows_whose_outputs_are_not_finite_fail():
+    correct = Harness.build(acme(graphmode_graph_spec=_zero_padding_length_spec), torch.device("cpu"), SIZES)
+    seqs = correct.start(2)
+    correct.step(seqs)  # Acme's kernel (attend): a row that sees nothing gives zeros
+    correct.step(seqs)
+    slipped = Harness.build(
+        acme(graphmode_graph_spec=_zero_padding_length_spec, graphmode_attention_ops=_empty_rows_nan_ops),
+        torch.device("cpu"), SIZES,
+    )
+    seqs = slipped.start(2)
+    slipped.step(seqs)  # the capture: on a device its output buffers are not computed, so not checked
+    with pytest.raises(ConformanceFailure, match=(
+        r"\[graph equals eager\] vendor acme on cpu, batch 2, bucket 3, step 2 \(replay\): the graph's padding "
+        r"tokens 2\.\.2 give non-finite outputs \(at tokens \[2\]\).*Likely cause: a declared padding value "
+        r"\(here kv_seqlens padding 0\)")):
+        slipped.step(seqs)

@@ -82,7 +82,7 @@ def test_a_host_read_of_device_memory_on_the_replay_path_names_the_hook(plugin, 
     message = str(error.value)
     assert message.startswith(f"{hook} read a device value on the host during a replay step ({what} of device memory")
     assert f"called at {__file__}:" in message
-    assert "Read a host copy instead" in message
+    assert "Read a host copy instead (a buffer declared BufferSpec(..., host=True), read as meta.input_buffers" in message
 
 
 def test_host_memory_may_be_read_on_the_replay_path(monkeypatch):

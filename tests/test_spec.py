@@ -296,7 +296,10 @@ def test_an_engine_step_input_is_its_keyword_copied_whole(fields):
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: BufferSpec("x", torch.int32, shape=(4,)), "needs exactly one of 'tokens', 'sequences'"),
+        (lambda: BufferSpec("x", torch.int32, shape=(4,)),
+         r"needs exactly one of TOKENS \('tokens'\) or SEQUENCES \('sequences'\) from graphmode.spec"),
+        (lambda: BufferSpec("x", torch.int32, shape=(1,)), r"A per-step value \(a live-token count\) is a "
+         r"\(TOKENS,\) mask declared live=True, summed on the device; an array of one row per sequence plus one"),
         (lambda: BufferSpec("x", torch.int32, shape=(TOKENS, SEQUENCES)), "needs exactly one of"),
         (lambda: BufferSpec("x", torch.int32, padding="zero"), "padding='zero'; use a number, 'row_index' or 'row_number'"),
         (lambda: BufferSpec("x", "int32"), "dtype='int32' is not a torch.dtype"),

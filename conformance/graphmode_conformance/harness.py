@@ -195,6 +195,10 @@ class Harness:
                 check_context(where, meta.spec, meta, context, batch, bucket)
         where = f"[{self.check}] {where}"
         self._check_outputs(where, graph, eager, seqs, phase, raw=raw)
+        if graph_step and bucket is not None and phase == "replay" and self.check != "reserved block":
+            captured = self.runner.graph(bucket, inputs.input_ids.shape[-1] // batch)
+            if captured is not None:
+                _check_padding_finite(where, captured.meta, inputs.input_ids.shape[-1])
         self._check_cache(where, before, owners)
         return graph
 
@@ -427,3 +431,30 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """Raw bits, so that byte-for-byte comparison also holds for NaNs."""
     integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
     return tensor.contiguous().view(integer)
+
+
+def _check_padding_finite(where: str, meta: Any, num_tokens: int) -> None:
+    """After a replay, the graph's padding tokens (past the live ones) hold
+    finite outputs while block 0 holds zeros (writing-a-plugin: cut away, but
+    finite): a NaN there reaches live rows through any op mixing tokens (MoE
+    routing, a collective). Not at a capture: a device computes nothing then."""
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(meta.output_buffers.get("output")):
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point() or leaf.dim() < 2:
+            continue
+        padding = leaf[:, num_tokens:]
+        if padding.numel() == 0 or bool(torch.isfinite(padding).all()):
+            continue
+        bad = (~torch.isfinite(padding)).flatten(2).any(-1).any(0)
+        tokens = (bad.nonzero().flatten() + num_tokens).tolist()
+        kv = {b.name: b.padding for b in meta.spec.buffers}.get("kv_seqlens")
+        raise ConformanceFailure(
+            f"{where}: the graph's padding tokens {num_tokens}..{leaf.shape[1] - 1} give non-finite outputs "
+            f"(at tokens {tokens[:8]}{' ...' if len(tokens) > 8 else ''}) with block 0 holding zeros. They are "
+            "cut away, but a NaN there reaches live rows through any op mixing tokens (MoE routing, a "
+            f"collective over the batch). Likely cause: a declared padding value (here kv_seqlens padding {kv}) "
+            "that makes a kernel attend over nothing, with no rule for a row that sees no token "
+            "(graphmode.model.ops.attend gives zeros); fix the padding in graphmode_graph_spec or the kernel "
+            "(graphmode_attention_ops)"
+        )

@@ -45,11 +45,21 @@ class KVCacheIntegrityTests(ConformanceFixtures):
         if not harness.model.config.dtype.is_floating_point:
             pytest.skip("the model's dtype has no NaN")
         head_dim = harness.model.config.head_dim
+        where = f"[reserved block] vendor {harness.vendor.name} on {harness.device}{harness.variant}"
         for pair in (*harness.graph_cache, *harness.eager_cache):
             for cache in pair:
-                harness.model.ops.block_view(cache, head_dim)[0].fill_(float("nan"))
+                view = harness.model.ops.block_view(cache, head_dim)
+                view[0].fill_(float("nan"))
+                if int(cache.isnan().sum()) != view[0].numel():
+                    raise ConformanceFailure(
+                        f"{where}: NaN written into block 0 of block_view(cache, head_dim) did not reach the KV "
+                        f"cache: block_view returned a copy (of shape {tuple(view.shape)}; the cache's layout: "
+                        f"{harness.model.ops.layout}), not a view sharing the cache's memory, so this test and "
+                        "every write through it would test the copy. Fix graphmode_attention_ops' block_view: "
+                        "return a view of the cache (permute, transpose, view); reshape of a permuted tensor, "
+                        "contiguous() and clone() copy it"
+                    )
         harness.check = "reserved block"
-        where = f"[reserved block] vendor {harness.vendor.name} on {harness.device}{harness.variant}"
         seqs = [harness.engine.add() for _ in range(11)]
         step = harness.engine.prefill(seqs, [harness.engine.rng.randrange(1, 3 * harness.sizes.block) for _ in seqs])
         with torch.inference_mode():

@@ -145,7 +145,13 @@ class BufferSpec:
             raise ConfigError(f"{where}: dtype={self.dtype!r} is not a torch.dtype")
         rows = [d for d in self.shape if d in (TOKENS, SEQUENCES)]
         if len(rows) != 1:
-            raise ConfigError(f"{where}: shape={self.shape} needs exactly one of {TOKENS!r}, {SEQUENCES!r}")
+            raise ConfigError(
+                f"{where}: shape={self.shape} needs exactly one of TOKENS ({TOKENS!r}) or SEQUENCES "
+                f"({SEQUENCES!r}) from graphmode.spec: a buffer holds one row per new token or per sequence. A "
+                "per-step value (a live-token count) is a (TOKENS,) mask declared live=True, summed on the "
+                "device; an array of one row per sequence plus one (cumulative starts after a leading 0) is "
+                "computed in the kernels from q_seqlens or kv_seqlens (docs/writing-a-plugin.md)"
+            )
         bad = [d for d in self.shape if not (d in (TOKENS, SEQUENCES, BLOCKS) or (isinstance(d, int) and d >= 1))]
         if bad:
             raise ConfigError(f"{where}: shape={self.shape} has {bad}; use ints >= 1, {TOKENS!r}, {SEQUENCES!r}, {BLOCKS!r}")

@@ -38,8 +38,8 @@ def host_read_error(hook: str, what: str, where: str) -> ReplayError:
     return ReplayError(
         f"{hook} read a device value on the host during a replay step ({what}{where}): on a device "
         "that read waits for the device to finish, every step. Read a host copy instead (a buffer "
-        "allocated with graphmode.buffers.host_zeros, or the engine's host-side values such as "
-        "attn_metadata.kv_seqlens_cpu), or keep the value on the device"
+        "declared BufferSpec(..., host=True), read as meta.input_buffers[name], filled from the engine's "
+        "host-side values such as attn_metadata.kv_seqlens_cpu), or keep the value on the device"
     )
 
 
