@@ -28,7 +28,9 @@ from graphmode import buffers, hookimpl
 from graphmode.buckets import next_power_of_2, smallest_bucket
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.model import ReferenceAttentionOps
+from graphmode.model.ops import attend, owned_positions
 from graphmode.plugins.info import probe_runtime
+from graphmode.spec import SEQUENCES
 from graphmode_ascend.graph import AscendGraph
 
 __all__ = ["BROKEN", "OPTIONS", "ORIGINALS", "variant"]
@@ -396,6 +398,88 @@ def _graphs_kept_in_a_registry(meta):
     return graph
 
 
+# -- Classes that passed the suite before 2026-11-26's probe (or failed it naming no hook) --
+
+
+class _SplitMergeOps(ReferenceAttentionOps):
+    """Decode attention whose split-KV merge keeps only the last four
+    partitions of 64 tokens: right up to 256 cached tokens, wrong above (the
+    harness's graphs hold at most 128)."""
+
+    window = 256
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        if query.shape[0] != attn.block_offsets.shape[0]:
+            return super().paged_decode_attention(query, k_cache, v_cache, attn, scale)
+        keys = self._gather(k_cache, attn.block_offsets, query.shape[-1])
+        values = self._gather(v_cache, attn.block_offsets, query.shape[-1])
+        positions = torch.arange(keys.shape[1], device=query.device)[None, :]
+        limit = self._decode_limit(attn)
+        visible = (positions < limit) & (positions >= limit - self.window)
+        return attend(query, keys, values, visible & owned_positions(attn.block_offsets, keys.shape[1]), scale)
+
+
+# 30. A kernel path taken for long contexts only.
+@hookimpl
+def _split_merge_ops():
+    return _SplitMergeOps()
+
+
+class _UniformOffsetOps(ReferenceAttentionOps):
+    """Prefill attention with one causal offset for the whole batch, the
+    first sequence's kv_len - q_len: right for fresh prefills (offset 0
+    everywhere) and for one sequence, wrong in a mixed step of decodes and a
+    chunk. Graphs and eager alike, so only the reference kernels see it."""
+
+    def prefill_attention(self, query, k_cache, v_cache, attn, scale):
+        q_lens, kv_lens = attn.q_seqlens.tolist(), attn.kv_seqlens.tolist()
+        offset = kv_lens[0] - q_lens[0]
+        lengths = torch.tensor([min(offset + q, kv) for q, kv in zip(q_lens, kv_lens)], dtype=attn.kv_seqlens.dtype)
+        planned = dataclasses.replace(attn, kv_seqlens=lengths.to(attn.kv_seqlens.device))
+        return super().prefill_attention(query, k_cache, v_cache, planned, scale)
+
+
+# 31. One causal offset for a mixed step's every sequence.
+@hookimpl
+def _uniform_offset_ops():
+    return _UniformOffsetOps()
+
+
+# 32. x_active_mask declared per sequence ("one flag per request"): in a
+#     graph of q_len 2 it has a flag for the first bucket tokens only.
+@hookimpl
+def _mask_per_sequence_spec():
+    return ascend.ASCEND_SPEC.replace(buffers=tuple(
+        dataclasses.replace(b, shape=(SEQUENCES,)) if b.name == "x_active_mask" else b
+        for b in ascend.ASCEND_SPEC.buffers
+    ))
+
+
+# 33. Logits returned as float16 ("for the sampler"): at float32 they differ
+#     from eager's by less than float16's precision, and torch.allclose
+#     refuses to compare them ("Half did not match Float", naming nothing).
+@hookimpl
+def _outputs_as_half(meta, batch_size, num_tokens):
+    return meta.output_buffers["output"][:, :num_tokens].to(torch.float16)
+
+
+class _ClampedSlotOps(ReferenceAttentionOps):
+    """A fill-cache kernel clamping slots to 0 ("negative slots are invalid
+    indices"): every padding token writes slot 0 of the reserved block."""
+
+    def fill_kv_cache(self, key, value, k_cache, v_cache, attn):
+        slots = self._slots(attn).clamp(min=0).long()
+        for cache, values in ((k_cache, key), (v_cache, value)):
+            blocks = self.block_view(cache, values.shape[-1])
+            blocks[slots // blocks.shape[1], slots % blocks.shape[1]] = values.to(blocks.dtype)
+
+
+# 34. Padding slots clamped to slot 0 in the fill-cache kernel.
+@hookimpl
+def _clamped_slot_ops():
+    return _ClampedSlotOps()
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -428,6 +512,12 @@ BROKEN = {
     "pushed_padding_stale": variant(ascend, "pushed_padding_stale", graphmode_update_graph_params=_push_live_rows_only),
     "graphs_kept_in_a_registry": variant(
         ascend, "graphs_kept_in_a_registry", graphmode_make_graph=_graphs_kept_in_a_registry),
+    # The probe of 2026-11-26.
+    "long_context_path": variant(cuda, "long_context_path", graphmode_attention_ops=_split_merge_ops),
+    "one_offset_for_a_mixed_step": variant(cuda, "one_offset_for_a_mixed_step", graphmode_attention_ops=_uniform_offset_ops),
+    "active_mask_per_sequence": variant(ascend, "active_mask_per_sequence", graphmode_graph_spec=_mask_per_sequence_spec),
+    "outputs_as_half": variant(cuda, "outputs_as_half", graphmode_get_outputs=_outputs_as_half),
+    "padding_slot_clamped_to_zero": variant(maca, "padding_slot_clamped_to_zero", graphmode_attention_ops=_clamped_slot_ops),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

@@ -143,6 +143,31 @@ DIAGNOSES = {
         "Something outside the runner keeps the graphs graphmode_make_graph returned",
         "device memory grows with every reset or reload though outputs are right",
     ),
+    # The probe of 2026-11-26.
+    "long_context_path": (
+        "[kernels] vendor cuda: on the decode 1 with a 1028-token context step",
+        "differing from graphmode's reference kernels",
+        "graphmode_attention_ops",
+        "with a long context: a path taken above some length only (split-KV partitions and their merge)",
+    ),
+    "one_offset_for_a_mixed_step": (
+        "[kernels] vendor cuda: on the mixed (4 decodes, a chunk of 9) step",
+        "graphmode_attention_ops",
+        "a causal offset (kv length - query length) taken for the whole batch rather than per sequence",
+    ),
+    "active_mask_per_sequence": (
+        "[x_active_mask] vendor ascend: in a graph of q_len 2, batch 3 in bucket 4 (6 live tokens of 8 token rows)",
+        "x_active_mask declared or filled per sequence",
+        "declare it shape (TOKENS,) in graphmode_graph_spec",
+    ),
+    "outputs_as_half": (
+        "graph output has dtype torch.float16, eager torch.float32",
+        "graphmode_get_outputs converted the graph's output",
+    ),
+    "padding_slot_clamped_to_zero": (
+        "cache slots of layer 0 that no live token of this step writes (slot 0: the reserved block 0)",
+        "a padding row's slot -1 became slot 0, in the vendor's fill_kv_cache (graphmode_attention_ops: a clamp",
+    ),
 }
 
 

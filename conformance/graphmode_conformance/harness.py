@@ -306,6 +306,12 @@ class Harness:
             raise ConformanceFailure(
                 f"{where}: graph output has shape {shape}, eager {tuple(eager.shape)}. Likely cause: {cause}"
             )
+        if graph.dtype != eager.dtype:
+            raise ConformanceFailure(
+                f"{where}: graph output has dtype {graph.dtype}, eager {eager.dtype}. Likely cause: "
+                "graphmode_get_outputs converted the graph's output (it must return the output buffer's rows as the "
+                "model computed them; an engine that wants another dtype converts them itself)"
+            )
         atol, rtol = _tolerance(eager.dtype)
         if torch.allclose(graph, eager, atol=atol, rtol=rtol):
             return
@@ -380,6 +386,14 @@ class Harness:
                             f"slot {slots[0]} is the cache's last slot: the vendor's fill_kv_cache "
                             "(graphmode_attention_ops) indexed the cache with a padding row's slot -1, which "
                             "Python and torch read as the last element. A slot < 0 must write nothing: mask it "
+                            "(graphmode.model.ops.write_slots does)"
+                        )
+                    elif slots == [0]:
+                        cause = (
+                            "slot 0 is the first slot of the reserved block 0: a padding row's slot -1 became slot "
+                            "0, in the vendor's fill_kv_cache (graphmode_attention_ops: a clamp, or a -1 redirected "
+                            "to 0 and written), or the padding slot itself was 0 (in a full-graph step the "
+                            "declared-buffer check, run first, names that). A slot < 0 must write nothing: mask it "
                             "(graphmode.model.ops.write_slots does)"
                         )
                     raise ConformanceFailure(
