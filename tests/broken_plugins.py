@@ -30,7 +30,7 @@ from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.model import ReferenceAttentionOps
 from graphmode.model.ops import attend, owned_positions
 from graphmode.plugins.info import probe_runtime
-from graphmode.spec import SEQUENCES
+from graphmode.spec import BLOCKS, SEQUENCES
 from graphmode_ascend.graph import AscendGraph
 
 __all__ = ["BROKEN", "OPTIONS", "ORIGINALS", "variant"]
@@ -480,6 +480,39 @@ def _clamped_slot_ops():
     return _ClampedSlotOps()
 
 
+# 35. A vendor declaring the host_staging capability whose own fill writes
+#     the device buffers directly (its copies, not graphmode.buffers.stage):
+#     right with device inputs; with host staging the pinned mirror's copy
+#     overwrites every write before the replay.
+@hookimpl
+def _direct_fill(meta, inputs, batch_size, bucket):
+    tokens = inputs.num_tokens
+    for spec in meta.spec.buffers:
+        if not spec.written:
+            continue
+        buffer, padding, row = meta.input_buffers[spec.name], meta.padding_buffers[spec.name], spec.row_dim
+        live, full = (tokens, bucket * tokens // batch_size) if spec.per_token else (batch_size, bucket)
+        buffer.narrow(row, 0, full).copy_(padding.narrow(row, 0, full))
+        target = buffer.narrow(row, 0, live)
+        if spec.live is not None:
+            target.fill_(spec.live)
+            continue
+        if callable(spec.source):
+            value = spec.source(inputs)
+        else:
+            value = next(v for v in (buffers.step_value(inputs, path) for path in spec.sources) if v is not None)
+        if BLOCKS in spec.shape:
+            target = target.narrow(spec.shape.index(BLOCKS), 0, value.shape[spec.shape.index(BLOCKS)])
+        target.copy_(value.reshape(target.shape))
+    return True
+
+
+@hookimpl
+def _info_with_host_staging():
+    info = camb.graphmode_vendor_info()
+    return dataclasses.replace(info, capabilities=info.capabilities | {"host_staging"})
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -518,6 +551,9 @@ BROKEN = {
     "active_mask_per_sequence": variant(ascend, "active_mask_per_sequence", graphmode_graph_spec=_mask_per_sequence_spec),
     "outputs_as_half": variant(cuda, "outputs_as_half", graphmode_get_outputs=_outputs_as_half),
     "padding_slot_clamped_to_zero": variant(maca, "padding_slot_clamped_to_zero", graphmode_attention_ops=_clamped_slot_ops),
+    "direct_writes_with_host_staging": variant(
+        camb, "direct_writes_with_host_staging", graphmode_fill_buffers=_direct_fill,
+        graphmode_vendor_info=_info_with_host_staging),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

@@ -168,6 +168,11 @@ DIAGNOSES = {
         "cache slots of layer 0 that no live token of this step writes (slot 0: the reserved block 0)",
         "a padding row's slot -1 became slot 0, in the vendor's fill_kv_cache (graphmode_attention_ops: a clamp",
     ),
+    "direct_writes_with_host_staging": (
+        "[declared buffers] vendor camb on cpu, host staging (step inputs on the host: every buffer write of "
+        "graphmode_fill_buffers must go through graphmode.buffers.stage, which routes it to the pinned mirror)",
+        "graphmode_fill_buffers did not copy the step's values into the live rows",
+    ),
 }
 
 

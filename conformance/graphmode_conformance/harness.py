@@ -29,6 +29,7 @@ from graphmode.context import StepInputs
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.piecewise.breaks import kernels_taking_out
+from graphmode.staging import to_host
 from graphmode_conformance.sizes import Sizes
 from graphmode_conformance.structure import (
     ConformanceFailure,
@@ -63,6 +64,7 @@ class Harness:
     contexts: dict[int, StepInputs] = field(default_factory=dict)
     declared: DeclaredBuffers | None = None
     variant: str = ""  # ", vendor_options {...}" when the run gave some
+    host_inputs: bool = False  # the runner gets host copies of each step's tensors (host staging)
     _recording: bool = False
     _captured_context: StepInputs | None = None
 
@@ -236,6 +238,8 @@ class Harness:
         return f"the runner raised {type(error).__name__}{where}: {error}"
 
     def _call_runner(self, inputs: StepInputs) -> Any:
+        if self.host_inputs:
+            inputs = to_host(inputs, self.device)
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata)
 
     def _compared(
