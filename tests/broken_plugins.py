@@ -513,6 +513,19 @@ def _info_with_host_staging():
     return dataclasses.replace(info, capabilities=info.capabilities | {"host_staging"})
 
 
+# 36. The block table copied as a flat run of numel() elements from the step
+#     tensor's first one (a copy by data_ptr and numel, as a C++ helper
+#     does): right for a contiguous table, wrong for the first columns of an
+#     engine's persistent wider table.
+@hookimpl(wrapper=True)
+def _flat_table_copy(meta, inputs, batch_size, bucket):
+    result = yield
+    table = inputs.attn_metadata.block_offsets
+    flat = torch.as_strided(table, (table.numel(),), (1,), table.storage_offset())
+    meta.input_buffers["block_offsets"][:batch_size, : table.shape[1]].copy_(flat.view(table.shape))
+    return result
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -554,6 +567,7 @@ BROKEN = {
     "direct_writes_with_host_staging": variant(
         camb, "direct_writes_with_host_staging", graphmode_fill_buffers=_direct_fill,
         graphmode_vendor_info=_info_with_host_staging),
+    "table_copied_as_contiguous": variant(camb, "table_copied_as_contiguous", graphmode_fill_buffers=_flat_table_copy),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

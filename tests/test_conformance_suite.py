@@ -173,6 +173,12 @@ DIAGNOSES = {
         "graphmode_fill_buffers must go through graphmode.buffers.stage, which routes it to the pinned mirror)",
         "graphmode_fill_buffers did not copy the step's values into the live rows",
     ),
+    "table_copied_as_contiguous": (
+        "[declared buffers] vendor camb on cpu, block tables sliced from a wider table (not contiguous: a copy of "
+        "numel() elements from the first one reads columns of other rows)",
+        "buffer block_offsets live rows",
+        "graphmode_fill_buffers did not copy the step's values into the live rows",
+    ),
 }
 
 

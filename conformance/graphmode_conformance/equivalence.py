@@ -123,6 +123,18 @@ class GraphEqualsEagerTests(ConformanceFixtures):
                 continue
             harness.step(chosen)
 
+    def test_block_tables_sliced_from_a_wider_table(self, harness):
+        """An engine keeping one persistent block table passes each step's as
+        its first columns (``table[:batch, :width]``): not contiguous. A fill
+        copying it as a flat run of elements (a copy by data_ptr and numel)
+        reads other rows' columns."""
+        harness.sliced_tables = True
+        harness.variant += (", block tables sliced from a wider table (not contiguous: a copy of numel() elements "
+                            "from the first one reads columns of other rows)")
+        seqs = harness.start(8)
+        for batch in (8, 5, 8, 3):
+            harness.step(seqs[:batch])
+
     def test_steps_built_on_the_host_with_host_staging(self, build_harness, vendor, device):
         """An engine building its steps on the host (as vLLM's pinned
         CpuGpuBuffer does) feeds the graphs through host staging where the

@@ -18,6 +18,7 @@ through the model into another. After every step:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,9 @@ class Harness:
     declared: DeclaredBuffers | None = None
     variant: str = ""  # ", vendor_options {...}" when the run gave some
     host_inputs: bool = False  # the runner gets host copies of each step's tensors (host staging)
+    # The runner gets each step's block table as the first columns of a wider
+    # table (not contiguous), as an engine slicing a persistent table passes it.
+    sliced_tables: bool = False
     _recording: bool = False
     _captured_context: StepInputs | None = None
 
@@ -238,6 +242,12 @@ class Harness:
         return f"the runner raised {type(error).__name__}{where}: {error}"
 
     def _call_runner(self, inputs: StepInputs) -> Any:
+        if self.sliced_tables:
+            table = inputs.attn_metadata.block_offsets
+            wider = table.new_zeros(table.shape[0], table.shape[1] + 3)
+            wider[:, : table.shape[1]] = table
+            attn = dataclasses.replace(inputs.attn_metadata, block_offsets=wider[:, : table.shape[1]])
+            inputs = dataclasses.replace(inputs, attn_metadata=attn)
         if self.host_inputs:
             inputs = to_host(inputs, self.device)
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata)
