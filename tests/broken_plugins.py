@@ -526,6 +526,29 @@ def _flat_table_copy(meta, inputs, batch_size, bucket):
     return result
 
 
+# 37. Host kv lengths double-buffered (two host lists taken in turn, so the
+#     host never writes a list a replay may still read), the index slipped:
+#     every replay in a bucket reads the previous step's lengths.
+@hookimpl
+def _push_previous(graph, meta, batch_size, bucket):
+    lists = meta.vendor_state.setdefault("lengths", [None, None])
+    turn = meta.vendor_state["turn"] = 1 - meta.vendor_state.get("turn", 0)
+    lists[turn] = meta.input_buffers["kv_seqlens"][:bucket].tolist()
+    previous = lists[1 - turn]
+    graph.push_kv_lengths(previous if previous is not None and len(previous) == bucket else lists[turn])
+
+
+# 38. The buffer slice to push from cached at module level per bucket ("no
+#     slicing on the replay path"): a second runner pushes the first
+#     runner's lengths.
+_SLICES: dict[int, torch.Tensor] = {}
+
+
+@hookimpl
+def _push_from_a_cached_slice(graph, meta, batch_size, bucket):
+    graph.push_kv_lengths(_SLICES.setdefault(bucket, meta.input_buffers["kv_seqlens"][:bucket]).tolist())
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -568,6 +591,9 @@ BROKEN = {
         camb, "direct_writes_with_host_staging", graphmode_fill_buffers=_direct_fill,
         graphmode_vendor_info=_info_with_host_staging),
     "table_copied_as_contiguous": variant(camb, "table_copied_as_contiguous", graphmode_fill_buffers=_flat_table_copy),
+    "pushes_the_previous_step": variant(ascend, "pushes_the_previous_step", graphmode_update_graph_params=_push_previous),
+    "pushes_another_runners_lengths": variant(
+        ascend, "pushes_another_runners_lengths", graphmode_update_graph_params=_push_from_a_cached_slice),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

@@ -179,6 +179,17 @@ DIAGNOSES = {
         "buffer block_offsets live rows",
         "graphmode_fill_buffers did not copy the step's values into the live rows",
     ),
+    "pushes_the_previous_step": (
+        "[graph equals eager] vendor ascend on cpu, vendor_options {'update_path': 'graph_update'}, batch 7, bucket 8",
+        "reads actual_seq_lengths_kv [66, 63, 60, 57, 54, 51, 48, 45], whose live rows 0..6 are not this step's",
+        "they are what buffer kv_seqlens held before this step's fill: the previous step's values. Hook: "
+        "graphmode_update_graph_params must push this step's rows",
+    ),
+    "pushes_another_runners_lengths": (
+        "reads actual_seq_lengths_kv",
+        "they match no host buffer: values from an earlier step, or from another runner's buffers",
+        "Hook: graphmode_update_graph_params must push this step's rows",
+    ),
 }
 
 
