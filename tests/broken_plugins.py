@@ -28,7 +28,9 @@ from graphmode import buffers, hookimpl
 from graphmode.buckets import next_power_of_2, smallest_bucket
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.model import ReferenceAttentionOps
+from graphmode.model.ops import attend, owned_positions
 from graphmode.plugins.info import probe_runtime
+from graphmode.spec import BLOCKS, SEQUENCES
 from graphmode_ascend.graph import AscendGraph
 
 __all__ = ["BROKEN", "OPTIONS", "ORIGINALS", "variant"]
@@ -396,6 +398,157 @@ def _graphs_kept_in_a_registry(meta):
     return graph
 
 
+# -- Classes that passed the suite before 2026-11-26's probe (or failed it naming no hook) --
+
+
+class _SplitMergeOps(ReferenceAttentionOps):
+    """Decode attention whose split-KV merge keeps only the last four
+    partitions of 64 tokens: right up to 256 cached tokens, wrong above (the
+    harness's graphs hold at most 128)."""
+
+    window = 256
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        if query.shape[0] != attn.block_offsets.shape[0]:
+            return super().paged_decode_attention(query, k_cache, v_cache, attn, scale)
+        keys = self._gather(k_cache, attn.block_offsets, query.shape[-1])
+        values = self._gather(v_cache, attn.block_offsets, query.shape[-1])
+        positions = torch.arange(keys.shape[1], device=query.device)[None, :]
+        limit = self._decode_limit(attn)
+        visible = (positions < limit) & (positions >= limit - self.window)
+        return attend(query, keys, values, visible & owned_positions(attn.block_offsets, keys.shape[1]), scale)
+
+
+# 30. A kernel path taken for long contexts only.
+@hookimpl
+def _split_merge_ops():
+    return _SplitMergeOps()
+
+
+class _UniformOffsetOps(ReferenceAttentionOps):
+    """Prefill attention with one causal offset for the whole batch, the
+    first sequence's kv_len - q_len: right for fresh prefills (offset 0
+    everywhere) and for one sequence, wrong in a mixed step of decodes and a
+    chunk. Graphs and eager alike, so only the reference kernels see it."""
+
+    def prefill_attention(self, query, k_cache, v_cache, attn, scale):
+        q_lens, kv_lens = attn.q_seqlens.tolist(), attn.kv_seqlens.tolist()
+        offset = kv_lens[0] - q_lens[0]
+        lengths = torch.tensor([min(offset + q, kv) for q, kv in zip(q_lens, kv_lens)], dtype=attn.kv_seqlens.dtype)
+        planned = dataclasses.replace(attn, kv_seqlens=lengths.to(attn.kv_seqlens.device))
+        return super().prefill_attention(query, k_cache, v_cache, planned, scale)
+
+
+# 31. One causal offset for a mixed step's every sequence.
+@hookimpl
+def _uniform_offset_ops():
+    return _UniformOffsetOps()
+
+
+# 32. x_active_mask declared per sequence ("one flag per request"): in a
+#     graph of q_len 2 it has a flag for the first bucket tokens only.
+@hookimpl
+def _mask_per_sequence_spec():
+    return ascend.ASCEND_SPEC.replace(buffers=tuple(
+        dataclasses.replace(b, shape=(SEQUENCES,)) if b.name == "x_active_mask" else b
+        for b in ascend.ASCEND_SPEC.buffers
+    ))
+
+
+# 33. Logits returned as float16 ("for the sampler"): at float32 they differ
+#     from eager's by less than float16's precision, and torch.allclose
+#     refuses to compare them ("Half did not match Float", naming nothing).
+@hookimpl
+def _outputs_as_half(meta, batch_size, num_tokens):
+    return meta.output_buffers["output"][:, :num_tokens].to(torch.float16)
+
+
+class _ClampedSlotOps(ReferenceAttentionOps):
+    """A fill-cache kernel clamping slots to 0 ("negative slots are invalid
+    indices"): every padding token writes slot 0 of the reserved block."""
+
+    def fill_kv_cache(self, key, value, k_cache, v_cache, attn):
+        slots = self._slots(attn).clamp(min=0).long()
+        for cache, values in ((k_cache, key), (v_cache, value)):
+            blocks = self.block_view(cache, values.shape[-1])
+            blocks[slots // blocks.shape[1], slots % blocks.shape[1]] = values.to(blocks.dtype)
+
+
+# 34. Padding slots clamped to slot 0 in the fill-cache kernel.
+@hookimpl
+def _clamped_slot_ops():
+    return _ClampedSlotOps()
+
+
+# 35. A vendor declaring the host_staging capability whose own fill writes
+#     the device buffers directly (its copies, not graphmode.buffers.stage):
+#     right with device inputs; with host staging the pinned mirror's copy
+#     overwrites every write before the replay.
+@hookimpl
+def _direct_fill(meta, inputs, batch_size, bucket):
+    tokens = inputs.num_tokens
+    for spec in meta.spec.buffers:
+        if not spec.written:
+            continue
+        buffer, padding, row = meta.input_buffers[spec.name], meta.padding_buffers[spec.name], spec.row_dim
+        live, full = (tokens, bucket * tokens // batch_size) if spec.per_token else (batch_size, bucket)
+        buffer.narrow(row, 0, full).copy_(padding.narrow(row, 0, full))
+        target = buffer.narrow(row, 0, live)
+        if spec.live is not None:
+            target.fill_(spec.live)
+            continue
+        if callable(spec.source):
+            value = spec.source(inputs)
+        else:
+            value = next(v for v in (buffers.step_value(inputs, path) for path in spec.sources) if v is not None)
+        if BLOCKS in spec.shape:
+            target = target.narrow(spec.shape.index(BLOCKS), 0, value.shape[spec.shape.index(BLOCKS)])
+        target.copy_(value.reshape(target.shape))
+    return True
+
+
+@hookimpl
+def _info_with_host_staging():
+    info = camb.graphmode_vendor_info()
+    return dataclasses.replace(info, capabilities=info.capabilities | {"host_staging"})
+
+
+# 36. The block table copied as a flat run of numel() elements from the step
+#     tensor's first one (a copy by data_ptr and numel, as a C++ helper
+#     does): right for a contiguous table, wrong for the first columns of an
+#     engine's persistent wider table.
+@hookimpl(wrapper=True)
+def _flat_table_copy(meta, inputs, batch_size, bucket):
+    result = yield
+    table = inputs.attn_metadata.block_offsets
+    flat = torch.as_strided(table, (table.numel(),), (1,), table.storage_offset())
+    meta.input_buffers["block_offsets"][:batch_size, : table.shape[1]].copy_(flat.view(table.shape))
+    return result
+
+
+# 37. Host kv lengths double-buffered (two host lists taken in turn, so the
+#     host never writes a list a replay may still read), the index slipped:
+#     every replay in a bucket reads the previous step's lengths.
+@hookimpl
+def _push_previous(graph, meta, batch_size, bucket):
+    lists = meta.vendor_state.setdefault("lengths", [None, None])
+    turn = meta.vendor_state["turn"] = 1 - meta.vendor_state.get("turn", 0)
+    lists[turn] = meta.input_buffers["kv_seqlens"][:bucket].tolist()
+    previous = lists[1 - turn]
+    graph.push_kv_lengths(previous if previous is not None and len(previous) == bucket else lists[turn])
+
+
+# 38. The buffer slice to push from cached at module level per bucket ("no
+#     slicing on the replay path"): a second runner pushes the first
+#     runner's lengths.
+_SLICES: dict[int, torch.Tensor] = {}
+
+
+@hookimpl
+def _push_from_a_cached_slice(graph, meta, batch_size, bucket):
+    graph.push_kv_lengths(_SLICES.setdefault(bucket, meta.input_buffers["kv_seqlens"][:bucket]).tolist())
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -428,6 +581,19 @@ BROKEN = {
     "pushed_padding_stale": variant(ascend, "pushed_padding_stale", graphmode_update_graph_params=_push_live_rows_only),
     "graphs_kept_in_a_registry": variant(
         ascend, "graphs_kept_in_a_registry", graphmode_make_graph=_graphs_kept_in_a_registry),
+    # The probe of 2026-11-26.
+    "long_context_path": variant(cuda, "long_context_path", graphmode_attention_ops=_split_merge_ops),
+    "one_offset_for_a_mixed_step": variant(cuda, "one_offset_for_a_mixed_step", graphmode_attention_ops=_uniform_offset_ops),
+    "active_mask_per_sequence": variant(ascend, "active_mask_per_sequence", graphmode_graph_spec=_mask_per_sequence_spec),
+    "outputs_as_half": variant(cuda, "outputs_as_half", graphmode_get_outputs=_outputs_as_half),
+    "padding_slot_clamped_to_zero": variant(maca, "padding_slot_clamped_to_zero", graphmode_attention_ops=_clamped_slot_ops),
+    "direct_writes_with_host_staging": variant(
+        camb, "direct_writes_with_host_staging", graphmode_fill_buffers=_direct_fill,
+        graphmode_vendor_info=_info_with_host_staging),
+    "table_copied_as_contiguous": variant(camb, "table_copied_as_contiguous", graphmode_fill_buffers=_flat_table_copy),
+    "pushes_the_previous_step": variant(ascend, "pushes_the_previous_step", graphmode_update_graph_params=_push_previous),
+    "pushes_another_runners_lengths": variant(
+        ascend, "pushes_another_runners_lengths", graphmode_update_graph_params=_push_from_a_cached_slice),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

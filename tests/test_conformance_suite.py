@@ -143,6 +143,53 @@ DIAGNOSES = {
         "Something outside the runner keeps the graphs graphmode_make_graph returned",
         "device memory grows with every reset or reload though outputs are right",
     ),
+    # The probe of 2026-11-26.
+    "long_context_path": (
+        "[kernels] vendor cuda: on the decode 1 with a 1028-token context step",
+        "differing from graphmode's reference kernels",
+        "graphmode_attention_ops",
+        "with a long context: a path taken above some length only (split-KV partitions and their merge)",
+    ),
+    "one_offset_for_a_mixed_step": (
+        "[kernels] vendor cuda: on the mixed (4 decodes, a chunk of 9) step",
+        "graphmode_attention_ops",
+        "a causal offset (kv length - query length) taken for the whole batch rather than per sequence",
+    ),
+    "active_mask_per_sequence": (
+        "[x_active_mask] vendor ascend: in a graph of q_len 2, batch 3 in bucket 4 (6 live tokens of 8 token rows)",
+        "x_active_mask declared or filled per sequence",
+        "declare it shape (TOKENS,) in graphmode_graph_spec",
+    ),
+    "outputs_as_half": (
+        "graph output has dtype torch.float16, eager torch.float32",
+        "graphmode_get_outputs converted the graph's output",
+    ),
+    "padding_slot_clamped_to_zero": (
+        "cache slots of layer 0 that no live token of this step writes (slot 0: the reserved block 0)",
+        "a padding row's slot -1 became slot 0, in the vendor's fill_kv_cache (graphmode_attention_ops: a clamp",
+    ),
+    "direct_writes_with_host_staging": (
+        "[declared buffers] vendor camb on cpu, host staging (step inputs on the host: every buffer write of "
+        "graphmode_fill_buffers must go through graphmode.buffers.stage, which routes it to the pinned mirror)",
+        "graphmode_fill_buffers did not copy the step's values into the live rows",
+    ),
+    "table_copied_as_contiguous": (
+        "[declared buffers] vendor camb on cpu, block tables sliced from a wider table (not contiguous: a copy of "
+        "numel() elements from the first one reads columns of other rows)",
+        "buffer block_offsets live rows",
+        "graphmode_fill_buffers did not copy the step's values into the live rows",
+    ),
+    "pushes_the_previous_step": (
+        "[graph equals eager] vendor ascend on cpu, vendor_options {'update_path': 'graph_update'}, batch 7, bucket 8",
+        "reads actual_seq_lengths_kv [66, 63, 60, 57, 54, 51, 48, 45], whose live rows 0..6 are not this step's",
+        "they are what buffer kv_seqlens held before this step's fill: the previous step's values. Hook: "
+        "graphmode_update_graph_params must push this step's rows",
+    ),
+    "pushes_another_runners_lengths": (
+        "reads actual_seq_lengths_kv",
+        "they match no host buffer: values from an earlier step, or from another runner's buffers",
+        "Hook: graphmode_update_graph_params must push this step's rows",
+    ),
 }
 
 

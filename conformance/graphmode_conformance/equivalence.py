@@ -5,6 +5,9 @@ the KV cache (see the harness)."""
 
 from __future__ import annotations
 
+import pytest
+
+from graphmode.staging import staging_refusal
 from graphmode_conformance.fixtures import ConformanceFixtures
 
 __all__ = ["USER_CAPTURE_SIZES", "GraphEqualsEagerTests"]
@@ -119,3 +122,34 @@ class GraphEqualsEagerTests(ConformanceFixtures):
                 live = [s for s in live if s not in chosen] + harness.start(batch)
                 continue
             harness.step(chosen)
+
+    def test_block_tables_sliced_from_a_wider_table(self, harness):
+        """An engine keeping one persistent block table passes each step's as
+        its first columns (``table[:batch, :width]``): not contiguous. A fill
+        copying it as a flat run of elements (a copy by data_ptr and numel)
+        reads other rows' columns."""
+        harness.sliced_tables = True
+        harness.variant += (", block tables sliced from a wider table (not contiguous: a copy of numel() elements "
+                            "from the first one reads columns of other rows)")
+        seqs = harness.start(8)
+        for batch in (8, 5, 8, 3):
+            harness.step(seqs[:batch])
+
+    def test_steps_built_on_the_host_with_host_staging(self, build_harness, vendor, device):
+        """An engine building its steps on the host (as vLLM's pinned
+        CpuGpuBuffer does) feeds the graphs through host staging where the
+        vendor allows it (graphmode.staging): every write of its fill goes to
+        a pinned mirror, copied into the device buffers before the replay, so
+        a write made to the device buffers directly is overwritten."""
+        refusal = staging_refusal(vendor, device)
+        if refusal is not None:
+            pytest.skip(f"host staging: {refusal}")
+        harness = build_harness(host_staging=True)
+        harness.host_inputs = True
+        harness.variant += (", host staging (step inputs on the host: every buffer write of graphmode_fill_buffers "
+                            "must go through graphmode.buffers.stage, which routes it to the pinned mirror)")
+        largest = harness.sizes.max_batches
+        seqs = harness.start(largest)
+        for batch in (largest, largest - 3, 5, largest, 1, 7, 6):
+            harness.step(seqs[:batch])
+        assert harness.runner.staging is not None, "host inputs with host_staging=True and no staging"

@@ -18,6 +18,7 @@ through the model into another. After every step:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from graphmode.context import StepInputs
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.piecewise.breaks import kernels_taking_out
+from graphmode.staging import to_host
 from graphmode_conformance.sizes import Sizes
 from graphmode_conformance.structure import (
     ConformanceFailure,
@@ -63,6 +65,10 @@ class Harness:
     contexts: dict[int, StepInputs] = field(default_factory=dict)
     declared: DeclaredBuffers | None = None
     variant: str = ""  # ", vendor_options {...}" when the run gave some
+    host_inputs: bool = False  # the runner gets host copies of each step's tensors (host staging)
+    # The runner gets each step's block table as the first columns of a wider
+    # table (not contiguous), as an engine slicing a persistent table passes it.
+    sliced_tables: bool = False
     _recording: bool = False
     _captured_context: StepInputs | None = None
 
@@ -194,7 +200,18 @@ class Harness:
             if context is not None:
                 check_context(where, meta.spec, meta, context, batch, bucket)
         where = f"[{self.check}] {where}"
-        self._check_outputs(where, graph, eager, seqs, phase, raw=raw)
+        try:
+            self._check_outputs(where, graph, eager, seqs, phase, raw=raw)
+        except ConformanceFailure as failure:
+            if meta is None or bucket is None or phase != "replay" or self.device.type != "cpu":
+                raise
+            from graphmode_conformance.unseen import pushed_values_cause  # it imports this module
+
+            pushed = pushed_values_cause(self, batch, bucket, buffers_before)
+            if pushed is None:
+                raise
+            message = str(failure)
+            raise ConformanceFailure(message.split(" Likely cause: ")[0] + f" Likely cause: {pushed}") from None
         if graph_step and bucket is not None and phase == "replay" and self.check != "reserved block":
             captured = self.runner.graph(bucket, inputs.input_ids.shape[-1] // batch)
             if captured is not None:
@@ -240,6 +257,14 @@ class Harness:
         return f"the runner raised {type(error).__name__}{where}: {error}"
 
     def _call_runner(self, inputs: StepInputs) -> Any:
+        if self.sliced_tables:
+            table = inputs.attn_metadata.block_offsets
+            wider = table.new_zeros(table.shape[0], table.shape[1] + 3)
+            wider[:, : table.shape[1]] = table
+            attn = dataclasses.replace(inputs.attn_metadata, block_offsets=wider[:, : table.shape[1]])
+            inputs = dataclasses.replace(inputs, attn_metadata=attn)
+        if self.host_inputs:
+            inputs = to_host(inputs, self.device)
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata)
 
     def _compared(
@@ -309,6 +334,12 @@ class Harness:
                 )
             raise ConformanceFailure(
                 f"{where}: graph output has shape {shape}, eager {tuple(eager.shape)}. Likely cause: {cause}"
+            )
+        if graph.dtype != eager.dtype:
+            raise ConformanceFailure(
+                f"{where}: graph output has dtype {graph.dtype}, eager {eager.dtype}. Likely cause: "
+                "graphmode_get_outputs converted the graph's output (it must return the output buffer's rows as the "
+                "model computed them; an engine that wants another dtype converts them itself)"
             )
         atol, rtol = _tolerance(eager.dtype)
         if torch.allclose(graph, eager, atol=atol, rtol=rtol):
@@ -384,6 +415,14 @@ class Harness:
                             f"slot {slots[0]} is the cache's last slot: the vendor's fill_kv_cache "
                             "(graphmode_attention_ops) indexed the cache with a padding row's slot -1, which "
                             "Python and torch read as the last element. A slot < 0 must write nothing: mask it "
+                            "(graphmode.model.ops.write_slots does)"
+                        )
+                    elif slots == [0]:
+                        cause = (
+                            "slot 0 is the first slot of the reserved block 0: a padding row's slot -1 became slot "
+                            "0, in the vendor's fill_kv_cache (graphmode_attention_ops: a clamp, or a -1 redirected "
+                            "to 0 and written), or the padding slot itself was 0 (in a full-graph step the "
+                            "declared-buffer check, run first, names that). A slot < 0 must write nothing: mask it "
                             "(graphmode.model.ops.write_slots does)"
                         )
                     raise ConformanceFailure(

@@ -21,6 +21,10 @@ __all__ = ["KernelTests"]
 
 # Two kernels, not one kernel twice: a float32 kernel may sum in another order.
 _TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+# A context past 1024 tokens: decode kernels split long contexts into partitions and merge
+# them (split-KV); the harness's graphs hold at most table width x block size (128) tokens.
+LONG = 1024
+_LONG_CHUNKS = (400, 300, 200, 128)  # LONG + 4 tokens
 
 
 class KernelTests(ConformanceFixtures):
@@ -34,10 +38,23 @@ class KernelTests(ConformanceFixtures):
         }
         tolerance = _TOLERANCE.get(model.config.dtype, 5e-2)
         seqs = [engine.add() for _ in range(5)]
-        steps = [("prefill", engine.prefill(seqs, [1, 7, 16, 23, 40]))]
-        steps += [(f"decode {i + 1}", engine.decode(seqs)) for i in range(3)]
+        steps = [("prefill", engine.prefill(seqs, [1, 7, 16, 23, 40]), "")]
+        steps += [(f"decode {i + 1}", engine.decode(seqs), "") for i in range(3)]
+        # A mixed step: four decodes and a chunk of the fifth, each sequence with a cached prefix of its own.
+        steps += [("mixed (4 decodes, a chunk of 9)", engine.prefill(seqs, [1, 1, 1, 1, 9]),
+                   "; in a mixed step: a causal offset (kv length - query length) taken for the whole batch "
+                   "rather than per sequence, or q_seqlens and kv_seqlens mixed up")]
+        # A context past LONG tokens, prefilled in chunks, then decoded beside the short sequences.
+        # Chunks of four sizes: shapes that repeat with other lengths are the planning-state test's.
+        long = engine.add()
+        steps += [(f"chunk {i + 1} of a {LONG + 4}-token prefill", engine.prefill([long], [chunk]),
+                   "; with a long context: a path taken above some length only")
+                  for i, chunk in enumerate(_LONG_CHUNKS)]
+        steps += [(f"decode {i + 1} with a {LONG + 4}-token context", engine.decode([*seqs, long]),
+                   "; with a long context: a path taken above some length only (split-KV partitions "
+                   "and their merge)") for i in range(2)]
         with torch.inference_mode():
-            for name, step in steps:
+            for name, step, hint in steps:
                 args = (step.input_ids, step.position_ids)
                 ours = model(*args, caches["vendor"], step.attn_metadata).float()
                 theirs = reference(*args, caches["reference"], step.attn_metadata).float()
@@ -46,12 +63,12 @@ class KernelTests(ConformanceFixtures):
                 if not difference <= tolerance * max(1.0, theirs.abs().max().item()):
                     token = int((ours - theirs).abs().amax(dim=-1)[0].argmax())
                     raise ConformanceFailure(
-                        f"[kernels] vendor {vendor.name}: on the {name} step (eager, 5 sequences) the vendor's "
+                        f"[kernels] vendor {vendor.name}: on the {name} step (eager, kv lengths {step.attn_metadata.kv_seqlens.tolist()}) the vendor's "
                         f"attention ops give logits differing from graphmode's reference kernels by {difference:.3g} "
                         f"(tolerance {tolerance:g} relative to the largest logit), most at token {token}. Likely "
                         "cause: a kernel of graphmode_attention_ops (fill_kv_cache, prefill_attention, "
                         "paged_decode_attention) computes something else than its contract (masking, scale, "
-                        "head mapping, softmax)"
+                        f"head mapping, softmax){hint}"
                     )
 
     def test_a_kernel_taking_out_writes_what_it_returns_without_it(self, harness, vendor):

@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from graphmode.errors import ConfigError
 from graphmode_conformance.fixtures import ConformanceFixtures
-from graphmode_conformance.harness import Harness
+from graphmode_conformance.harness import ConformanceFailure, Harness
 from graphmode_conformance.sizes import MIN_MAX_BATCHES
 
 __all__ = ["MultiTokenDecodeTests"]
@@ -85,3 +86,29 @@ class MultiTokenDecodeTests(ConformanceFixtures):
                 harness.finish(seqs)
                 seqs = harness.start(3)
             harness.decode(seqs, q_len)
+
+    def test_x_active_mask_marks_every_live_token(self, capabilities, multi_token_harness, vendor):
+        """MoE dispatch reads one x_active_mask flag per token: in a graph of
+        q_len 2, True for each of the batch's 2 x batch tokens, False for the
+        rest of the bucket's token rows."""
+        if "x_active_mask" not in capabilities:
+            pytest.skip("the vendor sets no x_active_mask")
+        harness, q_len, batch = multi_token_harness, 2, 3
+        seqs = harness.start(batch)
+        harness.decode(seqs, q_len)  # the capture
+        bucket = harness.runner.bucket_of(batch)
+        step = harness.engine.decode(seqs, q_len)
+        meta = harness.runner.graph_meta()
+        with torch.inference_mode():
+            vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+            static = vendor.hook.graphmode_update_context(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+        mask = static.attn_metadata.x_active_mask.tolist()
+        expected = [True] * (batch * q_len) + [False] * ((bucket - batch) * q_len)
+        if mask != expected:
+            raise ConformanceFailure(
+                f"[x_active_mask] vendor {vendor.name}: in a graph of q_len {q_len}, batch {batch} in bucket {bucket} "
+                f"({batch * q_len} live tokens of {bucket * q_len} token rows), the context's x_active_mask is "
+                f"{mask}, expected {expected}. Likely cause: x_active_mask declared or filled per sequence (one "
+                "flag per row of the batch); MoE dispatch reads one flag per token: declare it shape (TOKENS,) "
+                "in graphmode_graph_spec"
+            )

@@ -99,6 +99,35 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
         )
 
 
+def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[str, torch.Tensor]) -> str | None:
+    """Why a replay's outputs are wrong when, on the emulator, a host list the
+    bucket's graph reads (what graphmode_update_graph_params pushed) holds in
+    its live rows no host buffer's live rows of this step; None otherwise.
+    ``before``: the buffers before this step's fill (the previous step's)."""
+    if not harness.vendor.implements("graphmode_update_graph_params"):
+        return None
+    captured = harness.runner.graph(bucket)
+    graph = _emulated(captured.graph) if captured is not None else None
+    meta = harness.runner.graph_meta()
+    host = [spec.name for spec in meta.spec.buffers
+            if spec.host and not spec.per_token and meta.input_buffers[spec.name].dim() == 1]
+    if graph is None or not host:
+        return None
+    now = {name: meta.input_buffers[name][:bucket].tolist() for name in host}
+    for op, argument, values in graph.host_arguments():
+        if len(values) != bucket or any(rows[:batch] == values[:batch] for rows in now.values()):
+            continue
+        held = ", ".join(f"{name} {rows[:batch]}" for name, rows in now.items())
+        earlier = next((name for name in host if name in before and before[name][:batch].tolist() == values[:batch]), None)
+        which = (f"they are what buffer {earlier} held before this step's fill: the previous step's values"
+                 if earlier is not None else "they match no host buffer: values from an earlier step, or from "
+                 "another runner's buffers (a slice or list kept at module level, or keyed by bucket alone)")
+        return (f"at this replay the graph's {op} reads {argument} {values}, whose live rows 0..{batch - 1} are not "
+                f"this step's ({held}); {which}. Hook: graphmode_update_graph_params must push this step's rows "
+                "of its host buffer (meta.input_buffers[name][:bucket]) into the graph it is given, at every replay")
+    return None
+
+
 class UnseenByOutputsTests(ConformanceFixtures):
     def test_distributed_backend_ignores_the_device_index(self, vendor, device):
         """``graphmode_dist_backend`` for ``cuda:0`` (each rank's own device)
