@@ -29,8 +29,8 @@ import graphmode
 from graphmode.context import StepInputs
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
-from graphmode.piecewise.breaks import kernels_taking_out
 from graphmode.staging import to_host
+from graphmode_conformance.compare import check_padding_finite, compare_outputs, tolerance
 from graphmode_conformance.sizes import Sizes
 from graphmode_conformance.structure import (
     ConformanceFailure,
@@ -41,10 +41,6 @@ from graphmode_conformance.structure import (
 )
 
 __all__ = ["ConformanceFailure", "Harness", "Sizes"]
-
-
-def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    return (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2)
 
 
 @dataclass
@@ -215,7 +211,7 @@ class Harness:
         if graph_step and bucket is not None and phase == "replay" and self.check != "reserved block":
             captured = self.runner.graph(bucket, inputs.input_ids.shape[-1] // batch)
             if captured is not None:
-                _check_padding_finite(where, captured.meta, inputs.input_ids.shape[-1])
+                check_padding_finite(where, captured.meta, inputs.input_ids.shape[-1])
         self._check_cache(where, before, owners)
         return graph
 
@@ -312,69 +308,7 @@ class Harness:
     def _check_outputs(
         self, where: str, graph: Any, eager: torch.Tensor, seqs: list[int], phase: str, raw: Any = None,
     ) -> None:
-        if not isinstance(graph, torch.Tensor) or graph.shape != eager.shape:
-            shape = tuple(graph.shape) if isinstance(graph, torch.Tensor) else type(graph).__name__
-            fewer = isinstance(graph, torch.Tensor) and graph.dim() == eager.dim() and graph.shape[1] < eager.shape[1]
-            cause = (
-                "the graph computes fewer tokens than the batch: it was captured at a size other than "
-                "its bucket (graphmode_update_context must give the model `bucket` rows)"
-                if fewer
-                else "outputs not cut to the live tokens (graphmode_get_outputs must slice to num_tokens)"
-            )
-            if fewer and _token_rows_held(raw) >= eager.shape[1]:
-                sequences = len(set(seqs))
-                by_batch = (
-                    f": it cut to batch_size ({sequences} sequences), not num_tokens"
-                    if graph.shape[1] == sequences else ""
-                )
-                cause = (
-                    f"outputs cut short: the graph's output holds {_token_rows_held(raw)} token rows, but "
-                    f"graphmode_get_outputs returned {graph.shape[1]} of the step's {eager.shape[1]} tokens"
-                    f"{by_batch} (with several new tokens per sequence, q_len > 1, tokens are batch_size * q_len)"
-                )
-            raise ConformanceFailure(
-                f"{where}: graph output has shape {shape}, eager {tuple(eager.shape)}. Likely cause: {cause}"
-            )
-        if graph.dtype != eager.dtype:
-            raise ConformanceFailure(
-                f"{where}: graph output has dtype {graph.dtype}, eager {eager.dtype}. Likely cause: "
-                "graphmode_get_outputs converted the graph's output (it must return the output buffer's rows as the "
-                "model computed them; an engine that wants another dtype converts them itself)"
-            )
-        atol, rtol = _tolerance(eager.dtype)
-        if torch.allclose(graph, eager, atol=atol, rtol=rtol):
-            return
-        diff = (graph.float() - eager.float()).abs()
-        index = int(diff.argmax())
-        token, logit = divmod(index, diff.shape[-1])
-        wrong_rows = (diff.amax(dim=-1)[0] > atol + rtol * eager.abs().amax()).nonzero().flatten().tolist()
-        cut = _cut_from_other_rows(raw, eager, atol, rtol)
-        if cut is not None:
-            cause = cut
-        elif phase == "capture":
-            cause = (
-                "the forward on the graph's buffers already differs from eager at the capture "
-                "step: graphmode_make_buffers, graphmode_fill_buffers or graphmode_update_context "
-                "give the model wrong inputs"
-            )
-        else:
-            cause = (
-                "the replay used stale inputs: a buffer graphmode_fill_buffers did not refill, a "
-                "context field not pointing at its buffer (graphmode_update_context), a host value "
-                "frozen at capture (a positive max length, host kv lengths not pushed by "
-                "graphmode_update_graph_params), or a graph captured at a size other than its bucket"
-            )
-        taking_out = kernels_taking_out(self.model.ops)
-        if taking_out and cut is None:
-            cause += (
-                f"; or, in a piecewise step, the out= path of the vendor's {' and '.join(taking_out)} "
-                "(piecewise graphs pass out=; the [kernels] check compares it with the result without out)"
-            )
-        raise ConformanceFailure(
-            f"{where}: max |graph - eager| = {diff.max().item():.3g} at token {token} (sequence "
-            f"{seqs[token]}), logit {logit}; tolerance atol={atol} rtol={rtol}; wrong tokens: "
-            f"{wrong_rows[:8]}{' ...' if len(wrong_rows) > 8 else ''}. Likely cause: {cause}"
-        )
+        compare_outputs(where, graph, eager, seqs, phase, raw, self.model.ops)
 
     # -- the KV cache -------------------------------------------------------
 
@@ -392,7 +326,7 @@ class Harness:
 
     def _check_cache(self, where: str, before: list, owners: dict[int, str]) -> None:
         written = torch.tensor(sorted(set(self.engine.step_slots)), dtype=torch.long, device=self.device)
-        atol, rtol = _tolerance(self.model.config.dtype)
+        atol, rtol = tolerance(self.model.config.dtype)
         for layer, (old_pair, new_pair, eager_pair) in enumerate(zip(before, self.graph_cache, self.eager_cache)):
             for name, old, new, eager in zip(("key", "value"), old_pair, new_pair, eager_pair):
                 old_rows, new_rows = _bits(self.slot_rows(old)), _bits(self.slot_rows(new))
@@ -440,60 +374,7 @@ class Harness:
                     )
 
 
-@torch.inference_mode()
-def _cut_from_other_rows(raw: Any, eager: torch.Tensor, atol: float, rtol: float) -> str | None:
-    """Why outputs differ when the graph's output holds eager's values in its
-    first rows but the result was cut from others; None otherwise."""
-    if not isinstance(raw, torch.Tensor) or raw.dim() < 2 or raw.shape != eager.shape or raw.storage_offset() == 0:
-        return None
-    first = raw.as_strided(raw.shape, raw.stride(), 0)
-    if not torch.allclose(first, eager, atol=atol, rtol=rtol):
-        return None
-    start = raw.storage_offset() // max(raw.stride(1), 1)
-    return (
-        f"outputs cut from the wrong rows: the graph's output holds eager's values in its first {raw.shape[1]} "
-        f"token rows, but graphmode_get_outputs returned the rows from token {start} on (it must return the "
-        "first num_tokens rows: padding rows follow the live ones)"
-    )
-
-
-def _token_rows_held(raw: Any) -> int:
-    """How many token rows (dimension 1) the memory behind ``raw`` holds from
-    its first row: the graph's output buffer when ``raw`` is a view of it."""
-    if not isinstance(raw, torch.Tensor) or raw.dim() < 2 or raw.stride(1) == 0:
-        return 0
-    elements = raw.untyped_storage().nbytes() // raw.element_size() - raw.storage_offset()
-    return elements // raw.stride(1) if raw.shape[0] == 1 else raw.shape[1]
-
-
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     """Raw bits, so that byte-for-byte comparison also holds for NaNs."""
     integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
     return tensor.contiguous().view(integer)
-
-
-def _check_padding_finite(where: str, meta: Any, num_tokens: int) -> None:
-    """After a replay, the graph's padding tokens (past the live ones) hold
-    finite outputs while block 0 holds zeros (writing-a-plugin: cut away, but
-    finite): a NaN there reaches live rows through any op mixing tokens (MoE
-    routing, a collective). Not at a capture: a device computes nothing then."""
-    from torch.utils._pytree import tree_leaves
-
-    for leaf in tree_leaves(meta.output_buffers.get("output")):
-        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point() or leaf.dim() < 2:
-            continue
-        padding = leaf[:, num_tokens:]
-        if padding.numel() == 0 or bool(torch.isfinite(padding).all()):
-            continue
-        bad = (~torch.isfinite(padding)).flatten(2).any(-1).any(0)
-        tokens = (bad.nonzero().flatten() + num_tokens).tolist()
-        kv = {b.name: b.padding for b in meta.spec.buffers}.get("kv_seqlens")
-        raise ConformanceFailure(
-            f"{where}: the graph's padding tokens {num_tokens}..{leaf.shape[1] - 1} give non-finite outputs "
-            f"(at tokens {tokens[:8]}{' ...' if len(tokens) > 8 else ''}) with block 0 holding zeros. They are "
-            "cut away, but a NaN there reaches live rows through any op mixing tokens (MoE routing, a "
-            f"collective over the batch). Likely cause: a declared padding value (here kv_seqlens padding {kv}) "
-            "that makes a kernel attend over nothing, with no rule for a row that sees no token "
-            "(graphmode.model.ops.attend gives zeros); fix the padding in graphmode_graph_spec or the kernel "
-            "(graphmode_attention_ops)"
-        )
