@@ -597,8 +597,12 @@ BROKEN = {
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.
+# An Ascend bug the same under both update paths, caught late in the suite:
+# one path only, or every test before the one that catches it runs twice.
+ONE_UPDATE_PATH = ["--variant", "update_path=graph_update"]
 OPTIONS = {
     "padding_to_power_of_two": ["--capture-sizes", "1,3,6,12,24,48"],
+    "active_mask_per_sequence": ONE_UPDATE_PATH,
 }
 
 # The correct plugins the broken ones vary, loaded the same way.
