@@ -178,7 +178,7 @@ REFUSED = {
     # Its own mask, a bias from the values (exp(A * softplus(dt_proj(v))) per key): the paged kernels ignore
     # masks, so a trained Doge (A != 0) gave other logits. Random weights (A = 0: a constant bias) hid it.
     "doge": (dict(GQA, head_dim=16, **TOKENS), r"'doge' is not supported: model.layers.0.self_attn \(DogeAttention\) "
-             r"passes an attention mask of its own \(a tensor of shape \(1, 4, 1, 1\)\).*ignore"),
+             r"passes attention a bias as its mask \(a tensor of shape \(1, 4, 1, 1\); Doge's.*ignore"),
 }
 #: What transformers 4.x gives instead: no attention backend on these classes.
 if not V5:

@@ -28,7 +28,7 @@ Families and features the paged kernels do not have are refused at load
 (``huggingface_support``: from the config, then a one-token probe), never
 approximated: composite (multimodal) configs, attention outside the
 interface, a layer calling attention more than once per forward, logit
-soft-capping, attention sinks, a layer's own attention mask (a bias), chunked or linear attention layers, keys and
+soft-capping, attention sinks, a bias passed as the attention mask, chunked or linear attention layers, keys and
 values of different head sizes. When the runner is built
 (:meth:`HuggingFaceModel.check_runner`): a block table that can address more
 tokens than a layer's sliding window, or than the length past which a

@@ -14,19 +14,18 @@ Two checks, both before the model serves a step:
   must reach the attention function with graphmode's step (a decoder layer
   that does not pass keyword arguments through cannot be served), carry
   ``layer_idx``, call it once (differential attention calls it twice, with
-  different values for one cache), pass no soft-capping, sinks or mask of its own, and give
-  keys and values of one head size. It also reads each layer's sliding window (the keyword the
-  layer passes, or the module's ``sliding_window``, which some families set
-  and apply through the mask only), which the runner's table capacity must
-  not exceed (:meth:`Probe.check_table`), as it must not exceed the length
-  at which a ``longrope`` or ``dynamic`` RoPE changes its frequencies for a
-  whole step (:func:`rope_switch`), and the first operator whose
-  output size depends on tensor values (``nonzero`` in the MoE routing of
-  transformers 4.x's Mixtral and Qwen3-MoE) and the first host read of
-  device memory (``.tolist()`` in JetMoE's expert routing, the host
-  comparison of dynamic RoPE), for which graph modes are refused when a
-  runner is built (:meth:`Probe.check_graphs`): a capture would fail on
-  them at the first decode step.
+  different values for one cache), pass no soft-capping, sinks or bias as
+  its mask, and give keys and values of one head size. It also reads each
+  layer's sliding window (the keyword the layer passes, or the module's
+  ``sliding_window``, which some families apply through the mask only),
+  which the runner's table capacity must not exceed
+  (:meth:`Probe.check_table`), nor the length at which a ``longrope`` or
+  ``dynamic`` RoPE changes its frequencies (:func:`rope_switch`); and the
+  first operator whose output size depends on values (``nonzero`` in
+  transformers 4.x's Mixtral and Qwen3-MoE routing) and the first host read
+  of device memory (``.tolist()`` in JetMoE's routing, dynamic RoPE's
+  comparison), for which graph modes are refused when a runner is built
+  (:meth:`Probe.check_graphs`): a capture would fail on them.
 
 Messages name the family, the layer or parameter by name and shape (never
 tensor values), the reason and the fix.
@@ -174,7 +173,7 @@ class Call:
     softcap: Any
     sinks: str | None  # "name shape", never values
     causal: bool
-    mask: str | None = None  # the attention mask the layer passed, by shape: the model's own (none is built)
+    mask: tuple[str, Any] | None = None  # the mask the layer passed: its name and shape, and it (_is_bias)
 
 
 @dataclass
@@ -213,7 +212,7 @@ class Probe:
             key=tuple(key.shape), value=tuple(value.shape), window=int(window) if window else None,
             softcap=kwargs.get("softcap"), sinks=None if sinks is None else _describe(module, sinks),
             causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
-            mask=None if mask is None else _describe(module, mask),
+            mask=None if mask is None else (_describe(module, mask), mask),
         ))
         batch, heads, tokens = query.shape[:3]
         return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
@@ -257,15 +256,10 @@ class Probe:
                     "per head in every softmax), which graphmode's paged attention kernels do not implement. Use "
                     f"a model without attention sinks; {SUPPORTED}"
                 )
-            if call.mask is not None:
-                # transformers builds no mask for graphmode's implementation (it has no mask function),
-                # so a mask that reaches attention is the layer's own: a bias the paged kernels ignore.
-                raise ConfigError(
-                    f"{family!r} is not supported: {call.name} ({call.cls}) passes an attention mask of its own "
-                    f"({call.mask}) to attention, where transformers builds none for graphmode's attention: a "
-                    "bias or mask computed by the layer (Doge's from its values), which graphmode's paged kernels "
-                    f"ignore, giving other logits. Use a model that leaves masking to transformers; {SUPPORTED}"
-                )
+            if call.mask is not None and _is_bias(call.mask[1]):  # read here: the forward's host reads count
+                raise ConfigError(f"{family!r} is not supported: {call.name} ({call.cls}) passes attention a bias as "
+                                  f"its mask ({call.mask[0]}; Doge's, from its values), which graphmode's paged kernels "
+                                  f"ignore, giving other logits. Use a model without one; {SUPPORTED}")
             if call.key[1:2] + call.key[3:] != call.value[1:2] + call.value[3:]:
                 raise ConfigError(
                     f"{family!r} is not supported: {call.name} gives keys of shape {call.key} and values of shape "
@@ -345,6 +339,17 @@ class Probe:
                 "and graphmode's paged kernels attend to the whole sequence, not to a window. Raise the window, "
                 f"lower the table width (max_blocks_per_seq * block_size <= {window}), or use a model without sliding window"
             )
+
+
+def _is_bias(mask: Any) -> bool:
+    """Whether a mask reaching attention holds a float other than 0 or the
+    dtype's minimum: a bias (Doge's; 1.0 with untrained weights), not the
+    causal mask transformers 4.x builds in OPT or Persimmon for every
+    implementation, which the paged kernels' causal rule computes."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype == torch.bool or not mask.is_floating_point():
+        return False
+    masked = mask <= torch.finfo(mask.dtype).min / 2
+    return bool(((mask != 0) & ~masked).any())
 
 
 def _describe(module: Any, tensor: Any) -> str:
