@@ -44,6 +44,21 @@ def test_host_reads_of_device_memory_fail_capture_naming_op_and_call_site(read, 
     assert "test_emulator.py" in message + str(error.value.__cause__)
 
 
+def test_the_call_site_is_named_when_the_caller_lives_under_a_directory_named_torch(tmp_path):
+    # An environment installed at /opt/torch puts transformers at
+    # /opt/torch/lib/.../transformers: its lines are the caller's, not torch's.
+    package = tmp_path / "torch" / "lib" / "site-packages"
+    package.mkdir(parents=True)
+    (package / "a_model_file.py").write_text("def forward(x):\n    return x.tolist()\n")
+    namespace: dict = {}
+    exec(compile((package / "a_model_file.py").read_text(), str(package / "a_model_file.py"), "exec"), namespace)
+    graph = EmulatedGraph()
+    with pytest.raises(CaptureError) as error:
+        with graph.capture():
+            namespace["forward"](torch.arange(4.0))
+    assert f"{package / 'a_model_file.py'}:2 in forward" in str(error.value) + str(error.value.__cause__)
+
+
 def test_a_caught_capture_error_still_invalidates_the_capture():
     x = torch.arange(4.0)
     graph = EmulatedGraph()

@@ -88,7 +88,14 @@ HOST_READS = frozenset({
     torch.Tensor.__index__,
 })
 
-_SKIP_FRAMES = (os.sep + "torch" + os.sep, os.path.join("graphmode", "emulator"), "contextlib.py")
+#: Frames that are not the caller's: those of torch's and the emulator's
+#: installed directories, and of contextlib's file. A path fragment such as
+#: "/torch/" would also skip every package of an environment installed under
+#: a directory of that name (``/opt/torch/lib/.../transformers``), and name
+#: the caller's caller instead.
+_SKIP_FRAMES = (os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""),
+                os.path.join(os.path.dirname(os.path.abspath(__file__)), ""),
+                os.path.abspath(contextlib.__file__))
 
 
 def current_session() -> CaptureSession | None:
@@ -100,7 +107,7 @@ def call_site() -> str:
     """``file:line in function`` of the innermost caller outside torch and
     the emulator: where the user's code asked for the operation."""
     for frame in reversed(traceback.extract_stack()):
-        if not any(part in frame.filename for part in _SKIP_FRAMES):
+        if not os.path.abspath(frame.filename).startswith(_SKIP_FRAMES):
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return "<unknown>"
 
