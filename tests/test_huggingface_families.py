@@ -24,7 +24,11 @@ from graphmode.integrations.huggingface import HuggingFaceModel, load_model  # n
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import serve_hf  # noqa: E402
 
-V5 = int(transformers.__version__.split(".")[0]) >= 5
+VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+V5 = VERSION >= (5, 0)
+#: Before 5.21, longrope picks its factors with `if seq_len > original_max_position_embeddings`
+#: on a device tensor (a host read), graph-safe since (`torch.where`).
+LONGROPE_READS_HOST = VERSION < (5, 21)
 BLOCK_SIZE, WIDTH, MAX_BATCH = 4, 8, 2
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
             max_position_embeddings=256)
@@ -83,10 +87,12 @@ RUNS = {
 }
 #: Checked with transformers 5.24.0 only (skipped on 4.x): the sweep's additions.
 V5_ONLY = set(list(RUNS)[list(RUNS).index("cohere2"):])
-#: What transformers 4.x does differently (CI runs 4.56.0 on torch 2.5):
-#: families refused at load there, and families whose MoE routing calls
-#: nonzero there (graph modes refused when the runner is built).
-REFUSED_BEFORE_V5 = {"gptj", "codegen", "gpt_bigcode", "qwen2_moe", "gpt2"}
+#: What older transformers do differently (CI runs 4.56.0 on torch 2.5, the
+#: GPU machine 5.17.0): families refused at load before the release named,
+#: whose attention did not reach the attention interface until then (GPT-J's
+#: and CodeGen's until 5.24), and families whose MoE routing calls nonzero in 4.x
+#: (graph modes refused when the runner is built).
+ROUTED_FROM = {"gptj": (5, 24), "codegen": (5, 24), "gpt_bigcode": (5, 0), "qwen2_moe": (5, 0), "gpt2": (5, 0)}
 NONZERO_BEFORE_V5 = {"mixtral", "qwen3_moe"}
 
 
@@ -122,9 +128,14 @@ def test_family_decodes_hf_greedy_tokens(family):
                            r"output size depends on tensor values.*execute_mode='eager'"):
             build(model)
         return
-    if not V5 and family in REFUSED_BEFORE_V5:
+    if ROUTED_FROM.get(family, (0, 0)) > VERSION:  # refused in this version
         with pytest.raises(ConfigError, match=f"'{family}' is not supported"):
             load_model(settings)
+        return
+    if key == "phi3+longrope" and LONGROPE_READS_HOST:
+        with pytest.raises(ConfigError, match=r"calls Tensor.__bool__\(\) at \S+modeling_rope_utils.py:\d+ in "
+                           r"longrope_frequency_update, which reads device memory on the host"):
+            build(load_model(settings))
         return
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(settings).eval()
@@ -161,7 +172,8 @@ REFUSED = {
                     r"'deepseek_v3' is not supported: .*keys of shape \(1, 4, 1, 24\) and values of shape "
                     r"\(1, 4, 1, 16\)"),
     "llama4_text": (GQA, r"'llama4_text' with layers of type \['chunked_attention'\]"),
-    "recurrent_gemma": (TINY, r"'recurrent_gemma' with layers of type \['linear_attention'\]"),
+    # Two recurrent layers, then attention.
+    "recurrent_gemma": (dict(TINY, num_hidden_layers=3), r"'recurrent_gemma' with layers of type \['linear_attention'\]"),
     "bert": (TINY, r"'bert' is not supported: .*attends bidirectionally .*set config.is_decoder=True"),
     # Differential attention: two attention calls per layer, with different values.
     "diffllama": (GQA, r"'diffllama' is not supported: model.layers.0.self_attn \(DiffLlamaAttention\) calls "
@@ -180,6 +192,10 @@ REFUSED = {
     "doge": (dict(GQA, head_dim=16, **TOKENS), r"'doge' is not supported: model.layers.0.self_attn \(DogeAttention\) "
              r"passes attention a bias as its mask \(a tensor of shape \(1, 4, 1, 1\); Doge's.*ignore"),
 }
+#: Before 5.23 RecurrentGemma's config has no layer_types: its probe finds the recurrent layers.
+if VERSION < (5, 23):
+    REFUSED["recurrent_gemma"] = (REFUSED["recurrent_gemma"][0], r"'recurrent_gemma' is not supported: .*layer_idx "
+                                  r"\[2\].*layers \[0, 1\] never called it \(recurrent")
 #: What transformers 4.x gives instead: no attention backend on these classes.
 if not V5:
     for name in ("bert", "recurrent_gemma", "diffllama"):
@@ -272,8 +288,8 @@ def test_a_rope_that_depends_on_the_longest_sequence_is_refused_past_its_length(
     # Before: served, and a decode step batching a sequence past the length
     # with one before it gave the shorter one other logits than generate.
     model = load_model(config(family, **fields))
-    if not V5 and kind == "longrope" and mode != "eager":
-        # transformers 4.x updates longrope's frequencies behind a host read: refused in graph modes at any width.
+    if LONGROPE_READS_HOST and kind == "longrope" and mode != "eager":
+        # Before 5.21 longrope's frequencies change behind a host read: refused in graph modes at any width.
         with pytest.raises(ConfigError, match="reads device memory on the host"):
             build(model, width=4, execute_mode=mode)
         return

@@ -280,10 +280,13 @@ class Probe:
             )
         layers = sorted({c.layer for c in self.calls if c.layer is not None})
         if layers != list(range(self.num_layers)):
+            missing = sorted(set(range(self.num_layers)) - set(layers))
+            why = (f"layers {missing} never called it (recurrent, convolutional or linear-attention layers keep a "
+                   "state graphmode's paged KV cache does not hold)" if missing else "each needs one KV cache of its own")
             raise ConfigError(
                 f"{family!r} is not supported: the attention layers that called transformers' attention interface "
                 f"have layer_idx {layers}, but the model has {self.num_layers} layers (config.num_hidden_layers); "
-                f"each needs one KV cache of its own; {SUPPORTED}"
+                f"{why}; {SUPPORTED}"
             )
         shapes = {(c.key[1], c.key[3]) for c in self.calls}
         if len(shapes) > 1:
