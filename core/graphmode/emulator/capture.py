@@ -91,7 +91,7 @@ HOST_READS = frozenset({
 #: Frames that are not the caller's: those of torch's and the emulator's
 #: installed directories, and of contextlib's file. A path fragment such as
 #: "/torch/" would also skip every package of an environment installed under
-#: a directory of that name (``/opt/torch/lib/.../transformers``), and name
+#: a directory of that name (the H100 machine's ``/opt/torch/.venv/lib/.../transformers``), and name
 #: the caller's caller instead.
 _SKIP_FRAMES = (os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""),
                 os.path.join(os.path.dirname(os.path.abspath(__file__)), ""),
