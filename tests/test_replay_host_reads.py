@@ -11,6 +11,7 @@ from setups import tiny_setup
 import graphmode
 from graphmode import ReplayError
 from graphmode.buffers import host_zeros
+from graphmode.emulator import ReplayHostReadGuard, is_host, mark_host
 from graphmode.runner.host_reads import CudaSyncGuard, replay_guard
 
 
@@ -94,6 +95,34 @@ def test_host_memory_may_be_read_on_the_replay_path(monkeypatch):
         graph, eager = setup.decode(seqs)
         torch.testing.assert_close(graph, eager)
     assert setup.runner.stats.replays == 2
+
+
+def test_what_is_computed_from_host_memory_alone_is_host_memory():
+    # On a device an operator on CPU tensors runs on the host: a vendor
+    # narrowing the engine's int64 host lengths into its int32 host buffer
+    # copies host to host, and may read the result.
+    lengths = mark_host(torch.tensor([5, 9, 130000]))
+    staged = mark_host(torch.zeros(3, dtype=torch.int32))
+    with ReplayHostReadGuard():
+        narrowed = lengths.to(torch.int32)
+        staged.copy_(narrowed)
+        assert (lengths + 1).max().item() == 130001
+        assert torch.cat([lengths, lengths.clamp(max=10)]).tolist() == [5, 9, 130000, 5, 9, 10]
+        assert staged.tolist() == [5, 9, 130000]
+
+
+@pytest.mark.parametrize("move", [
+    lambda host, device: host.to(device, torch.int32),
+    lambda host, device: host.to(device=device, dtype=torch.int32),
+    lambda host, device: torch.zeros_like(host, device=device),
+    lambda host, device: host + torch.ones(2, dtype=torch.int64),  # with device memory
+])
+def test_what_a_call_moves_to_the_device_or_mixes_with_it_is_device_memory(move):
+    host = mark_host(torch.tensor([5, 9]))
+    moved = move(host, torch.device("cpu"))  # on the emulator the device's tensors are CPU tensors
+    with pytest.raises(ReplayError, match="Tensor.tolist"), ReplayHostReadGuard():
+        move(host, torch.device("cpu")).tolist()
+    assert not is_host(moved)
 
 
 def test_the_guard_is_left_after_a_refused_read():

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from graphmode.emulator.host import is_host, is_pinned_host, mark_host
+from graphmode.emulator.host import is_host, is_pinned_host, mark_derived, mark_host
 from graphmode.emulator.recording import OpRecord, frozen_view, is_mutating, written_tensors
 from graphmode.errors import CaptureError
 
@@ -60,39 +60,22 @@ _Error = TypeVar("_Error", bound=BaseException)
 # Operators whose output shape depends on tensor values: the host must read
 # the device to size the result, which a graph capture cannot do.
 _DATA_DEPENDENT = {
-    aten.nonzero.default,
-    aten.masked_select.default,
-    aten.argwhere.default,
-    aten._unique.default,
-    aten._unique2.default,
-    aten.unique_dim.default,
-    aten.unique_consecutive.default,
-    aten.bincount.default,
-    aten.equal.default,
-    aten.is_nonzero.default,
+    aten.nonzero.default, aten.masked_select.default, aten.argwhere.default, aten._unique.default,
+    aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.bincount.default,
+    aten.equal.default, aten.is_nonzero.default,
 }
 _BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 # Tensor methods that read device memory on the host.
 HOST_READS = frozenset({
-    torch.Tensor.tolist,
-    torch.Tensor.numpy,
-    torch.Tensor.item,
-    torch.Tensor.cpu,
-    torch.Tensor.__repr__,
-    torch.Tensor.__str__,
-    torch.Tensor.__format__,
-    torch.Tensor.__bool__,
-    torch.Tensor.__int__,
-    torch.Tensor.__float__,
-    torch.Tensor.__index__,
+    torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.__repr__,
+    torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.__bool__, torch.Tensor.__int__,
+    torch.Tensor.__float__, torch.Tensor.__index__,
 })
 
-#: Frames that are not the caller's: those of torch's and the emulator's
-#: installed directories, and of contextlib's file. A path fragment such as
-#: "/torch/" would also skip every package of an environment installed under
-#: a directory of that name (the H100 machine's ``/opt/torch/.venv/lib/.../transformers``), and name
-#: the caller's caller instead.
+#: Frames that are not the caller's: torch's and the emulator's directories,
+#: contextlib's file. ("/torch/" in a path would skip the H100 machine's
+#: /opt/torch/.venv/lib/.../transformers too, naming the caller's caller.)
 _SKIP_FRAMES = (os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""),
                 os.path.join(os.path.dirname(os.path.abspath(__file__)), ""),
                 os.path.abspath(contextlib.__file__))
@@ -373,7 +356,9 @@ class HostReadGuard(TorchFunctionMode):
         if reads_host(func, args, kwargs) and not self.exempt():
             name = getattr(func, "__name__", str(func))
             raise self.refuse(f"Tensor.{name}()")
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        mark_derived(func, args, kwargs, result)
+        return result
 
 
 def reads_host(func: Any, args: tuple, kwargs: dict) -> bool:

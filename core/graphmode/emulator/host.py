@@ -9,15 +9,24 @@ Host memory is pageable or pinned (page-locked), as on a device: a copy
 between pinned host memory and the device inside a capture becomes a memcpy
 node that reads (or writes) the host memory live at every replay; the same
 copy from pageable memory is refused, as CUDA refuses it.
+
+What an operator computes from host memory alone is host memory too, as on
+a device, where it runs on the host and returns CPU tensors
+(``kv_seqlens_cpu.to(torch.int32)``): the emulator's guards mark it
+(:func:`mark_derived`).
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
-__all__ = ["is_host", "is_pinned_host", "mark_host"]
+__all__ = ["is_host", "is_pinned_host", "mark_derived", "mark_host"]
+
+#: Calls that move a tensor to the device (``x.cuda()``; ``x.to(device)`` is told by its arguments).
+_MOVES = frozenset({"cuda", "npu", "mlu", "xpu", "musa"})
 
 # storage address -> (the tensor owning the mark, whether the memory is pinned)
 _host_storages: dict[int, tuple[weakref.ref, bool]] = {}
@@ -30,8 +39,36 @@ def mark_host(tensor: torch.Tensor, *, pinned: bool | None = None) -> torch.Tens
     as its memory is used: the mark goes with it (a view of marked memory
     leaves the mark with the tensor that owns it)."""
     if not is_host(tensor) or (pinned is not None and pinned != is_pinned_host(tensor)):
-        _host_storages[tensor.untyped_storage().data_ptr()] = (weakref.ref(tensor), bool(pinned))
+        key = tensor.untyped_storage().data_ptr()
+
+        def forget(ref: weakref.ref) -> None:  # the owner is gone: its address may be reused by device memory
+            if _host_storages.get(key, (None,))[0] is ref:
+                del _host_storages[key]
+
+        _host_storages[key] = (weakref.ref(tensor, forget), bool(pinned))
     return tensor
+
+
+def mark_derived(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
+    """Mark the tensors ``func(*args, **kwargs)`` returned as host memory
+    when every tensor it was given is (at least one): pinned for
+    ``pin_memory()``, else pageable. A call that names a device
+    (``x.to(device)``, ``device=``, ``x.cuda()``) is a copy to the device
+    there, and is not marked; only the string ``"cpu"`` names the host (a
+    ``torch.device`` is the device's in device-agnostic code, ``y.device``,
+    though on the emulator it is the CPU)."""
+    inputs = [x for value in (*args, *kwargs.values())
+              for x in (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(x, torch.Tensor)]
+    if not inputs or not all(map(is_host, inputs)):
+        return
+    name = getattr(func, "__name__", "")
+    named = [v for v in (*args[1:], kwargs.get("device")) if isinstance(v, (str, torch.device))] \
+        if name == "to" or "device" in kwargs else []
+    if name in _MOVES or any(device != "cpu" for device in named):  # a torch.device too: see _targets_cpu
+        return
+    for tensor in result if isinstance(result, (list, tuple)) else (result,):
+        if isinstance(tensor, torch.Tensor) and tensor.numel() and tensor.layout == torch.strided:
+            mark_host(tensor, pinned=True if name == "pin_memory" else None)
 
 
 def _mark(tensor: torch.Tensor) -> tuple[weakref.ref, bool] | None:

@@ -113,13 +113,9 @@ def config_window(config: Any) -> int | None:
     """The sliding window the config declares for some layer, or None:
     ``sliding_window`` (Mistral and most), unless ``use_sliding_window`` is
     False (Qwen2's) or ``layer_types`` has no sliding layer."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None
-    return int(window)
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    off = getattr(config, "use_sliding_window", True) is False or (types is not None and "sliding_attention" not in types)
+    return None if not window or off else int(window)
 
 
 def rope_switch(config: Any) -> tuple[str, int, str] | None:
