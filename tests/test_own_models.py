@@ -161,3 +161,49 @@ def test_metadata_read_by_indexing_between_attention_calls_is_refused_in_piecewi
         _run(ScalesBySlot, "piecewise")
     for graph, eager in _run(ScalesBySlot, "graph"):
         torch.testing.assert_close(graph, eager)
+
+
+class RegrowsOnLongPrompts(Wrapped):
+    """A dynamic-NTK-style table: recomputed with other values (and rebound)
+    when a step's longest sequence first passes 24 tokens, read from the
+    host maximum. A graph context's maximum is -1, so only eager steps regrow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scales", torch.ones(64))
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        if attn_metadata.max_kv_seq_len > 24 and self.scales[0] == 1:
+            self.scales = torch.linspace(0.5, 1.5, 64)
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits * self.scales[position_ids[0]][None, :, None]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_eager_step_that_replaces_a_tensor_the_graphs_hold_refuses_graph_steps_until_reset(mode):
+    # Before: the graphs kept reading the old table after the long prefill
+    # regrew it, 2.7 to 4.8 off eager, silently (debug mode named it).
+    graph_model, eager_model = RegrowsOnLongPrompts(), RegrowsOnLongPrompts()
+    engine = ReferenceEngine(65, 16, "cpu", vocab_size=ModelConfig.tiny().vocab_size, table_width=4, seed=3)
+    graph_cache, eager_cache = graph_model.make_kv_cache(65, 16), eager_model.make_kv_cache(65, 16)
+    runner = graphmode.build_graph_runner(
+        graph_model, max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu", execute_mode=mode
+    )
+
+    def both(step):
+        with torch.inference_mode():
+            graph = runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata).clone()
+            eager = eager_model(step.input_ids, step.position_ids, eager_cache, step.attn_metadata)
+        torch.testing.assert_close(graph, eager)
+
+    seqs = [engine.add() for _ in range(2)]
+    both(engine.prefill(seqs, [5, 9]))
+    both(engine.decode(seqs))  # captures
+    seqs.append(engine.add())
+    both(engine.prefill(seqs[2:], [30]))  # eager (no bucket holds 30 tokens): regrows the table
+    step = engine.decode(seqs)
+    with torch.inference_mode(), pytest.raises(graphmode.ReplayError, match=r"replaced the model's scales.*reset\(\)"):
+        runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata)
+    runner.reset()
+    both(step)
+    both(engine.decode(seqs))

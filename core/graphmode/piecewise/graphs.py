@@ -210,7 +210,8 @@ class PiecewiseGraphs:
             ranks.barrier()  # every rank's device idle before any of them captures
         try:
             state = ModelState(shared.model)
-            with intercepted(self.ops, capture), capture, self._ghost_reads():
+            # Below the capture's own modes: a segment's end pops the emulator's.
+            with intercepted(self.ops, capture), self._ghost_reads(), capture:
                 output = self._outputs.publish(forward(**static.as_kwargs()), bucket)
             state.check(f"the piecewise graph of token bucket {bucket}")
         except Exception as error:

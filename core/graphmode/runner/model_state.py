@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphmode.errors import CaptureError
+from graphmode.errors import CaptureError, ReplayError
 
-__all__ = ["ModelState"]
+__all__ = ["EagerRebinds", "ModelState"]
 
 _BY_VALUE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 _SHOWN = 4
@@ -87,3 +87,41 @@ class ModelState:
             "which graphs replay, pass it each step as a declared step input (step_inputs=), or change it "
             "outside the forward"
         )
+
+
+class EagerRebinds:
+    """An eager step's forward that gives the model other parameter or
+    buffer tensors while graphs exist (a rotary table regrown by a long
+    prefill, with other values): the graphs keep reading the tensors they
+    captured, so every later graph step is refused until ``runner.reset()``.
+    Tensor identities only, and only around eager steps that run while
+    graphs are captured (debug mode checks the addresses at every replay)."""
+
+    def __init__(self) -> None:
+        self.changed: list[str] = []
+
+    def run(self, model: Any, forward: Any, graphs_exist: bool) -> tuple[Any, bool]:
+        """``forward()``, and whether it rebound a tensor of ``model`` the graphs may hold."""
+        if not graphs_exist or not hasattr(model, "named_buffers"):
+            return forward(), False
+        before = _tensors(model)
+        output = forward()
+        after = _tensors(model)
+        self.changed += sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        return output, bool(self.changed)
+
+    def check(self) -> None:
+        """Refuse a graph step while graphs hold tensors the model replaced."""
+        if self.changed:
+            raise ReplayError(
+                f"an eager step's forward replaced the model's {', '.join(self.changed[:_SHOWN])} after graphs "
+                "captured the old tensors (a table regrown in Python, a buffer rebound): graph steps would keep "
+                "reading the old ones, unlike eager steps. Size such tensors before the first capture (for "
+                "max_blocks_per_seq * block_size positions) or change them in place (.copy_()); after "
+                "replacing them, call runner.reset()"
+            )
+
+
+def _tensors(model: Any) -> dict[str, int]:
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return {name: id(tensor) for name, tensor in named}
