@@ -12,6 +12,7 @@ its full graphs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from graphmode.meta import GraphMeta
 from graphmode.piecewise import PIECEWISE_MODES
 from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
 from graphmode.piecewise.compiled import SplitForward
+from graphmode.piecewise.ghosts import GhostReads
 from graphmode.piecewise.inputs import TokenInputs
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
@@ -32,6 +34,7 @@ from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_sa
 from graphmode.runner.common import capture_failed, inert_step, live_columns, note_replay_failure
 from graphmode.runner.debug import check_piecewise_step
 from graphmode.runner.family import Captured, Report, Shared
+from graphmode.runner.model_state import ModelState
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.staging import to_device
 from graphmode.variants import PLAIN, file_suffix
@@ -184,7 +187,7 @@ class PiecewiseGraphs:
         warm_up = EagerForward(live, self._buffers)
         forward = shared.model if self._split is None else self._split
         try:
-            with intercepted(self.ops, warm_up):
+            with intercepted(self.ops, warm_up), self._ghost_reads():
                 warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()))  # compiles, with compile=True
         except RuntimeError as error:
             if "meta" in str(error) and hasattr(error, "add_note"):
@@ -206,8 +209,11 @@ class PiecewiseGraphs:
         if ranks is not None:
             ranks.barrier()  # every rank's device idle before any of them captures
         try:
-            with intercepted(self.ops, capture), capture:
+            state = ModelState(shared.model)
+            # Below the capture's own modes: a segment's end pops the emulator's.
+            with intercepted(self.ops, capture), self._ghost_reads(), capture:
                 output = self._outputs.publish(forward(**static.as_kwargs()), bucket)
+            state.check(f"the piecewise graph of token bucket {bucket}")
         except Exception as error:
             what = f"segment {len(capture.pieces.segments) + 1} of the piecewise graph of token bucket {bucket}"
             if shared.variant_label != PLAIN:
@@ -227,6 +233,10 @@ class PiecewiseGraphs:
                 shared.debug.dump(segment, f"tokens{bucket}-segment{index}{suffix}", f"segment {index} of {graph.name}")
         shared.stats.piecewise_captures += 1
         return live_columns(warm_output, live.tokens)
+
+    def _ghost_reads(self) -> Any:
+        """Refuse the model's reads of the capture's ghost metadata (not with compile=True)."""
+        return GhostReads() if self._split is None else contextlib.nullcontext()
 
     def _make_graph(self, meta: GraphMeta) -> DeviceGraph:
         graph = self.shared.vendor.hook.graphmode_make_graph(meta=meta)

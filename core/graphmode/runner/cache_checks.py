@@ -8,6 +8,7 @@ Host facts only: shapes, dtypes, the Python objects and their data pointers.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import operator
 from collections.abc import Callable
@@ -254,13 +255,25 @@ class CacheFit:
                 )
 
     def _reference(self) -> list[torch.Tensor] | None:
-        """The tensors of a 2-block cache of the model's, on ``meta`` (no memory)."""
+        """The tensors of a 2-block cache of the model's: on ``meta`` (no
+        memory) when its ``make_kv_cache`` takes ``device=``, else where it
+        makes them (a model's own ``make_kv_cache(num_cache_blocks,
+        block_size)`` need not take a device)."""
         if self._expected is None:
             make = getattr(self.model, "make_kv_cache", None)
             if make is None or self.geometry is None:
                 return None
-            self._expected = tree_flatten(make(2, self.block_size, device="meta"))[0]
+            where = {"device": "meta"} if _takes_device(make) else {}
+            self._expected = tree_flatten(make(2, self.block_size, **where))[0]
         return self._expected
+
+
+def _takes_device(make: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(make).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: ask for meta, as before
+        return True
+    return any(p.name == "device" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _leaves(past_key_values: Any) -> list[Any]:

@@ -35,6 +35,7 @@ from graphmode.runner.common import capture_failed, inert_step, note_replay_fail
 from graphmode.runner.debug import check_uniform_step
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.host_reads import replay_guard
+from graphmode.runner.model_state import ModelState
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.validate import check_cache_layout
 from graphmode.staging import HostStaging, to_device, to_host
@@ -347,13 +348,15 @@ class FullGraphs:
             graph.enable_debug_mode()  # before capture, or CUDA and MLU graphs keep nothing to dump
         if ranks is not None:
             ranks.barrier()
+        name = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")
+        if shared.variant_label != PLAIN:
+            name += f", {shared.variant_label}"
         try:
+            state = ModelState(shared.model)
             with graph.capture(pool=shared.pool):
                 meta.output_buffers["output"] = self._outputs.publish(forward(**static.as_kwargs()), tokens)
+            state.check(f"the decode graph of {name}")
         except Exception as error:
-            name = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")
-            if shared.variant_label != PLAIN:
-                name += f", {shared.variant_label}"
             capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting)
         shared.adopt_pool(graph.pool())
         if self.native is not None:  # a new graph: steps learn again

@@ -20,9 +20,34 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-__all__ = ["SharedOutputs"]
+from graphmode.errors import CaptureError
+
+__all__ = ["SharedOutputs", "check_token_dimension"]
+
+
+def check_token_dimension(output: Any, tokens: int) -> None:
+    """Refuse, before a capture, a result tensor of two or more dimensions
+    whose second dimension is not the graph's ``tokens`` (padding included).
+
+    Every graph result is cut to the step's live tokens along dimension 1
+    (the model contract, ``(1, T, ...)``), so such a tensor would come back
+    cut along something else: ``(T, vocab)`` logits (vLLM's models return
+    ``(num_tokens, hidden)``) lose all but ``T`` columns of the vocabulary,
+    and one row per sequence (each sequence's last token) keeps padding rows
+    in a verify step. Scalars and 1-D tensors are not cut."""
+    for path, leaf in tree_flatten_with_path(output)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[1] != tokens:
+            where = f"the model's result{keystr(path)}"
+            raise CaptureError(
+                f"{where} has shape {tuple(leaf.shape)}, but the graph being captured runs {tokens} tokens "
+                f"(padding included): graph results are cut to the live tokens along dimension 1, the model "
+                "contract's (1, T, ...), so dimension 1 of every result of two or more dimensions must be the "
+                "step's token count. Return per-token tensors: add the leading dimension to (T, hidden) states "
+                "(result[None]), and pick rows such as each sequence's last token "
+                "(q_start_loc + q_seqlens - 1) from the result after the call, not inside the forward"
+            )
 
 
 class SharedOutputs:
@@ -40,7 +65,9 @@ class SharedOutputs:
     def prepare(self, example: Any, tokens: int) -> None:
         """Allocate the buffers from a result computed outside any graph,
         unless the graph about to be captured is the largest (:meth:`publish`
-        adopts its result)."""
+        adopts its result). Refuses a result that is not per token
+        (:func:`check_token_dimension`)."""
+        check_token_dimension(example, tokens)
         if self.buffers is not None or tokens == self.max_tokens:
             return
         self.buffers = [

@@ -33,6 +33,7 @@ from graphmode.runner.common import note_replay_failure
 from graphmode.runner.family import Shared
 from graphmode.runner.full import CapturedGraph, FullGraphs, bucket_table
 from graphmode.runner.guard import busy, one_at_a_time
+from graphmode.runner.model_state import EagerRebinds
 from graphmode.runner.modes import build_families
 from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
@@ -71,6 +72,7 @@ class GraphRunner:
         ranks = _rank_sync(process_group, check_ranks)
         self._shared = Shared(model, config, vendor, self.spec, self.capture_sizes, self._bucket_of, ranks)
         self._cache_fit = self._shared.cache_fit
+        self._rebinds = EagerRebinds()  # an eager forward replacing tensors the graphs hold
         self._busy = self._shared.lock = threading.RLock()  # one step at a time (graphmode.runner.guard)
         self._check_inputs = StepChecks(config)  # check_inputs, its per-layout part once per layout
         #: The execute mode's families (graphmode.runner.modes), tried in order for every step.
@@ -191,6 +193,7 @@ class GraphRunner:
         for family in self.families:
             reason = family.refusal(inputs, batch, q_len)
             if reason is None:
+                self._rebinds.check()
                 return family.run(inputs, batch, q_len, on_host)
         ranks = self._shared.ranks
         if ranks is not None and ranks.check_replays and self.families:
@@ -198,7 +201,11 @@ class GraphRunner:
         self.stats.eager_steps[reason] += 1  # the last family's reason, never None here
         if on_host:
             inputs = to_device(inputs, self.config.device)
-        return self.model(**inputs.as_kwargs())
+        graphs = any(family.captured() for family in self.families)
+        output, rebound = self._rebinds.run(self.model, lambda: self.model(**inputs.as_kwargs()), graphs)
+        if rebound and self._full is not None and self._full.native is not None:
+            self._full.native.clear()  # its memo would replay without the check below
+        return output
 
     @one_at_a_time("runner.graph_meta()")
     @torch.inference_mode()
@@ -319,6 +326,7 @@ class GraphRunner:
         inputs, so weights changed in place need no recompilation."""
         for family in self.families:
             family.reset()
+        self._rebinds = EagerRebinds()
         self._shared.release_pool()
         self._cache_fit.forget()
         module: Any = getattr(torch, self.config.device.type, None)

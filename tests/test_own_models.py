@@ -1,0 +1,209 @@
+"""Models an engine author writes themselves, in the style of vLLM's and
+SGLang's model files, handed to the runner as the model contract says
+(docs/architecture.md): what graph mode cannot replay is refused at capture,
+naming the cause and the fix, and what it can replay equals eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphmode
+from graphmode import CaptureError
+from graphmode.model import ModelConfig, build_reference_model
+from graphmode.model.engine import ReferenceEngine
+
+MODES = ["graph", "piecewise"]
+
+
+class Wrapped(nn.Module):
+    """A model of its own around the reference decoder's layers: the runner
+    sees only this module (``ops`` for the piecewise split, ``make_kv_cache``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = build_reference_model(ModelConfig.tiny(), "cuda")
+        self.ops = self.inner.ops
+
+    def make_kv_cache(self, num_cache_blocks: int, block_size: int) -> list:
+        return self.inner.make_kv_cache(num_cache_blocks, block_size)
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        return self.inner(input_ids, position_ids, past_key_values, attn_metadata)
+
+
+class KeepsLastStep(Wrapped):
+    """Mixes the previous step's logits into this step's (a feature kept from
+    step to step, as MTP and EAGLE drafts keep hidden states) and counts its
+    steps in Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.previous: torch.Tensor | None = None
+        self.steps = 0
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        if self.previous is not None and self.previous.shape == logits.shape:
+            logits = logits + 0.5 * self.previous
+        self.previous = logits
+        self.steps += 1
+        return logits * (1 + 0.01 * self.steps)
+
+
+class GrowsOnceAndCounts(Wrapped):
+    """State a graph does replay: a table grown in Python the first time a
+    longer step appears (the warm-up forward grows it, the capture finds it
+    grown), and a per-token counter buffer changed in place every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(1))
+        self.register_buffer("tokens_seen", torch.zeros(()))
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        tokens = input_ids.shape[1]
+        if tokens > self.table.shape[0]:
+            self.table = torch.linspace(1.0, 2.0, 2 * tokens)
+        self.tokens_seen.add_(tokens)
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits * self.table[:tokens, None]
+
+
+class TokensByVocab(Wrapped):
+    """Returns (T, vocab) logits, as vLLM's models return (num_tokens, hidden)."""
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        return super().forward(input_ids, position_ids, past_key_values, attn_metadata)[0]
+
+
+def _run(cls: type[Wrapped], mode: str, steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill three sequences, then decode ``steps`` steps through a runner and
+    through a second copy of the model run eagerly; each step's (graph, eager) result."""
+    graph_model, eager_model = cls(), cls()
+    engine = ReferenceEngine(65, 16, "cpu", vocab_size=ModelConfig.tiny().vocab_size, table_width=4, seed=3)
+    graph_cache, eager_cache = graph_model.make_kv_cache(65, 16), eager_model.make_kv_cache(65, 16)
+    runner = graphmode.build_graph_runner(
+        graph_model, max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu", execute_mode=mode
+    )
+    seqs = [engine.add() for _ in range(3)]
+    results = []
+    for index in range(steps + 1):
+        step = engine.prefill(seqs, [5, 9, 3]) if index == 0 else engine.decode(seqs[: 3 - index % 2])
+        with torch.inference_mode():
+            graph = runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata).clone()
+            eager = eager_model(step.input_ids, step.position_ids, eager_cache, step.attn_metadata)
+        results.append((graph, eager))
+    return results
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_that_changes_its_python_state_every_step_is_refused_at_capture(mode):
+    # Before: graph steps kept mixing in the logits captured at capture and
+    # froze the counter, 3.7 to 5.6 off eager, silently.
+    with pytest.raises(CaptureError) as raised:
+        _run(KeepsLastStep, mode)
+    message = str(raised.value)
+    assert "previous (tensor" in message and "steps (2 -> 3)" in message
+    assert "in place" in message and "step_inputs=" in message
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_grown_once_and_buffers_changed_in_place_replay_as_eager(mode):
+    results = _run(GrowsOnceAndCounts, mode)
+    for graph, eager in results:
+        torch.testing.assert_close(graph, eager)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_result_whose_second_dimension_is_not_the_token_is_refused_at_capture(mode):
+    # Before: the graph's (T, vocab) logits came back cut to T columns of the
+    # vocabulary ((3, 3) where eager gave (3, 256)), silently.
+    with pytest.raises(CaptureError, match=r"shape \(\d+, 256\).*dimension 1.*result\[None\]"):
+        _run(TokensByVocab, mode)
+
+
+def test_a_make_kv_cache_without_a_device_keyword_still_checks_the_cache():
+    # Before: the runner's cache check called make_kv_cache(2, block_size,
+    # device="meta") and stopped with a TypeError from inside graphmode.
+    model = Wrapped()
+    engine = ReferenceEngine(17, 16, "cpu", vocab_size=ModelConfig.tiny().vocab_size, table_width=4)
+    runner = graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu")
+    half = [(k.half(), v.half()) for k, v in model.make_kv_cache(17, 16)]
+    step = engine.prefill([engine.add()], [5])
+    with torch.inference_mode(), pytest.raises(graphmode.InputError, match="dtype torch.float16.*make_kv_cache"):
+        runner(step.input_ids, step.position_ids, half, step.attn_metadata)
+    step = engine.prefill([engine.add()], [5])
+    with torch.inference_mode():
+        runner(step.input_ids, step.position_ids, model.make_kv_cache(17, 16), step.attn_metadata)
+
+
+class ScalesBySlot(Wrapped):
+    """Scales each token's logits by a table entry of its cache block, indexed
+    with the step's slots outside the attention ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("block_scales", torch.linspace(0.5, 1.5, 65))
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        blocks = attn_metadata.kv_start_indices.clamp(min=0) // 16
+        return logits * self.block_scales[blocks][None, :, None]
+
+
+def test_metadata_read_by_indexing_between_attention_calls_is_refused_in_piecewise_capture():
+    # Before: indexing with the capture's 'meta' metadata returned whatever
+    # memory held, so the first step's answer was garbage (and later replays
+    # raised "indices should be either on cpu or on the same device").
+    with pytest.raises(CaptureError, match=r"'meta' device.*test_own_models.py:\d+ in forward.*execute_mode='graph'"):
+        _run(ScalesBySlot, "piecewise")
+    for graph, eager in _run(ScalesBySlot, "graph"):
+        torch.testing.assert_close(graph, eager)
+
+
+class RegrowsOnLongPrompts(Wrapped):
+    """A dynamic-NTK-style table: recomputed with other values (and rebound)
+    when a step's longest sequence first passes 24 tokens, read from the
+    host maximum. A graph context's maximum is -1, so only eager steps regrow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scales", torch.ones(64))
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        if attn_metadata.max_kv_seq_len > 24 and self.scales[0] == 1:
+            self.scales = torch.linspace(0.5, 1.5, 64)
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits * self.scales[position_ids[0]][None, :, None]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_eager_step_that_replaces_a_tensor_the_graphs_hold_refuses_graph_steps_until_reset(mode):
+    # Before: the graphs kept reading the old table after the long prefill
+    # regrew it, 2.7 to 4.8 off eager, silently (debug mode named it).
+    graph_model, eager_model = RegrowsOnLongPrompts(), RegrowsOnLongPrompts()
+    engine = ReferenceEngine(65, 16, "cpu", vocab_size=ModelConfig.tiny().vocab_size, table_width=4, seed=3)
+    graph_cache, eager_cache = graph_model.make_kv_cache(65, 16), eager_model.make_kv_cache(65, 16)
+    runner = graphmode.build_graph_runner(
+        graph_model, max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu", execute_mode=mode
+    )
+
+    def both(step):
+        with torch.inference_mode():
+            graph = runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata).clone()
+            eager = eager_model(step.input_ids, step.position_ids, eager_cache, step.attn_metadata)
+        torch.testing.assert_close(graph, eager)
+
+    seqs = [engine.add() for _ in range(2)]
+    both(engine.prefill(seqs, [5, 9]))
+    both(engine.decode(seqs))  # captures
+    seqs.append(engine.add())
+    both(engine.prefill(seqs[2:], [30]))  # eager (no bucket holds 30 tokens): regrows the table
+    step = engine.decode(seqs)
+    with torch.inference_mode(), pytest.raises(graphmode.ReplayError, match=r"replaced the model's scales.*reset\(\)"):
+        runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata)
+    runner.reset()
+    both(step)
+    both(engine.decode(seqs))
