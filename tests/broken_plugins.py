@@ -613,6 +613,24 @@ def _query_starts_zero_spec():
     ))
 
 
+# 44. A fill copying only the block-table entries that changed since the
+#     last step (a decode step adds a block now and then), the last step's
+#     table kept by reference: right while the engine passes a fresh tensor
+#     every step; an engine writing one persistent table in place makes the
+#     kept table this step's, so nothing "changed" and nothing is copied.
+@hookimpl
+def _changed_entries_only(meta, inputs, batch_size, bucket):
+    table = inputs.attn_metadata.block_offsets
+    rows = meta.input_buffers["block_offsets"][:batch_size, : table.shape[1]]
+    before = rows.clone()
+    buffers.fill(meta, inputs, batch_size, bucket)
+    last = meta.vendor_state.get("last_table")
+    if last is not None and last.shape == table.shape:
+        rows.copy_(torch.where(table != last, table, before))
+    meta.vendor_state["last_table"] = table
+    return True
+
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -667,6 +685,7 @@ BROKEN = {
         acme.plugin, "slot_blocks_declared_int16", graphmode_graph_spec=_slot_blocks_int16_spec),
     "query_starts_padded_with_zero": variant(
         cuda, "query_starts_padded_with_zero", graphmode_graph_spec=_query_starts_zero_spec),
+    "table_kept_by_reference": variant(camb, "table_kept_by_reference", graphmode_fill_buffers=_changed_entries_only),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.

@@ -219,6 +219,13 @@ DIAGNOSES = {
         "[declarations] vendor cuda: buffer q_start_loc (query starts, written by no step) has padding 0",
         "Declare padding=ROW_INDEX (graphmode.spec) in graphmode_graph_spec",
     ),
+    "table_kept_by_reference": (
+        "every step tensor a view of a persistent one written in place",
+        "buffer block_offsets live rows 0..7 hold",
+        "graphmode_fill_buffers did not copy the step's values into the live rows: they are what the buffer held "
+        "before this fill, so the copy was skipped for them",
+        "compared with a tensor kept from the last step by reference",
+    ),
 }
 
 
