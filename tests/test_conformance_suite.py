@@ -190,6 +190,42 @@ DIAGNOSES = {
         "they match no host buffer: values from an earlier step, or from another runner's buffers",
         "Hook: graphmode_update_graph_params must push this step's rows",
     ),
+    # The second probe of 2026-11-26.
+    "block_table_through_int16": (
+        "[large values] vendor camb, graphmode_fill_buffers of a decode step of 5 sequences",
+        "buffer block_offsets live rows 0..4 hold",
+        "they are the step's values converted to torch.int16 and back",
+        "Hook: graphmode_fill_buffers must copy integer step tensors into the integer buffers",
+    ),
+    "slots_through_float32": (
+        "[large values] vendor maca",
+        "buffer kv_start_indices live rows 0..4 hold",
+        "they are the step's values converted to torch.float32 and back",
+        "Hook: graphmode_fill_buffers",
+    ),
+    "host_lengths_through_int16": (
+        "[large values] vendor ascend, vendor_options {'update_path': 'graph_update'}",
+        "buffer kv_seqlens live rows 0..4 hold",
+        "attn_metadata.kv_seqlens_cpu or attn_metadata.kv_seqlens is",
+        "converted to torch.int16 and back",
+    ),
+    "slot_blocks_declared_int16": (
+        "[large values] vendor acme",
+        "buffer slot_blocks live rows 0..4 hold",
+        "buffer slot_blocks is declared torch.int16, which cannot hold them. Declare it int32 (or int64) in "
+        "graphmode_graph_spec",
+    ),
+    "query_starts_padded_with_zero": (
+        "[declarations] vendor cuda: buffer q_start_loc (query starts, written by no step) has padding 0",
+        "Declare padding=ROW_INDEX (graphmode.spec) in graphmode_graph_spec",
+    ),
+    "table_kept_by_reference": (
+        "every step tensor a view of a persistent one written in place",
+        "buffer block_offsets live rows 0..7 hold",
+        "graphmode_fill_buffers did not copy the step's values into the live rows: they are what the buffer held "
+        "before this fill, so the copy was skipped for them",
+        "compared with a tensor kept from the last step by reference",
+    ),
 }
 
 

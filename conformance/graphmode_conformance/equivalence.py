@@ -124,16 +124,23 @@ class GraphEqualsEagerTests(ConformanceFixtures):
             harness.step(chosen)
 
     def test_block_tables_sliced_from_a_wider_table(self, harness):
-        """An engine keeping one persistent block table passes each step's as
-        its first columns (``table[:batch, :width]``): not contiguous. A fill
-        copying it as a flat run of elements (a copy by data_ptr and numel)
-        reads other rows' columns."""
+        """An engine keeping a persistent batch writes each step's tensors in
+        place and passes views of them: the block table as its first columns
+        (``table[:batch, :width]``), not contiguous. A fill copying it as a
+        flat run of elements (a copy by data_ptr and numel) reads other rows'
+        columns; one keeping last step's tensor (a reference, not a copy) to
+        skip what did not change finds this step's values in it and skips
+        everything."""
         harness.sliced_tables = True
         harness.variant += (", block tables sliced from a wider table (not contiguous: a copy of numel() elements "
-                            "from the first one reads columns of other rows)")
+                            "from the first one reads columns of other rows), every step tensor a view of a persistent "
+                            "one written in place (a tensor kept from the last step holds this step's values)")
         seqs = harness.start(8)
-        for batch in (8, 5, 8, 3):
-            harness.step(seqs[:batch])
+        # Then the same sequences in other orders (an engine condensing its
+        # batch moves rows): the same shapes, unless a sequence needs a new
+        # block, with other values.
+        for step in (seqs, seqs[4:] + seqs[:4], seqs[2:] + seqs[:2], seqs[:5], seqs, seqs[:3]):
+            harness.step(step)
 
     def test_steps_built_on_the_host_with_host_staging(self, build_harness, vendor, device):
         """An engine building its steps on the host (as vLLM's pinned

@@ -27,6 +27,7 @@ import torch
 
 import graphmode
 from graphmode.context import StepInputs
+from graphmode.emulator import is_host, mark_host
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.staging import to_host
@@ -41,6 +42,37 @@ from graphmode_conformance.structure import (
 )
 
 __all__ = ["ConformanceFailure", "Harness", "Sizes"]
+
+
+_PERSISTENT_FIELDS = ("block_offsets", "q_start_loc", "q_seqlens", "kv_seqlens", "kv_start_indices", "kv_seqlens_cpu")
+
+
+def in_persistent_tensors(kept: dict[str, torch.Tensor], inputs: StepInputs) -> StepInputs:
+    """``inputs`` as an engine keeping a persistent batch (vLLM's) passes
+    them: each tensor written in place into one ``kept`` per field, the step
+    getting a view of its rows; the block table as the first columns of a
+    wider one (not contiguous). Consecutive steps' tensors share storage, so
+    a fill that keeps last step's tensor (a reference, not a copy) to skip
+    what did not change sees this step's values in it."""
+
+    def view(name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        extra = [0] * (tensor.dim() - 1) + [3 if name == "block_offsets" else 0]
+        store = kept.get(name)
+        if store is None or any(s + e > k for s, e, k in zip(tensor.shape, extra, store.shape)):
+            shape = [2 * s + e for s, e in zip(tensor.shape, extra)]
+            store = kept[name] = tensor.new_zeros(shape)
+            if is_host(tensor):
+                mark_host(store)
+        rows = store[tuple(slice(0, s) for s in tensor.shape)]
+        rows.copy_(tensor)
+        return rows
+
+    attn = inputs.attn_metadata.replace(**{f: view(f, getattr(inputs.attn_metadata, f)) for f in _PERSISTENT_FIELDS})
+    ids, positions = view("input_ids", inputs.input_ids), view("position_ids", inputs.position_ids)
+    assert ids is not None and positions is not None
+    return dataclasses.replace(inputs, input_ids=ids, position_ids=positions, attn_metadata=attn)
 
 
 @dataclass
@@ -62,9 +94,11 @@ class Harness:
     declared: DeclaredBuffers | None = None
     variant: str = ""  # ", vendor_options {...}" when the run gave some
     host_inputs: bool = False  # the runner gets host copies of each step's tensors (host staging)
-    # The runner gets each step's block table as the first columns of a wider
-    # table (not contiguous), as an engine slicing a persistent table passes it.
+    # The runner gets each step's tensors as views of persistent ones written
+    # in place (the block table as the first columns of a wider table: not
+    # contiguous), as an engine keeping a persistent batch passes them.
     sliced_tables: bool = False
+    _persistent: dict[str, torch.Tensor] = field(default_factory=dict)
     _recording: bool = False
     _captured_context: StepInputs | None = None
 
@@ -188,7 +222,10 @@ class Harness:
             if self._captured_context is not None and bucket is not None:
                 self.contexts[bucket] = self._captured_context
             graph = raw.clone() if isinstance(raw, torch.Tensor) else raw
-            check_unmodified(where, inputs, snapshot, self._probes(batch, bucket) if graph_step else [])
+            # The probes refill the buffers from a copy of the step: not where
+            # the runner's tensors are persistent, whose fill they would redo.
+            probes = self._probes(batch, bucket) if graph_step and not self.sliced_tables else []
+            check_unmodified(where, inputs, snapshot, probes)
             eager = self._call_model(inputs)
         if meta is not None and bucket is not None:
             self.check_buffers(where, meta, inputs, batch, bucket, buffers_before)
@@ -254,11 +291,7 @@ class Harness:
 
     def _call_runner(self, inputs: StepInputs) -> Any:
         if self.sliced_tables:
-            table = inputs.attn_metadata.block_offsets
-            wider = table.new_zeros(table.shape[0], table.shape[1] + 3)
-            wider[:, : table.shape[1]] = table
-            attn = dataclasses.replace(inputs.attn_metadata, block_offsets=wider[:, : table.shape[1]])
-            inputs = dataclasses.replace(inputs, attn_metadata=attn)
+            inputs = in_persistent_tensors(self._persistent, inputs)
         if self.host_inputs:
             inputs = to_host(inputs, self.device)
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata)

@@ -8,6 +8,7 @@ import torch
 
 from graphmode.context import StepInputs
 from graphmode.meta import GraphMeta
+from graphmode.spec import ROW_INDEX
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure, Harness
 from graphmode_conformance.sizes import vendor_capture_sizes
@@ -293,14 +294,28 @@ class HookContractTests(ConformanceFixtures):
             )
 
     def test_query_layout_follows_q_len(self, harness, vendor):
-        """A vendor taking multi-token decode graphs (GraphSpec.max_q_len not
+        """A buffer no step writes that the context reads as query starts
+        holds each row's index (ROW_INDEX): every row of it is padding. A
+        vendor taking multi-token decode graphs (GraphSpec.max_q_len not
         1): a buffer no step writes that the context reads as query starts or
         lengths holds per-sequence constants of one q_len unless declared
         q_len_scaled, which gives every graph its own q_len's pattern."""
         spec = harness.runner.spec
+        query = {"attn_metadata.q_start_loc": "starts", "attn_metadata.q_seqlens": "lengths"}
+        for buffer in spec.buffers:
+            # Written by no step, every row is padding: the query starts of a
+            # decode graph are 0, 1, 2, ... (times q_len), whatever the bucket.
+            if "attn_metadata.q_start_loc" in buffer.contexts and not buffer.written and buffer.padding != ROW_INDEX:
+                raise ConformanceFailure(
+                    f"[declarations] vendor {vendor.name}: buffer {buffer.name} (query starts, written by no step) "
+                    f"has padding {buffer.padding!r}, so every sequence of a graph starts at query token "
+                    f"{buffer.padding!r}: sequence i's first new token is row i (i * q_len in a graph of q_len "
+                    f"tokens per sequence), and a kernel reading the starts takes one sequence's queries for "
+                    f"all. Declare padding=ROW_INDEX (graphmode.spec) in graphmode_graph_spec, as CUDA_SPEC's "
+                    "q_start_loc does"
+                )
         if spec.max_q_len == 1:
             pytest.skip("the vendor takes one new token per sequence (GraphSpec.max_q_len 1)")
-        query = {"attn_metadata.q_start_loc": "starts", "attn_metadata.q_seqlens": "lengths"}
         for buffer in spec.buffers:
             read_as = [query[path] for path in buffer.contexts if path in query]
             if read_as and not buffer.written and not buffer.q_len_scaled:

@@ -164,6 +164,7 @@ class DeclaredBuffers:
         if not isinstance(value, torch.Tensor):
             return None  # the runner refuses a step without it
         value = _rows_first(value.detach().cpu().to(spec.dtype), spec)
+        held = _rows_first(before[name], spec)[:live] if name in before else None
         if BLOCKS in spec.shape:
             blocks = spec.shape.index(BLOCKS)
             dim = blocks + 1 if blocks < spec.row_dim else blocks  # with the row dimension moved first
@@ -178,16 +179,24 @@ class DeclaredBuffers:
                     "columns of an earlier, wider table (block tables vary in width from step to step)"
                 )
             live_rows = live_rows.narrow(dim, 0, width)
+            held = held.narrow(dim, 0, width) if held is not None else None
         if value.numel() != live_rows.numel():
             return None  # the runner refuses a misshapen step input
         value = value.reshape(live_rows.shape)
         wrong = _bad_rows(live_rows, value)
         if wrong:
             origin = "its source function" if callable(spec.source) else " or ".join(spec.sources)
+            skipped = ""
+            if held is not None and torch.equal(live_rows, held):
+                skipped = (": they are what the buffer held before this fill, so the copy was skipped for them. "
+                           "A fill that skips it when the step's tensor seems unchanged (the same tensor or "
+                           "data_ptr as the last step's, or values compared with a tensor kept from the last step "
+                           "by reference) skips it when an engine writes its persistent tensors in place: compare "
+                           "with a copy, or copy always")
             return (
                 f"buffer {name} live rows {_span(wrong)} hold {_values(live_rows[wrong])}, but this step's "
                 f"{origin} is {_values(value[wrong])}: graphmode_fill_buffers did not copy the step's values "
-                "into the live rows"
+                f"into the live rows{skipped}"
             )
         return None
 

@@ -5,7 +5,9 @@
   device's; the host values a graph's kernels read at replay (what
   ``graphmode_update_graph_params`` pushed) hold, in every padding row of the
   bucket, what the declared buffer they come from holds there, not what an
-  earlier, larger batch left.
+  earlier, larger batch left; the fill copies integers far above what the
+  harness's small caches reach (block ids above 2**26, 128k contexts) exactly,
+  with no narrower or floating dtype on the way.
 
 A device-to-host read on the replay path, however the value lands (``.item()``,
 a copy into a host buffer), is refused by the runner's replay guard on every
@@ -19,11 +21,14 @@ from typing import Any
 import pytest
 import torch
 
-from graphmode.emulator import EmulatedGraph
+from graphmode.context import StepInputs
+from graphmode.emulator import EmulatedGraph, is_host, mark_host
+from graphmode.spec import BLOCKS
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import Harness
+from graphmode_conformance.hooks import _decode_step
 from graphmode_conformance.sizes import bucket_with_smaller_batches
-from graphmode_conformance.structure import ConformanceFailure
+from graphmode_conformance.structure import ConformanceFailure, _rows_first, _span, _values, source_value
 
 __all__ = ["UnseenByOutputsTests", "check_pushed_host_values"]
 
@@ -128,6 +133,44 @@ def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[
     return None
 
 
+# Added to a step's lengths, positions and token ids: a 128k context and a
+# vocabulary of over 131072 words, past int16 and float16.
+LARGE = 2**17
+# Where an integer loses digits: the dtypes a fill may pass it through.
+_NARROWER = (torch.int16, torch.float16, torch.bfloat16, torch.float32)
+
+
+def large_step(step: StepInputs, block_size: int) -> StepInputs:
+    """``step`` with the integers of a large deployment, all inside int32:
+    block ids above 2**31 / (2 * block_size) (2**26 at 16 tokens a block; a
+    card of a few hundred thousand blocks reaches float32's 2**24), so that
+    slots are above 2**30; kv lengths, positions and token ids above 2**17.
+    Padding values (-1 slots, block 0) are kept. The fill copies, so
+    nothing else need be consistent with a cache."""
+    attn = step.attn_metadata
+    blocks = 2**31 // (2 * block_size) + 1
+
+    def shifted(tensor: torch.Tensor, by: int, keep: int | None = None) -> torch.Tensor:
+        moved = tensor + by if keep is None else torch.where(tensor > keep, tensor + by, tensor)
+        return mark_host(moved) if is_host(tensor) else moved
+
+    host_lengths = attn.kv_seqlens_cpu
+    large = attn.replace(
+        block_offsets=shifted(attn.block_offsets, blocks, keep=0),
+        kv_start_indices=shifted(attn.kv_start_indices, blocks * block_size, keep=-1),
+        kv_seqlens=shifted(attn.kv_seqlens, LARGE),
+        kv_seqlens_cpu=shifted(host_lengths, LARGE) if host_lengths is not None else None,
+        max_kv_seq_len=attn.max_kv_seq_len + LARGE,
+    )
+    return StepInputs(shifted(step.input_ids, LARGE), shifted(step.position_ids, LARGE), step.past_key_values,
+                      large, step.extras)
+
+
+def _narrowed_through(value: torch.Tensor, got: torch.Tensor) -> torch.dtype | None:
+    """The dtype that, converted to and back, turns ``value`` into ``got``."""
+    return next((d for d in _NARROWER if torch.equal(value.to(d).to(torch.int64), got)), None)
+
+
 class UnseenByOutputsTests(ConformanceFixtures):
     def test_distributed_backend_ignores_the_device_index(self, vendor, device):
         """``graphmode_dist_backend`` for ``cuda:0`` (each rank's own device)
@@ -171,3 +214,55 @@ class UnseenByOutputsTests(ConformanceFixtures):
         for batch in (bucket, bucket, *smaller, bucket, smaller[-1]):
             harness.step(seqs[:batch])
             check_pushed_host_values(harness, batch, state)
+
+    def test_fill_copies_large_integers_exactly(self, harness):
+        """A decode step whose block ids, slots, kv lengths, positions and
+        token ids are as large as a big deployment's (the harness's caches
+        hold a few hundred blocks): after graphmode_fill_buffers every
+        integer buffer's live rows hold the step's values exactly."""
+        runner, vendor = harness.runner, harness.vendor
+        batch = min(5, runner.capture_sizes[-1])
+        bucket = runner.bucket_of(batch)
+        meta = runner.graph_meta()
+        step = large_step(_decode_step(harness, batch), meta.block_size)
+        with torch.inference_mode():
+            vendor.hook.graphmode_fill_buffers(meta=meta, inputs=step, batch_size=batch, bucket=bucket)
+        own_fill = vendor.implements("graphmode_fill_buffers")
+        for spec in meta.spec.buffers:
+            value = source_value(spec, step)
+            if spec.live is not None or not isinstance(value, torch.Tensor) or not (spec.written or own_fill):
+                continue
+            if spec.dtype.is_floating_point or spec.dtype == torch.bool or value.dtype == torch.bool:
+                continue
+            live = step.num_tokens if spec.per_token else batch
+            got = _rows_first(meta.input_buffers[spec.name].detach().cpu(), spec)[:live].to(torch.int64)
+            value = _rows_first(value.detach().cpu().to(torch.int64), spec)
+            if BLOCKS in spec.shape:
+                blocks = spec.shape.index(BLOCKS)
+                dim = blocks + 1 if blocks < spec.row_dim else blocks
+                got = got.narrow(dim, 0, value.shape[dim])
+            if value.numel() != got.numel():
+                continue
+            value = value.reshape(got.shape)
+            if torch.equal(got, value):
+                continue
+            wrong = [r for r in range(live) if not torch.equal(got[r], value[r])]
+            origin = "its source function" if callable(spec.source) else " or ".join(spec.sources)
+            through = _narrowed_through(value, got)
+            if through == spec.dtype:
+                how = (f"buffer {spec.name} is declared {spec.dtype}, which cannot hold them. Declare it int32 (or "
+                       "int64) in graphmode_graph_spec")
+            else:
+                how = ((f"they are the step's values converted to {through} and back" if through is not None else
+                        "they are not the step's values") +
+                       ": an integer lost digits on its way into the buffer (int16 wraps above 32767; float32 is "
+                       "exact only below 2**24, float16 below 2**11: torch.where with a float scalar, .float(), a "
+                       "narrower staging tensor). Hook: graphmode_fill_buffers must copy integer step tensors into "
+                       "the integer buffers with no narrower or floating dtype between")
+            raise ConformanceFailure(
+                f"[large values] vendor {vendor.name}{harness.variant}, graphmode_fill_buffers of a decode step of "
+                f"{batch} sequences in bucket {bucket} with a large deployment's integers (block ids above "
+                f"{2**31 // (2 * meta.block_size)}, slots above 2**30, kv lengths, positions and token ids above "
+                f"{LARGE}; the harness's own caches stay far below): buffer {spec.name} live rows {_span(wrong)} "
+                f"hold {_values(got[wrong])}, but this step's {origin} is {_values(value[wrong])}: {how}"
+            )
