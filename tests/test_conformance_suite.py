@@ -296,6 +296,21 @@ def test_stale_pushed_padding_is_caught_on_a_graded_list_and_named_by_the_host_b
         in message, message
 
 
+def test_a_pushed_host_list_of_the_batch_not_the_bucket_is_caught(tmp_path):
+    """Zeta pushing its host lengths' live rows alone, a list of batch_size
+    values into a graph captured with bucket rows (the second outsider's
+    slip): its emulated kernel reads rows past the list as length 0, so the
+    outputs are right, and the suite passed it; a device kernel reads past
+    the host array."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:pushed_batch_rows_only",
+                               "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "[pushed host values] vendor zeta on cpu, batch 19, bucket 20 (replay)" in message, message
+    assert "19 values, this step's live rows of zeta_kv_lens, but the graph was captured with 20 rows" in message, message
+    assert "(meta.input_buffers['zeta_kv_lens'][:bucket], not [:batch_size])" in message, message
+
+
 def test_a_host_length_buffer_padded_with_minus_one_is_refused_by_its_declaration(tmp_path):
     """Zeta's host kv lengths declared with padding=-1 (trial 22's slip, "-1
     writes nothing" copied from the slot buffer): the emulator's kernel masks

@@ -68,6 +68,8 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
     }
     host = {spec.name for spec in declared if spec.host}
     for op, argument, values in graph.host_arguments():
+        if len(values) == batch < bucket:
+            short_list(harness, batch, bucket, op, argument, values, rows, host)
         if len(values) != bucket:
             continue
         if batch == bucket:
@@ -97,6 +99,24 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
             f"reads that many tokens for each padding row, past the reserved block (an out-of-range read), "
             f"although the emulator's outputs are right. Hook: graphmode_update_graph_params must {fix}"
         )
+
+
+def short_list(harness: Harness, batch: int, bucket: int, op: Any, argument: str, values: list,
+               rows: dict[str, tuple[list, Any]], host: set[str]) -> None:
+    """Fails when a host list of ``batch`` values, a declared host buffer's
+    live rows, was pushed into a graph captured with ``bucket`` rows."""
+    name = next((name for name, (held, _) in rows.items() if name in host and held[:batch] == values), None)
+    if name is None:
+        return
+    raise ConformanceFailure(
+        f"[pushed host values] vendor {harness.vendor.name} on {harness.device}{harness.variant}, batch {batch}, "
+        f"bucket {bucket} (replay): after graphmode_update_graph_params the graph's {op} reads {argument} "
+        f"{values}: {batch} values, this step's live rows of {name}, but the graph was captured with {bucket} rows "
+        f"and its kernel takes one value per row. A device kernel reads rows {batch}..{bucket - 1} past the end of "
+        f"the list (an out-of-range host read), although the emulator's outputs may be right. Hook: "
+        f"graphmode_update_graph_params must push every row up to the bucket, padding rows included, from its host "
+        f"buffer (meta.input_buffers[{name!r}][:bucket], not [:batch_size])"
+    )
 
 
 def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[str, torch.Tensor]) -> str | None:

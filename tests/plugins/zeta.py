@@ -42,7 +42,9 @@ def zeta_paged_decode(
     B = query.shape[0]
     keys = k_blocks[block_offsets.long()].flatten(1, 2)  # (B, W*bs, K, D)
     values = v_blocks[block_offsets.long()].flatten(1, 2)
-    lens = torch.tensor(kv_lens[:B], dtype=torch.long)
+    # A row past the end of the list sees nothing here; a device kernel would read past the host array
+    # (the conformance suite names a list shorter than the bucket).
+    lens = torch.tensor((kv_lens + [0] * B)[:B], dtype=torch.long)
     positions = torch.arange(keys.shape[1])
     visible = positions[None, :] < lens[:, None]
     visible &= owned_positions(block_offsets, keys.shape[1])
@@ -184,6 +186,11 @@ def _push_live_rows_only(graph, meta, batch_size, bucket):
 
 
 @hookimpl
+def _push_batch_rows_only(graph, meta, batch_size, bucket):
+    graph.update_kv_lens([int(x) for x in meta.input_buffers[HOST_LENS][:batch_size].tolist()])  # not [:bucket]
+
+
+@hookimpl
 def _host_lengths_padded_with_minus_one():
     # "-1 writes nothing" copied from the slot buffer onto a length buffer.
     return ZETA_SPEC.with_buffers(
@@ -191,6 +198,7 @@ def _host_lengths_padded_with_minus_one():
     )
 
 
+pushed_batch_rows_only = _with("zeta_pushed_batch_rows_only", graphmode_update_graph_params=_push_batch_rows_only)
 pushed_live_rows_only = _with("zeta_pushed_live_rows_only", graphmode_update_graph_params=_push_live_rows_only)
 lengths_padded_with_minus_one = _with("zeta_lengths_padded_with_minus_one",
                                       graphmode_graph_spec=_host_lengths_padded_with_minus_one)
