@@ -311,6 +311,30 @@ def test_a_pushed_host_list_of_the_batch_not_the_bucket_is_caught(tmp_path):
     assert "(meta.input_buffers['zeta_kv_lens'][:bucket], not [:batch_size])" in message, message
 
 
+def test_pushed_host_values_are_read_from_an_emulated_graph_behind_a_runtime_handle(tmp_path):
+    """The same slip with Zeta's emulated graph behind a DeviceGraph wrapper
+    and a runtime handle (wrapper -> handle -> graph), as a runtime of
+    another graph interface is wrapped: the suite looked one attribute down
+    only, so every check of pushed values passed unseen."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin",
+                               "plugins.zeta:wrapped_pushed_batch_rows_only", "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "19 values, this step's live rows of zeta_kv_lens, but the graph was captured with 20 rows" in message, message
+
+
+def test_a_graph_whose_emulated_records_are_out_of_sight_is_named(tmp_path):
+    """A wrapper keeping its emulated graph in a list: the suite cannot
+    read what the update hook pushes, and says so rather than passing."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:graph_out_of_sight",
+                               "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "[pushed host values] vendor zeta on cpu, bucket 20: the graph graphmode_make_graph returned, a " \
+        "WrappedZetaGraph, neither is an EmulatedGraph nor holds one" in message, message
+    assert "keeping it as an attribute (self.graph), not in a list or dict" in message, message
+
+
 def test_a_host_length_buffer_padded_with_minus_one_is_refused_by_its_declaration(tmp_path):
     """Zeta's host kv lengths declared with padding=-1 (trial 22's slip, "-1
     writes nothing" copied from the slot buffer): the emulator's kernel masks

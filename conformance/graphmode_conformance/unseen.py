@@ -37,11 +37,19 @@ def _indexed_forms(device_type: str) -> list[torch.device] | None:
         return None
 
 
-def _emulated(graph: Any) -> EmulatedGraph | None:
-    """The emulator's graph a device graph is or wraps (an attribute of it)."""
+def _emulated(graph: Any, depth: int = 3) -> EmulatedGraph | None:
+    """The emulator's graph a device graph is or wraps: an attribute of it,
+    or of an object it holds (a runtime handle), up to ``depth`` objects
+    down."""
     if isinstance(graph, EmulatedGraph):
         return graph
-    return next((v for v in getattr(graph, "__dict__", {}).values() if isinstance(v, EmulatedGraph)), None)
+    if depth == 0 or isinstance(graph, torch.Tensor):
+        return None
+    for value in getattr(graph, "__dict__", {}).values():
+        found = _emulated(value, depth - 1)
+        if found is not None:
+            return found
+    return None
 
 
 def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
@@ -53,9 +61,18 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
     runner = harness.runner
     bucket = runner.bucket_of(batch)
     captured = runner.graph(bucket) if bucket is not None else None
-    graph = _emulated(captured.graph) if captured is not None else None
-    if graph is None:
+    if bucket is None or captured is None:
         return
+    graph = _emulated(captured.graph)
+    if graph is None:
+        raise ConformanceFailure(
+            f"[pushed host values] vendor {harness.vendor.name} on {harness.device}{harness.variant}, bucket {bucket}: "
+            f"the graph graphmode_make_graph returned, a {type(captured.graph).__qualname__}, neither is an "
+            "EmulatedGraph nor holds one (as an attribute, or an attribute of an object it holds, up to three "
+            "objects down), so the suite cannot read the host values graphmode_update_graph_params pushes into it. "
+            "Hook: graphmode_make_graph on cpu must return your emulated runtime graph (an EmulatedGraph subclass), "
+            "or a DeviceGraph wrapper keeping it as an attribute (self.graph), not in a list or dict"
+        )
     meta = runner.graph_meta()
     # Host buffers first: a host list is pushed from a host buffer (a device
     # one would cost a host sync per step), so a host buffer holding the
