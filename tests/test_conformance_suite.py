@@ -335,6 +335,31 @@ def test_a_graph_whose_emulated_records_are_out_of_sight_is_named(tmp_path):
     assert "keeping it as an attribute (self.graph), not in a list or dict" in message, message
 
 
+def test_a_vendor_with_a_sentinel_block_table_and_a_wrapped_graph_passes(tmp_path):
+    """Vexa (tests/plugins/vexa.py, the second outsider's plugin): a runtime
+    graph of another interface behind a DeviceGraph, two-stage capture sizes
+    ending at its largest graph, host kv lengths pushed at every replay, a
+    block table with the sentinel -1, (batch, 1) slots."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.vexa:plugin",
+                               "-k", "read_no_block or pushed_host or every_batch_size")
+    assert status == 0, failures(report)
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_padding_rows_read_no_block_but_the_reserved_one"] == "passed", ran
+
+
+def test_a_kernel_indexing_the_cache_with_its_sentinel_is_caught(tmp_path):
+    """Vexa's kernel using the sentinel -1 as a block index: PyTorch reads
+    the cache's last block (a device kernel reads out of range), which block
+    0's tests cannot see; the suite passed it before the unowned-block test."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.vexa:sentinel_indexed",
+                               "-k", "read_no_block")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "give non-finite outputs" in message, message
+    assert "the cache's last block, which no sequence owns" in message, message
+    assert "indexing the cache with a block-table sentinel of -1" in message, message
+
+
 def test_a_host_length_buffer_padded_with_minus_one_is_refused_by_its_declaration(tmp_path):
     """Zeta's host kv lengths declared with padding=-1 (trial 22's slip, "-1
     writes nothing" copied from the slot buffer): the emulator's kernel masks
