@@ -311,6 +311,18 @@ def test_a_pushed_host_list_of_the_batch_not_the_bucket_is_caught(tmp_path):
     assert "(meta.input_buffers['zeta_kv_lens'][:bucket], not [:batch_size])" in message, message
 
 
+def test_a_push_into_one_kernel_call_of_several_names_the_call_left_stale(tmp_path):
+    """Zeta updating its first layer's decode call alone: the diagnosis names
+    which call of the graph reads the previous step's lengths, not only the
+    operator every layer calls."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:pushed_first_call_only",
+                               "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "the graph's zeta.paged_decode.default (call 2 of 2) reads kv_lens" in message, message
+    assert "the previous step's values" in message, message
+
+
 def test_pushed_host_values_are_read_from_an_emulated_graph_behind_a_runtime_handle(tmp_path):
     """The same slip with Zeta's emulated graph behind a DeviceGraph wrapper
     and a runtime handle (wrapper -> handle -> graph), as a runtime of

@@ -52,6 +52,20 @@ def _emulated(graph: Any, depth: int = 3) -> EmulatedGraph | None:
     return None
 
 
+def _host_lists(graph: EmulatedGraph) -> list[tuple[str, str, list]]:
+    """``graph.host_arguments()``, an operator called more than once (a
+    kernel per layer) named with the call's number: "op (call 2 of 2)"."""
+    found = graph.host_arguments()
+    calls = {(op, argument): sum(1 for o, a, _ in found if (o, a) == (op, argument)) for op, argument, _ in found}
+    seen: dict[tuple[str, str], int] = {}
+    named = []
+    for op, argument, values in found:
+        seen[(op, argument)] = seen.get((op, argument), 0) + 1
+        total = calls[(op, argument)]
+        named.append((op if total == 1 else f"{op} (call {seen[(op, argument)]} of {total})", argument, values))
+    return named
+
+
 def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
     """After a replay of ``batch`` sequences: every host list of the bucket's
     graph whose live rows are a declared per-sequence buffer's live rows holds
@@ -84,7 +98,7 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
         if not spec.per_token and meta.input_buffers[spec.name].dim() == 1
     }
     host = {spec.name for spec in declared if spec.host}
-    for op, argument, values in graph.host_arguments():
+    for op, argument, values in _host_lists(graph):
         if len(values) == batch < bucket:
             short_list(harness, batch, bucket, op, argument, values, rows, host)
         if len(values) != bucket:
@@ -151,7 +165,7 @@ def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[
     if graph is None or not host:
         return None
     now = {name: meta.input_buffers[name][:bucket].tolist() for name in host}
-    for op, argument, values in graph.host_arguments():
+    for op, argument, values in _host_lists(graph):
         if len(values) != bucket or any(rows[:batch] == values[:batch] for rows in now.values()):
             continue
         held = ", ".join(f"{name} {rows[:batch]}" for name, rows in now.items())

@@ -192,6 +192,11 @@ def _push_batch_rows_only(graph, meta, batch_size, bucket):
 
 
 @hookimpl
+def _push_first_call_only(graph, meta, batch_size, bucket):
+    graph.calls[0].update(kv_lens=[int(x) for x in meta.input_buffers[HOST_LENS][:bucket].tolist()])  # layer 0 alone
+
+
+@hookimpl
 def _host_lengths_padded_with_minus_one():
     # "-1 writes nothing" copied from the slot buffer onto a length buffer.
     return ZETA_SPEC.with_buffers(
@@ -251,6 +256,7 @@ def _wrapped(handle):
     return graphmode_make_graph
 
 
+pushed_first_call_only = _with("zeta_pushed_first_call_only", graphmode_update_graph_params=_push_first_call_only)
 pushed_batch_rows_only = _with("zeta_pushed_batch_rows_only", graphmode_update_graph_params=_push_batch_rows_only)
 pushed_live_rows_only = _with("zeta_pushed_live_rows_only", graphmode_update_graph_params=_push_live_rows_only)
 lengths_padded_with_minus_one = _with("zeta_lengths_padded_with_minus_one",
