@@ -332,6 +332,82 @@ def test_stale_pushed_padding_is_caught_on_a_graded_list_and_named_by_the_host_b
         in message, message
 
 
+def test_a_pushed_host_list_of_the_batch_not_the_bucket_is_caught(tmp_path):
+    """Zeta pushing its host lengths' live rows alone, a list of batch_size
+    values into a graph captured with bucket rows (the second outsider's
+    slip): its emulated kernel reads rows past the list as length 0, so the
+    outputs are right, and the suite passed it; a device kernel reads past
+    the host array."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:pushed_batch_rows_only",
+                               "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "[pushed host values] vendor zeta on cpu, batch 19, bucket 20 (replay)" in message, message
+    assert "19 values, this step's live rows of zeta_kv_lens, but the graph was captured with 20 rows" in message, message
+    assert "(meta.input_buffers['zeta_kv_lens'][:bucket], not [:batch_size])" in message, message
+
+
+def test_a_push_into_one_kernel_call_of_several_names_the_call_left_stale(tmp_path):
+    """Zeta updating its first layer's decode call alone: the diagnosis names
+    which call of the graph reads the previous step's lengths, not only the
+    operator every layer calls."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:pushed_first_call_only",
+                               "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "the graph's zeta.paged_decode.default (call 2 of 2) reads kv_lens" in message, message
+    assert "the previous step's values" in message, message
+
+
+def test_pushed_host_values_are_read_from_an_emulated_graph_behind_a_runtime_handle(tmp_path):
+    """The same slip with Zeta's emulated graph behind a DeviceGraph wrapper
+    and a runtime handle (wrapper -> handle -> graph), as a runtime of
+    another graph interface is wrapped: the suite looked one attribute down
+    only, so every check of pushed values passed unseen."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin",
+                               "plugins.zeta:wrapped_pushed_batch_rows_only", "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "19 values, this step's live rows of zeta_kv_lens, but the graph was captured with 20 rows" in message, message
+
+
+def test_a_graph_whose_emulated_records_are_out_of_sight_is_named(tmp_path):
+    """A wrapper keeping its emulated graph in a list: the suite cannot
+    read what the update hook pushes, and says so rather than passing."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:graph_out_of_sight",
+                               "-k", "pushed_host", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "[pushed host values] vendor zeta on cpu, bucket 20: the graph graphmode_make_graph returned, a " \
+        "WrappedZetaGraph, neither is an EmulatedGraph nor holds one" in message, message
+    assert "keeping it as an attribute (self.graph), not in a list or dict" in message, message
+
+
+def test_a_vendor_with_a_sentinel_block_table_and_a_wrapped_graph_passes(tmp_path):
+    """Vexa (tests/plugins/vexa.py, the second outsider's plugin): a runtime
+    graph of another interface behind a DeviceGraph, two-stage capture sizes
+    ending at its largest graph, host kv lengths pushed at every replay, a
+    block table with the sentinel -1, (batch, 1) slots."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.vexa:plugin",
+                               "-k", "read_no_block or pushed_host or every_batch_size")
+    assert status == 0, failures(report)
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_padding_rows_read_no_block_but_the_reserved_one"] == "passed", ran
+
+
+def test_a_kernel_indexing_the_cache_with_its_sentinel_is_caught(tmp_path):
+    """Vexa's kernel using the sentinel -1 as a block index: PyTorch reads
+    the cache's last block (a device kernel reads out of range), which block
+    0's tests cannot see; the suite passed it before the unowned-block test."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.vexa:sentinel_indexed",
+                               "-k", "read_no_block")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "give non-finite outputs" in message, message
+    assert "the cache's last block, which no sequence owns" in message, message
+    assert "indexing the cache with a block-table sentinel of -1" in message, message
+
+
 def test_a_host_length_buffer_padded_with_minus_one_is_refused_by_its_declaration(tmp_path):
     """Zeta's host kv lengths declared with padding=-1 (trial 22's slip, "-1
     writes nothing" copied from the slot buffer): the emulator's kernel masks

@@ -83,6 +83,37 @@ class KVCacheIntegrityTests(ConformanceFixtures):
                     "result reaching a live one in the graph"
                 ) from failure
 
+    def test_padding_rows_read_no_block_but_the_reserved_one(self, harness):
+        """The cache's last block, which no sequence is given here, holds
+        NaN: padded decode steps keep finite padding outputs and eager's
+        live results. A kernel that indexes the cache with a block-table
+        sentinel of -1 reads that block in PyTorch, where a device kernel
+        reads out of range; block 0's tests cannot see it."""
+        if not harness.model.config.dtype.is_floating_point:
+            pytest.skip("the model's dtype has no NaN")
+        head_dim = harness.model.config.head_dim
+        last = harness.model.ops.block_view(harness.graph_cache[0][0], head_dim).shape[0] - 1
+        if last not in harness.engine.free_blocks:
+            pytest.skip(f"the engine has handed out the cache's last block {last}")
+        harness.engine.free_blocks.remove(last)
+        for pair in (*harness.graph_cache, *harness.eager_cache):
+            for cache in pair:
+                harness.model.ops.block_view(cache, head_dim)[last].fill_(float("nan"))
+        seqs = harness.start(11)
+        for batch in (11, 5, 9, 2, 11, 7):
+            try:
+                harness.step(seqs[:batch])
+            except ConformanceFailure as failure:
+                if "non-finite" not in str(failure) and "= nan" not in str(failure):
+                    raise
+                raise ConformanceFailure(
+                    f"{str(failure).split(' Likely cause:')[0].rstrip('.')}, with NaN in block {last}, the cache's "
+                    "last block, which no sequence owns. Padding rows and unused table columns may read only the "
+                    "reserved block 0. Likely cause: a kernel (graphmode_attention_ops) indexing the cache with a "
+                    "block-table sentinel of -1 (PyTorch's index -1 is the last block; a device kernel reads out of "
+                    "range); skip the sentinel in the kernel, or pad the table with block 0"
+                ) from failure
+
     def test_sequences_left_out_of_a_step_keep_their_cache(self, harness):
         seqs = harness.start(8)
         harness.step(seqs)

@@ -42,11 +42,33 @@ def _indexed_forms(device_type: str) -> list[torch.device] | None:
         return None
 
 
-def _emulated(graph: Any) -> EmulatedGraph | None:
-    """The emulator's graph a device graph is or wraps (an attribute of it)."""
+def _emulated(graph: Any, depth: int = 3) -> EmulatedGraph | None:
+    """The emulator's graph a device graph is or wraps: an attribute of it,
+    or of an object it holds (a runtime handle), up to ``depth`` objects
+    down."""
     if isinstance(graph, EmulatedGraph):
         return graph
-    return next((v for v in getattr(graph, "__dict__", {}).values() if isinstance(v, EmulatedGraph)), None)
+    if depth == 0 or isinstance(graph, torch.Tensor):
+        return None
+    for value in getattr(graph, "__dict__", {}).values():
+        found = _emulated(value, depth - 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _host_lists(graph: EmulatedGraph) -> list[tuple[str, str, list]]:
+    """``graph.host_arguments()``, an operator called more than once (a
+    kernel per layer) named with the call's number: "op (call 2 of 2)"."""
+    found = graph.host_arguments()
+    calls = {(op, argument): sum(1 for o, a, _ in found if (o, a) == (op, argument)) for op, argument, _ in found}
+    seen: dict[tuple[str, str], int] = {}
+    named = []
+    for op, argument, values in found:
+        seen[(op, argument)] = seen.get((op, argument), 0) + 1
+        total = calls[(op, argument)]
+        named.append((op if total == 1 else f"{op} (call {seen[(op, argument)]} of {total})", argument, values))
+    return named
 
 
 def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
@@ -58,9 +80,18 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
     runner = harness.runner
     bucket = runner.bucket_of(batch)
     captured = runner.graph(bucket) if bucket is not None else None
-    graph = _emulated(captured.graph) if captured is not None else None
-    if graph is None:
+    if bucket is None or captured is None:
         return
+    graph = _emulated(captured.graph)
+    if graph is None:
+        raise ConformanceFailure(
+            f"[pushed host values] vendor {harness.vendor.name} on {harness.device}{harness.variant}, bucket {bucket}: "
+            f"the graph graphmode_make_graph returned, a {type(captured.graph).__qualname__}, neither is an "
+            "EmulatedGraph nor holds one (as an attribute, or an attribute of an object it holds, up to three "
+            "objects down), so the suite cannot read the host values graphmode_update_graph_params pushes into it. "
+            "Hook: graphmode_make_graph on cpu must return your emulated runtime graph (an EmulatedGraph subclass), "
+            "or a DeviceGraph wrapper keeping it as an attribute (self.graph), not in a list or dict"
+        )
     meta = runner.graph_meta()
     # Host buffers first: a host list is pushed from a host buffer (a device
     # one would cost a host sync per step), so a host buffer holding the
@@ -72,7 +103,9 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
         if not spec.per_token and meta.input_buffers[spec.name].dim() == 1
     }
     host = {spec.name for spec in declared if spec.host}
-    for op, argument, values in graph.host_arguments():
+    for op, argument, values in _host_lists(graph):
+        if len(values) == batch < bucket:
+            short_list(harness, batch, bucket, op, argument, values, rows, host)
         if len(values) != bucket:
             continue
         if batch == bucket:
@@ -104,6 +137,24 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
         )
 
 
+def short_list(harness: Harness, batch: int, bucket: int, op: Any, argument: str, values: list,
+               rows: dict[str, tuple[list, Any]], host: set[str]) -> None:
+    """Fails when a host list of ``batch`` values, a declared host buffer's
+    live rows, was pushed into a graph captured with ``bucket`` rows."""
+    name = next((name for name, (held, _) in rows.items() if name in host and held[:batch] == values), None)
+    if name is None:
+        return
+    raise ConformanceFailure(
+        f"[pushed host values] vendor {harness.vendor.name} on {harness.device}{harness.variant}, batch {batch}, "
+        f"bucket {bucket} (replay): after graphmode_update_graph_params the graph's {op} reads {argument} "
+        f"{values}: {batch} values, this step's live rows of {name}, but the graph was captured with {bucket} rows "
+        f"and its kernel takes one value per row. A device kernel reads rows {batch}..{bucket - 1} past the end of "
+        f"the list (an out-of-range host read), although the emulator's outputs may be right. Hook: "
+        f"graphmode_update_graph_params must push every row up to the bucket, padding rows included, from its host "
+        f"buffer (meta.input_buffers[{name!r}][:bucket], not [:batch_size])"
+    )
+
+
 def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[str, torch.Tensor]) -> str | None:
     """Why a replay's outputs are wrong when, on the emulator, a host list the
     bucket's graph reads (what graphmode_update_graph_params pushed) holds in
@@ -119,7 +170,7 @@ def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[
     if graph is None or not host:
         return None
     now = {name: meta.input_buffers[name][:bucket].tolist() for name in host}
-    for op, argument, values in graph.host_arguments():
+    for op, argument, values in _host_lists(graph):
         if len(values) != bucket or any(rows[:batch] == values[:batch] for rows in now.values()):
             continue
         held = ", ".join(f"{name} {rows[:batch]}" for name, rows in now.items())

@@ -22,6 +22,7 @@ from graphmode import VendorInfo, hookimpl
 from graphmode.emulator import EmulatedGraph
 from graphmode.emulator.capture import named_arguments
 from graphmode.emulator.recording import OpRecord
+from graphmode.graphs import DeviceGraph
 from graphmode.model import ReferenceAttentionOps
 from graphmode.model.ops import attend, owned_positions
 from graphmode.spec import CUDA_SPEC, BufferSpec
@@ -42,7 +43,9 @@ def zeta_paged_decode(
     B = query.shape[0]
     keys = k_blocks[block_offsets.long()].flatten(1, 2)  # (B, W*bs, K, D)
     values = v_blocks[block_offsets.long()].flatten(1, 2)
-    lens = torch.tensor(kv_lens[:B], dtype=torch.long)
+    # A row past the end of the list sees nothing here; a device kernel would read past the host array
+    # (the conformance suite names a list shorter than the bucket).
+    lens = torch.tensor((kv_lens + [0] * B)[:B], dtype=torch.long)
     positions = torch.arange(keys.shape[1])
     visible = positions[None, :] < lens[:, None]
     visible &= owned_positions(block_offsets, keys.shape[1])
@@ -184,6 +187,16 @@ def _push_live_rows_only(graph, meta, batch_size, bucket):
 
 
 @hookimpl
+def _push_batch_rows_only(graph, meta, batch_size, bucket):
+    graph.update_kv_lens([int(x) for x in meta.input_buffers[HOST_LENS][:batch_size].tolist()])  # not [:bucket]
+
+
+@hookimpl
+def _push_first_call_only(graph, meta, batch_size, bucket):
+    graph.calls[0].update(kv_lens=[int(x) for x in meta.input_buffers[HOST_LENS][:bucket].tolist()])  # layer 0 alone
+
+
+@hookimpl
 def _host_lengths_padded_with_minus_one():
     # "-1 writes nothing" copied from the slot buffer onto a length buffer.
     return ZETA_SPEC.with_buffers(
@@ -191,6 +204,64 @@ def _host_lengths_padded_with_minus_one():
     )
 
 
+class _Handle:
+    """A runtime's handle between a DeviceGraph wrapper and its graph."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+
+class _ListHandle:
+    """A handle keeping its graph in a list, where no attribute names it."""
+
+    def __init__(self, graph):
+        self.graphs = [graph]
+
+    @property
+    def graph(self):
+        return self.graphs[0]
+
+
+class WrappedZetaGraph(DeviceGraph):
+    """Zeta's emulated graph behind a DeviceGraph wrapper of a runtime of
+    another interface, two objects down (wrapper -> handle -> graph)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def capture_begin(self, pool=None):
+        self.handle.graph.capture_begin(pool)
+
+    def capture_end(self):
+        self.handle.graph.capture_end()
+
+    def replay(self):
+        self.handle.graph.replay()
+
+    def reset(self):
+        self.handle.graph.reset()
+
+    def pool(self):
+        return self.handle.graph.pool()
+
+    def update_kv_lens(self, lens):
+        self.handle.graph.update_kv_lens(lens)
+
+
+def _wrapped(handle):
+    @hookimpl
+    def graphmode_make_graph(meta):
+        return WrappedZetaGraph(handle(ZetaEmulatedGraph())) if meta.device.type == "cpu" else None
+
+    return graphmode_make_graph
+
+
+pushed_first_call_only = _with("zeta_pushed_first_call_only", graphmode_update_graph_params=_push_first_call_only)
+pushed_batch_rows_only = _with("zeta_pushed_batch_rows_only", graphmode_update_graph_params=_push_batch_rows_only)
 pushed_live_rows_only = _with("zeta_pushed_live_rows_only", graphmode_update_graph_params=_push_live_rows_only)
 lengths_padded_with_minus_one = _with("zeta_lengths_padded_with_minus_one",
                                       graphmode_graph_spec=_host_lengths_padded_with_minus_one)
+wrapped_pushed_batch_rows_only = _with("zeta_wrapped_pushed_batch_rows_only",
+                                       graphmode_update_graph_params=_push_batch_rows_only,
+                                       graphmode_make_graph=_wrapped(_Handle))
+graph_out_of_sight = _with("zeta_graph_out_of_sight", graphmode_make_graph=_wrapped(_ListHandle))
