@@ -356,9 +356,12 @@ def test_an_index_error_inside_a_replay_says_that_debug_mode_names_the_bad_value
         with pytest.raises(IndexError) as caught:
             _run(setup, step, **{field: bad})
         graph = "bucket 4" if mode != "piecewise" else r"token bucket 4 \(piecewise\)"
+        note = "\n".join(getattr(caught.value, "__notes__", []))
         assert re.fullmatch(rf"graphmode: raised replaying the graph of {graph}\. A step's device values \(input ids, block "
-                            r"ids, slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*",
-                            "\n".join(getattr(caught.value, "__notes__", [])))
+                            r"ids, slots, lengths\) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 .*", note)
+        # A vendor whose own runtime raised is told where to look too.
+        assert re.search(r"If debug mode finds none, the vendor's graph or its graphmode_update_graph_params hook "
+                         r"raised: `graphmode conformance --vendor \w+` checks both$", note)
 
 
 

@@ -84,5 +84,7 @@ def note_replay_failure(error: Exception, shared: Shared, graph: str) -> None:
         error.add_note(
             f"graphmode: raised replaying the graph of {graph}. A step's device values (input ids, block ids, "
             "slots, lengths) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 (or debug=True) to have a "
-            "bad one named, with its sequence and the fix"
+            "bad one named, with its sequence and the fix. If debug mode finds none, the vendor's graph or its "
+            f"graphmode_update_graph_params hook raised: `graphmode conformance --vendor {shared.vendor.name}` checks "
+            "both"
         )
