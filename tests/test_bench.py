@@ -7,14 +7,17 @@ checked here: the figures come from a GPU (docs/performance.md)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from graphmode.bench.cases import parse_cases
+from graphmode.bench.common import add_arguments
 from graphmode.bench.report import print_costs
 from graphmode.cli.main import main
 
@@ -107,6 +110,20 @@ def test_a_case_longer_than_the_model_positions_is_refused(capsys):
 def test_tensor_parallel_with_another_workload_is_refused():
     with pytest.raises(SystemExit, match="--tp 2 measures the decode workload only"):
         main(["bench", "--device", "cpu", "--workload", "prefill", "--tp", "2"])
+
+
+def test_the_cpu_default_batches_are_those_the_help_and_the_readme_name(capsys, tmp_path):
+    """Without --batches the decode workload on the CPU times the batch
+    sizes ``graphmode bench --help`` and README.md name (the help once said
+    1,2,4,8 while the run took 1,2,3,4,8)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    (action,) = [a for a in parser._actions if a.dest == "batches"]
+    helped = [int(b) for b in re.search(r"; ([\d,]+) on the CPU", action.help).group(1).split(",")]
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"at batches {', '.join(map(str, helped[:-1]))} and {helped[-1]}" in " ".join(readme.split())
+    _, results = run_bench(capsys, tmp_path, "--modes", "eager", "--steps", "1", "--warmup", "1")
+    assert results["batches"] == helped
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default device is then cuda: the bench model, minutes")

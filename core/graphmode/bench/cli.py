@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import graphmode
-from graphmode.bench.common import DEFAULT_BATCHES, MODES, chosen_modes, taking_turns
+from graphmode.bench.common import CPU_BATCHES, DEFAULT_BATCHES, MODES, chosen_modes, taking_turns
 from graphmode.bench.floor import bandwidth, step_bytes
 from graphmode.bench.measure import machine, release, spread
 from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     config_name = args.config or ("bench" if device.type == "cuda" else "tiny")
     config = ModelConfig.bench() if config_name == "bench" else ModelConfig.tiny()
-    batches = parse_sizes(args.batches or (DEFAULT_BATCHES if device.type == "cuda" else "1,2,3,4,8"))
+    batches = parse_sizes(args.batches or (DEFAULT_BATCHES if device.type == "cuda" else CPU_BATCHES))
     total = args.warmup + args.steps
     wanted = chosen_modes(args.modes, MODES, "decode")
     workload = Workload.build(config, device, max_batches=max(256 if device.type == "cuda" else 8, *batches),

@@ -15,10 +15,11 @@ import torch
 from graphmode.bench.modes import _sync
 from graphmode.kernels import ATTENTION_CHOICES
 
-__all__ = ["CPU_CASES", "DEFAULT_BATCHES", "GPU_CASES", "MODES", "PREFILL_MODES", "WORKLOADS", "add_arguments",
-           "chosen_modes", "median_step", "step_times", "taking_turns"]
+__all__ = ["CPU_BATCHES", "CPU_CASES", "DEFAULT_BATCHES", "GPU_CASES", "MODES", "PREFILL_MODES", "WORKLOADS",
+           "add_arguments", "chosen_modes", "median_step", "step_times", "taking_turns"]
 
 DEFAULT_BATCHES = "1,2,3,4,8,16,24,32,64,100,128,200,256"
+CPU_BATCHES = "1,2,3,4,8"  # the decode workload off CUDA: the tiny model
 MODES = ("eager", "graphmode", "hand", "hand-exact", "compile", "graphmode-compile")
 WORKLOADS = ("decode", "prefill", "offload")
 PREFILL_MODES = ("eager", "piecewise", "full_and_piecewise", "piecewise+compile", "full_and_piecewise+compile",
@@ -31,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--config", choices=["bench", "tiny"], default=None,
                         help="model size (default: bench on a GPU, tiny on the CPU)")
-    parser.add_argument("--batches", default=None, help=f"batch sizes (default {DEFAULT_BATCHES}; 1,2,4,8 on the CPU)")
+    parser.add_argument("--batches", default=None,
+                        help=f"batch sizes (default {DEFAULT_BATCHES}; {CPU_BATCHES} on the CPU)")
     parser.add_argument("--vendors", default=None,
                         help="graphmode vendors to time, comma-separated (default: every installed vendor whose "
                              "graphs run the bench model on --device; the others are listed as not timed, "
