@@ -1,5 +1,6 @@
 """README.md and docs/ point at what exists: every relative link reaches a
 file and every #anchor a heading (or an ``<a id>``) of it; every
+repository file and ``file.py::test`` it names exists; every
 ``graphmode`` command and every script or example command their code blocks
 show parses with today's options; the counts and tables of broken plugins
 are those of tests/broken_plugins.py and tests/shipped_bugs.py. Text only:
@@ -126,3 +127,20 @@ def test_the_broken_plugin_counts_and_tables_match_the_modules(module):
         f"docs/conformance.md's table for {name} differs from it: "
         f"missing {sorted(set(module.BROKEN) - set(rows))}, extra {sorted(set(rows) - set(module.BROKEN))}"
     )
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_file_and_test_named_exists(doc):
+    """A path the doc names under tests/, scripts/, examples/, core/,
+    conformance/ or vendors/ exists; a ``file.py::name`` names a function or
+    class of that file."""
+    missing = []
+    for path, _, names in re.findall(
+        r"\b((?:tests|scripts|examples|core|conformance|vendors)/[\w/.-]+\.py)((?:::(\w+))*)", doc.read_text()
+    ):
+        file = ROOT / path
+        if not file.exists():
+            missing.append(path)
+        elif names and not re.search(rf"^\s*(?:def|class) {names}\b", file.read_text(), re.M):
+            missing.append(f"{path}::{names}")
+    assert not missing, f"{doc.relative_to(ROOT)} names what does not exist: {missing}"
