@@ -1,6 +1,6 @@
 """README.md and docs/ point at what exists: every relative link reaches a
 file and every #anchor a heading (or an ``<a id>``) of it; every
-repository file and ``file.py::test`` it names exists; every
+repository file, ``file.py::test`` and ``test_name`` it names exists; every
 ``graphmode`` command and every script or example command their code blocks
 show parses with today's options; the counts and tables of broken plugins
 are those of tests/broken_plugins.py and tests/shipped_bugs.py. Text only:
@@ -144,3 +144,14 @@ def test_every_repository_file_and_test_named_exists(doc):
         elif names and not re.search(rf"^\s*(?:def|class) {names}\b", file.read_text(), re.M):
             missing.append(f"{path}::{names}")
     assert not missing, f"{doc.relative_to(ROOT)} names what does not exist: {missing}"
+
+
+def test_every_test_the_docs_name_exists():
+    """A ``test_name`` in the docs is a test function or a test module here
+    (torch_npu's upstream test file and the docs' example module aside)."""
+    sources = [p for d in ("tests", "conformance", "vendors") for p in (ROOT / d).rglob("*.py")]
+    defined = {name for p in sources for name in re.findall(r"^\s*def (test_\w+)", p.read_text(), re.M)}
+    defined |= {p.stem for p in sources} | {"test_aclgraph_update", "test_xyz_conformance"}
+    named = {(doc.relative_to(ROOT), name) for doc in DOCS for name in re.findall(r"\b(test_\w+)", doc.read_text())}
+    missing = sorted(f"{doc}: {name}" for doc, name in named if name not in defined)
+    assert not missing, f"the docs name tests that do not exist: {missing}"
