@@ -3,7 +3,8 @@ file and every #anchor a heading (or an ``<a id>``) of it; every
 repository file, ``file.py::test`` and ``test_name`` it names exists; every
 ``graphmode`` command and every script or example command their code blocks
 show parses with today's options; the counts and tables of broken plugins
-are those of tests/broken_plugins.py and tests/shipped_bugs.py. Text only:
+are those of tests/broken_plugins.py and tests/shipped_bugs.py, and the
+graph-semantics cases those of tests/graph_semantics_cases.py. Text only:
 nothing here runs a model (under a second)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shlex
 from pathlib import Path
 
 import broken_plugins
+import graph_semantics_cases
 import pytest
 import shipped_bugs
 
@@ -155,3 +157,10 @@ def test_every_test_the_docs_name_exists():
     named = {(doc.relative_to(ROOT), name) for doc in DOCS for name in re.findall(r"\b(test_\w+)", doc.read_text())}
     missing = sorted(f"{doc}: {name}" for doc, name in named if name not in defined)
     assert not missing, f"the docs name tests that do not exist: {missing}"
+
+
+def test_the_emulator_doc_counts_the_graph_semantics_cases():
+    text = (ROOT / "docs" / "emulator.md").read_text()
+    assert f"`tests/graph_semantics_cases.py` holds {len(graph_semantics_cases.CASES)} cases" in text, (
+        f"docs/emulator.md miscounts tests/graph_semantics_cases.py's {len(graph_semantics_cases.CASES)} cases"
+    )
