@@ -280,6 +280,19 @@ def test_warmup_captures_every_variant_or_the_one_named(mode, device):
     assert runner.stats.replays_by_variant["lora=True"] == 1
 
 
+def test_debug_dumps_of_a_variant_name_it(tmp_path, monkeypatch):
+    """$GRAPHMODE_DEBUG_DUMP: a variant's graph is dumped under its own name
+    (docs/engines.md, "Debug mode"), not over the plain graph's dump."""
+    monkeypatch.setenv("GRAPHMODE_DEBUG_DUMP", str(tmp_path))
+    setup, model, runner = _lora_setup(debug=True)
+    seqs = [setup.engine.add() for _ in range(3)]
+    _step(setup, model, runner, seqs, [0, 0, 0], False, prefill=[3, 2, 4])  # eager
+    for adapters, lora in (([0, 1, 2], True), ([0, 0, 0], False)):
+        graph, eager = _step(setup, model, runner, seqs, adapters, lora)
+        torch.testing.assert_close(graph, eager)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bucket4-q1-lora_True.dump", "bucket4-q1.dump"]
+
+
 @pytest.mark.parametrize(("variants", "error"), [
     ({"lora": ()}, "graph_variants\\['lora'\\] is empty"),
     ({"lora": (0, 1, True)}, "holds equal values"),
