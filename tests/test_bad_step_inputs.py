@@ -207,3 +207,50 @@ def test_a_q_start_loc_off_the_prefix_sum_is_refused_in_a_host_built_piecewise_s
                        r"earlier sequences' q_seqlens summed\): q_start_loc must be the exclusive cumulative sum of "
                        r"q_seqlens$"):
         _call(setup, step, q_start_loc=starts)
+
+
+def _cumulative(step):
+    """vLLM's query_start_loc of the step: batch + 1 entries, from 0 to the step's tokens."""
+    lengths = step.attn_metadata.q_seqlens
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0).to(lengths.dtype)])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    # Before: "q_start_loc has shape (3,); a step of 2 sequences ... needs (2,)", no word of the cumulative array.
+    ("q_start_loc", _cumulative, r"attn_metadata.q_start_loc has 3 rows, but attn_metadata.block_offsets, "
+     r"attn_metadata.q_seqlens, attn_metadata.kv_seqlens have 2: a cumulative array, one entry longer than the "
+     r"batch\? .*query_start_loc\[:-1\]\). .*fix attn_metadata.q_start_loc$"),
+    # Before: the batch taken from q_seqlens (3): "is_decoding=True, but 2 new tokens for 3 sequences ... is not a
+    # decode step", blaming the right tensors.
+    ("q_seqlens", _cumulative, r"^attn_metadata.q_seqlens has 3 rows, .* have 2: a cumulative array.*"
+     r"query_start_loc.diff\(\)\)"),
+    # Before: "block_offsets has shape (16, 8); a step of 2 sequences and 2 tokens needs (2, 8)".
+    ("block_offsets", lambda step: torch.zeros(16, 8, dtype=torch.int32), r"^attn_metadata.block_offsets has 16 "
+     r"rows, .* have 2: a persistent buffer passed whole\? Pass its first 2 rows, block_offsets\[:2\]"),
+    # Before: IndexError: tuple index out of range (the batch read as q_seqlens.shape[0]).
+    ("q_seqlens", lambda step: torch.tensor(1, dtype=torch.int32),
+     r"^attn_metadata.q_seqlens has shape \(\); a step of 2 sequences and 2 tokens needs \(2,\)$"),
+], ids=["q_start_loc-cumulative", "q_seqlens-cumulative", "persistent-block-table", "q_seqlens-shape-()"])
+def test_a_per_sequence_input_of_another_length_is_named(field, value, message):
+    setup = tiny_setup()
+    step = _decode(setup)
+    with pytest.raises(InputError, match=message):
+        _call(setup, step, **{field: value(step)})
+
+
+@pytest.mark.parametrize("field, dtype", [
+    ("input_ids", torch.int16), ("kv_start_indices", torch.uint8), ("block_offsets", torch.int8),
+    ("kv_seqlens_cpu", torch.float32),
+])
+def test_step_tensors_of_an_integer_type_kernels_do_not_index_with_are_refused(field, dtype):
+    # Before: accepted, the graph copying them into its int32/int64 buffers, while the eager model failed
+    # on the same step inside torch ("Expected tensor for argument #1 'indices' to have one of the following
+    # scalar types: Long, Int", an int16 embedding index); a uint8 PAD_SLOT_ID -1 is 255, a live slot, and
+    # torch reads a uint8 index as a mask. Host lengths in float reached Ascend's kernels as floats.
+    setup = tiny_setup()
+    step = _decode(setup)
+    tensor = step.input_ids if field == "input_ids" else getattr(step.attn_metadata, field)
+    name = field if field == "input_ids" else f"attn_metadata.{field}"
+    with pytest.raises(InputError, match=rf"^{name} has dtype {dtype}; it must be (an integer tensor \(int64 or "
+                       r"int32\)|int64 or int32)"):
+        _call(setup, step, **{field: tensor.to(dtype)})

@@ -74,7 +74,8 @@ CASES = {
         r"sequence 0's block table holds block id -1 \(column 7\), outside the cache's 40 blocks"),
     "a sequence on the reserved block": (
         lambda step: {"block_offsets": _table(step, 1, 1, 0)},
-        r"sequence 1 uses block 0 \(column 1 of its table, within its kv_seqlens=22\); block 0 is reserved"),
+        r"sequence 1 uses block 0 \(column 1 of its table, within its kv_seqlens=22\) and writes the cache; "
+        r"block 0 is reserved"),
     "kv length above the table": (
         lambda step: {"kv_seqlens": torch.tensor([5, 22, 200], dtype=torch.int32),
                       "kv_seqlens_cpu": torch.tensor([5, 22, 200], dtype=torch.int32)},
@@ -102,6 +103,31 @@ def test_bad_device_values_are_refused_before_the_graph_runs(case):
         _run(setup, step, **changes(step))
     assert setup.runner.stats.replays == 0
 
+
+@pytest.mark.parametrize("mode", ["graph", "piecewise", "full_and_piecewise"])
+def test_a_batch_the_engine_padded_itself_passes(mode):
+    # An engine padding its step to a capture size itself, as graph mode pads: a row of token 0, slot -1
+    # (PAD_SLOT_ID), the reserved block 0 and one KV token. It writes nothing and reads only the reserved
+    # block; debug mode refused it before ("sequence 3 uses block 0 ... never give it to a sequence"), so
+    # such an engine could not run in debug mode at all.
+    setup, seqs = _setup(execute_mode=mode, capture_token_sizes=[4, 8])
+    setup.decode(seqs)  # captures bucket 4 (token bucket 4)
+    step = setup.engine.decode(seqs)
+    attn = step.attn_metadata
+
+    def pad(tensor, value):
+        return torch.cat([tensor, torch.full((1, *tensor.shape[1:]), value, dtype=tensor.dtype)])
+
+    padded = attn.replace(
+        block_offsets=pad(attn.block_offsets, 0), q_start_loc=torch.arange(4, dtype=attn.q_start_loc.dtype),
+        q_seqlens=pad(attn.q_seqlens, 1), kv_seqlens=pad(attn.kv_seqlens, 1),
+        kv_start_indices=pad(attn.kv_start_indices, -1), kv_seqlens_cpu=pad(attn.kv_seqlens_cpu, 1))
+    with torch.inference_mode():
+        graph = setup.runner(pad(step.input_ids[0], 0)[None], pad(step.position_ids[0], 0)[None],
+                             setup.graph_cache, padded)[:, :3].clone()
+        eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, attn)
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert setup.caches_close()
 
 
 @pytest.mark.parametrize("mode", ["graph", "piecewise", "full_and_piecewise"])

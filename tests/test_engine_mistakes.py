@@ -5,6 +5,7 @@ and in every execute mode where it applies."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from setups import tiny_setup
 
-from graphmode import InputError
+from graphmode import AttnMetadata, InputError
 from graphmode.emulator.host import mark_host
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.spec import TOKENS, BufferSpec
@@ -404,3 +405,55 @@ def test_reset_lets_go_of_the_kv_cache():
     setup.graph_cache = None
     gc.collect()
     assert old() is None
+
+
+# -- step fields the graph's context does not carry ---------------------------------
+
+
+@dataclasses.dataclass
+class _EngineMetadata(AttnMetadata):
+    """An engine's own AttnMetadata, with a per-step field its model reads."""
+
+    temperature: torch.Tensor | None = None
+
+
+class _Tempered(torch.nn.Module):
+    def __init__(self, model, field):
+        super().__init__()
+        self.inner, self.config, self.ops, self.field = model, model.config, model.ops, field
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        attn = attn_metadata
+        temperature = attn.temperature if self.field == "subclass" else attn.vendor_fields["temperature"]
+        return self.inner(input_ids, position_ids, past_key_values, attn) / temperature[None, :, None]
+
+
+@pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
+@pytest.mark.parametrize("field", ["subclass", "vendor_fields"])
+def test_a_step_field_the_graph_context_lacks_is_named_when_the_model_reads_it(mode, field):
+    # A full graph's context is a plain AttnMetadata over the graph's buffers: an engine's subclass fields and
+    # undeclared vendor_fields are not in it. The model's read failed at the first decode with a bare
+    # "'AttnMetadata' object has no attribute 'temperature'" (or KeyError: 'temperature'), no note at all.
+    import graphmode
+
+    setup = _setup(mode=mode)
+    tempered = _Tempered(setup.model, field)
+    runner = graphmode.build_graph_runner(
+        tempered, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[1, 2, 4],
+        execute_mode=mode, capture_token_sizes=[4, 8, 16])
+    seqs = [setup.engine.add() for _ in range(2)]
+    temperature = torch.full((2,), 2.0)
+    step = setup.engine.decode(seqs)  # a first decode (on an empty cache): the graph's warm-up runs it
+    attn = step.attn_metadata
+    if field == "subclass":
+        attn = _EngineMetadata(**{f.name: getattr(attn, f.name) for f in dataclasses.fields(attn)},
+                               temperature=temperature)
+    else:
+        attn = attn.replace(vendor_fields={"temperature": temperature})
+    held = (r"the fields \['temperature'\] of its _EngineMetadata" if field == "subclass"
+            else r"vendor_fields \['temperature'\] \(not declared by the vendor\)")
+    with pytest.raises((AttributeError, KeyError)) as raised, torch.inference_mode():
+        runner(step.input_ids, step.position_ids, setup.graph_cache, attn)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert re.search(rf"graphmode: raised by the warm-up of the decode graph of bucket 2 .*held {held}, which that "
+                     r"one lacks\. Pass a per-step tensor the model reads as a declared step input", notes), notes

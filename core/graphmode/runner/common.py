@@ -4,6 +4,7 @@ failed capture or replay raises."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -14,7 +15,9 @@ from graphmode.errors import GraphModeError
 from graphmode.meta import GraphMeta
 from graphmode.runner.family import Shared
 
-__all__ = ["capture_failed", "inert_step", "live_columns", "note_replay_failure"]
+__all__ = ["capture_failed", "inert_step", "live_columns", "note_dropped_fields", "note_replay_failure"]
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(AttnMetadata))
 
 
 def inert_step(
@@ -88,3 +91,27 @@ def note_replay_failure(error: Exception, shared: Shared, graph: str) -> None:
             f"graphmode_update_graph_params hook raised: `graphmode conformance --vendor {shared.vendor.name}` checks "
             "both"
         )
+
+
+def note_dropped_fields(error: Exception, inputs: StepInputs, context: StepInputs, what: str) -> None:
+    """Note on an error raised by the forward of a full graph's context
+    (its warm-up or capture) what the engine's ``attn_metadata`` held that
+    the context lacks: a graph step hands the model an ``AttnMetadata`` built
+    from the graph's buffers, so the fields of an engine's subclass of it
+    (per-step fields of its own) and ``vendor_fields`` the vendor does not
+    declare are not there, and a model reading one fails with a bare
+    AttributeError or KeyError naming neither graph mode nor the fix."""
+    attn = inputs.attn_metadata
+    own = [f.name for f in dataclasses.fields(attn) if f.name not in _FIELDS] if dataclasses.is_dataclass(attn) else []
+    vendor = sorted(set(attn.vendor_fields) - set(context.attn_metadata.vendor_fields))
+    if not (own or vendor) or not hasattr(error, "add_note"):
+        return
+    held = ([f"the fields {own} of its {type(attn).__name__}"] if own else []) + (
+        [f"vendor_fields {vendor} (not declared by the vendor)"] if vendor else [])
+    error.add_note(
+        f"graphmode: raised by {what} (the model's forward on the graph's context), whose attn_metadata is a "
+        f"graphmode.AttnMetadata made from the graph's buffers, holding only the fields graph mode and the vendor "
+        f"declare: the step's attn_metadata held {' and '.join(held)}, which that one lacks. Pass a per-step "
+        "tensor the model reads as a declared step input (build_graph_runner(step_inputs=[BufferSpec(name, ...)]), "
+        "given to the runner as a keyword and to the model as one), or run such steps with execute_mode='eager'"
+    )

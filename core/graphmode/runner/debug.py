@@ -110,10 +110,15 @@ class StepChecker:
             "cache. Fill unused columns with 0 (the reserved block) and give sequences only allocated blocks"))
         used = (step.kv_lens + block_size - 1) // block_size  # the blocks each sequence's tokens occupy
         owned = torch.arange(width)[None, :] < used[:, None]
-        reserved = owned & (step.table == 0)
+        # A row writing nothing (every slot -1) over block 0 is padding an engine added itself (to a
+        # capture size, as graph mode pads): it reads the reserved block as graph mode's padding does.
+        writes = torch.zeros(batch, dtype=torch.bool)
+        writes[torch.repeat_interleave(torch.arange(batch), step.q_lens)[step.slots >= 0]] = True
+        reserved = owned & (step.table == 0) & writes[:, None]
         _first(reserved.any(1), lambda r: (
             f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
-            f"kv_seqlens={int(step.kv_lens[r])}); block 0 is reserved for padding rows: never give it to a sequence"))
+            f"kv_seqlens={int(step.kv_lens[r])}) and writes the cache; block 0 is reserved for padding rows "
+            "(rows whose slots are all -1): never give it to a sequence"))
         self._check_slots(step, owned)
 
     def _check_uniform(self, inputs: StepInputs, step: _Step, batch: int) -> None:

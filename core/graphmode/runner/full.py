@@ -31,7 +31,7 @@ from graphmode.meta import GraphMeta
 from graphmode.native import NativeSteps, native_module
 from graphmode.plugins import Vendor
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.runner.common import capture_failed, inert_step, note_replay_failure
+from graphmode.runner.common import capture_failed, inert_step, note_dropped_fields, note_replay_failure
 from graphmode.runner.debug import check_uniform_step
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.host_reads import replay_guard
@@ -341,16 +341,20 @@ class FullGraphs:
         # step's answer, and it leaves lazy initialisation (and compilation)
         # out of the graph.
         forward = shared.forward
-        warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()))
+        name = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")
+        if shared.variant_label != PLAIN:
+            name += f", {shared.variant_label}"
+        try:
+            warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()))
+        except Exception as error:
+            note_dropped_fields(error, inputs, static, f"the warm-up of the decode graph of {name}")
+            raise
         self._outputs.prepare(warm_output, tokens)
         graph = hook.graphmode_make_graph(meta=meta)
         if shared.debug is not None:
             graph.enable_debug_mode()  # before capture, or CUDA and MLU graphs keep nothing to dump
         if ranks is not None:
             ranks.barrier()
-        name = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")
-        if shared.variant_label != PLAIN:
-            name += f", {shared.variant_label}"
         try:
             state = ModelState(shared.model)
             with graph.capture(pool=shared.pool):

@@ -18,6 +18,7 @@ from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, STEP_TENSORS, AttnMe
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
 from graphmode.runner.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
+from graphmode.runner.step_sizes import batch_size, token_count
 from graphmode.spec import BLOCKS, SEQUENCES, TOKENS
 
 __all__ = [
@@ -25,9 +26,14 @@ __all__ = [
     "uniform_q_len",
 ]
 
-_INTEGER = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
+# int32 or int64 (AttnMetadata's contract): kernels index with those, torch reads a uint8 index as a
+# mask, and a real cache's slots and block ids overflow the narrower ones.
+_INTEGER = {torch.int64, torch.int32}
 # Every step's tensors, by their paths in StepInputs (how errors name them), with the shapes declared
 # on AttnMetadata's fields (ids and positions: (1, TOKENS)).
+_NARROW = dict.fromkeys((torch.int16, torch.int8, torch.uint8), (
+    " (kernels index with int32 or int64 only: an int16 index fails inside them, a uint8 one is read as a "
+    "mask, and neither holds a real cache's slots and block ids)"))
 _TENSORS = STEP_PATHS
 _tensors_of = operator.attrgetter(*_TENSORS)
 _DIMS = ((1, TOKENS), (1, TOKENS), *(dict(STEP_TENSORS)[name] for name in REQUIRED_TENSORS))
@@ -67,7 +73,7 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
                 f"{name} is {_described(value)}; it must be a torch.Tensor: build it with "
                 "torch.tensor(values, dtype=torch.int32, device=...) (int64 for ids, positions and slots)"
             )
-    batch = attn.q_seqlens.shape[0]
+    batch = batch_size(attn)
     if batch == 0:
         raise InputError(
             "batch size 0: a step needs at least one sequence; do not call the "
@@ -94,7 +100,7 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
             f"KV cache's size); build the runner with max_blocks_per_seq >= {width}"
         )
     _check_capacity(attn, width, config)
-    tokens = _token_count(inputs)
+    tokens = token_count(inputs)
     if tokens == 0:
         raise InputError(
             f"a step of {batch} sequences and 0 new tokens: every scheduled sequence adds at least one token. "
@@ -109,7 +115,7 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
         if tensor.dtype not in _INTEGER:
             raise InputError(
                 f"{name} has dtype {tensor.dtype}; it must be an integer tensor "
-                "(int64 or int32): convert it with .long() or .int()"
+                "(int64 or int32): convert it with .long() or .int()" + _NARROW.get(tensor.dtype, "")
             )
         if emulated:
             if not tensor.is_cpu:
@@ -192,6 +198,11 @@ def _check_capacity(attn: AttnMetadata, width: int, config: RunnerConfig) -> Non
 
 def _check_host_tensor(attn: AttnMetadata, batch: int) -> None:
     host = attn.kv_seqlens_cpu
+    if isinstance(host, torch.Tensor) and host.dtype not in _INTEGER:
+        raise InputError(
+            f"attn_metadata.kv_seqlens_cpu has dtype {host.dtype}; it must be int64 or int32, the lengths "
+            "kernels take as host values (Ascend): convert it with .int()" + _NARROW.get(host.dtype, "")
+        )
     if host is not None and (not isinstance(host, torch.Tensor) or host.device.type != "cpu" or host.shape != (batch,)):
         if not isinstance(host, torch.Tensor):
             raise InputError(
@@ -271,40 +282,6 @@ def _declared(shape: tuple[int | str, ...]) -> str:
 def _described(value: object) -> str:
     """How an error names a value that should have been a tensor."""
     return "None" if value is None else f"a {type(value).__name__}"
-
-
-def _token_count(inputs: StepInputs) -> int:
-    """The step's number of new tokens, agreed by the three per-token inputs
-    (ids, positions, slots); the one that disagrees with the other two is
-    named, rather than whichever was checked first."""
-    ids, positions, slots = inputs.input_ids, inputs.position_ids, inputs.attn_metadata.kv_start_indices
-    for name, tensor in (("input_ids", ids), ("position_ids", positions)):
-        if tensor.dim() != 2 or tensor.shape[0] != 1:
-            raise InputError(
-                f"{name} has shape {tuple(tensor.shape)}; it must be (1, T): one row holding every "
-                f"sequence's new tokens back to back (use {name}[None] for a (T,) tensor)"
-            )
-    counts = {
-        "input_ids": ids.shape[1],
-        "position_ids": positions.shape[1],
-        "attn_metadata.kv_start_indices": slots.shape[0] if slots.dim() else 0,
-    }
-    values = list(counts.values())
-    if values[0] == values[1] == values[2]:
-        return values[0]
-    majority = max(values, key=values.count)
-    if values.count(majority) == 1:
-        listed = ", ".join(f"{name} has {count}" for name, count in counts.items())
-        raise InputError(
-            f"the per-token inputs disagree on the step's number of tokens ({listed}); each holds one "
-            "entry per new token: build them from the same token list"
-        )
-    odd = next(name for name, count in counts.items() if count != majority)
-    others = " and ".join(name for name in counts if name != odd)
-    raise InputError(
-        f"{odd} has {counts[odd]} tokens, but {others} have {majority}: each per-token input holds "
-        f"one entry per new token of the step; fix {odd}"
-    )
 
 
 def _check_decode(attn: AttnMetadata, batch: int, tokens: int) -> None:
