@@ -86,11 +86,13 @@ def current_session() -> CaptureSession | None:
     return getattr(_local, "session", None)
 
 
-def call_site() -> str:
-    """``file:line in function`` of the innermost caller outside torch and
-    the emulator: where the user's code asked for the operation."""
+def call_site(*also_skip: str) -> str:
+    """``file:line in function`` of the innermost caller outside torch, the
+    emulator and the files or directories ``also_skip`` (absolute paths):
+    where the user's code asked for the operation."""
+    skip = _SKIP_FRAMES + also_skip
     for frame in reversed(traceback.extract_stack()):
-        if not os.path.abspath(frame.filename).startswith(_SKIP_FRAMES):
+        if not os.path.abspath(frame.filename).startswith(skip):
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return "<unknown>"
 

@@ -18,26 +18,16 @@ run, naming the operator and the model's line. Not under ``compile=True``
 from __future__ import annotations
 
 import os
-import traceback
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from graphmode.emulator.capture import call_site
 from graphmode.errors import CaptureError
 
 __all__ = ["GhostReads"]
-
-# torch's files and this one: the model's line is the innermost frame outside them.
-_SKIP = (os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""), os.path.abspath(__file__))
-
-
-def _model_line() -> str:
-    for frame in reversed(traceback.extract_stack()):
-        if not os.path.abspath(frame.filename).startswith(_SKIP):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return "<unknown>"
 
 
 class GhostReads(TorchDispatchMode):
@@ -50,7 +40,7 @@ class GhostReads(TorchDispatchMode):
         if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
             raise CaptureError(
                 f"{func} mixed a tensor on the 'meta' device with tensors of the model's device, at "
-                f"{_model_line()}: in piecewise modes the model sees attn_metadata with tensors on the 'meta' "
+                f"{call_site(os.path.abspath(__file__))}: in piecewise modes the model sees attn_metadata with tensors on the 'meta' "
                 "device, and only the AttentionOps calls get the step's real metadata, since code between them "
                 "that reads attn_metadata would freeze one step's values into the graphs. Read it only inside "
                 "the vendor's AttentionOps (rows picked from q_start_loc and q_seqlens, such as each "
