@@ -13,7 +13,7 @@ import pytest
 import torch
 from setups import tiny_setup
 
-from graphmode import AttnMetadata, InputError
+from graphmode import AttnMetadata, CaptureError, InputError, StepInputs
 from graphmode.emulator.host import mark_host
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.spec import TOKENS, BufferSpec
@@ -418,42 +418,80 @@ class _EngineMetadata(AttnMetadata):
 
 
 class _Tempered(torch.nn.Module):
-    def __init__(self, model, field):
+    """Divides the logits by a per-step temperature the engine passes in
+    ``attn_metadata``, read as ``how`` says."""
+
+    READS = {
+        "attribute": lambda attn: attn.temperature,
+        "getattr default": lambda attn: getattr(attn, "temperature", torch.ones(())),
+        "hasattr": lambda attn: attn.temperature if hasattr(attn, "temperature") else torch.ones(()),
+        "vendor_fields[key]": lambda attn: attn.vendor_fields["temperature"],
+        "vendor_fields.get": lambda attn: attn.vendor_fields.get("temperature", torch.ones(())),
+        "key in vendor_fields": lambda attn: (attn.vendor_fields["temperature"] if "temperature" in attn.vendor_fields
+                                              else torch.ones(())),
+    }
+
+    def __init__(self, model, how):
         super().__init__()
-        self.inner, self.config, self.ops, self.field = model, model.config, model.ops, field
+        self.inner, self.config, self.ops, self.read = model, model.config, model.ops, self.READS[how]
 
     def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
-        attn = attn_metadata
-        temperature = attn.temperature if self.field == "subclass" else attn.vendor_fields["temperature"]
-        return self.inner(input_ids, position_ids, past_key_values, attn) / temperature[None, :, None]
+        temperature = self.read(attn_metadata)
+        return self.inner(input_ids, position_ids, past_key_values, attn_metadata) / temperature[..., None]
 
 
 @pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
-@pytest.mark.parametrize("field", ["subclass", "vendor_fields"])
-def test_a_step_field_the_graph_context_lacks_is_named_when_the_model_reads_it(mode, field):
+@pytest.mark.parametrize("how", sorted(_Tempered.READS))
+def test_a_step_field_the_graph_context_lacks_is_refused_when_the_model_reads_it(mode, how):
     # A full graph's context is a plain AttnMetadata over the graph's buffers: an engine's subclass fields and
-    # undeclared vendor_fields are not in it. The model's read failed at the first decode with a bare
-    # "'AttnMetadata' object has no attribute 'temperature'" (or KeyError: 'temperature'), no note at all.
+    # undeclared vendor_fields are not in it. A plain read failed at the first decode with a bare
+    # "'AttnMetadata' object has no attribute 'temperature'" (or KeyError: 'temperature'); a read with a default
+    # (getattr, hasattr, dict.get, `in`) froze the default into the graph: logits undivided, silently.
+    _check_the_read_is_refused(mode, how, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor kernels in graphs need a CUDA GPU")
+@pytest.mark.parametrize("how", ["getattr default", "vendor_fields.get"])
+def test_a_compiled_model_reading_a_field_the_graph_context_lacks_is_refused(how):
+    """Dynamo traces the guarded context's reads as the model makes them."""
+    _check_the_read_is_refused("graph", how, "cuda", compile=True)
+
+
+def _check_the_read_is_refused(mode, how, device, **options):
     import graphmode
 
-    setup = _setup(mode=mode)
-    tempered = _Tempered(setup.model, field)
+    setup = _setup(mode=mode, device=device)
+    tempered = _Tempered(setup.model, how)
     runner = graphmode.build_graph_runner(
-        tempered, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[1, 2, 4],
-        execute_mode=mode, capture_token_sizes=[4, 8, 16])
+        tempered, max_batches=16, max_blocks_per_seq=8, block_size=16, device=device, capture_batch_sizes=[1, 2, 4],
+        execute_mode=mode, capture_token_sizes=[4, 8, 16], **options)
     seqs = [setup.engine.add() for _ in range(2)]
-    temperature = torch.full((2,), 2.0)
+    temperature = torch.full((2,), 2.0, device=device)
     step = setup.engine.decode(seqs)  # a first decode (on an empty cache): the graph's warm-up runs it
     attn = step.attn_metadata
-    if field == "subclass":
+    subclass = "vendor_fields" not in how
+    if subclass:
         attn = _EngineMetadata(**{f.name: getattr(attn, f.name) for f in dataclasses.fields(attn)},
                                temperature=temperature)
     else:
         attn = attn.replace(vendor_fields={"temperature": temperature})
-    held = (r"the fields \['temperature'\] of its _EngineMetadata" if field == "subclass"
+    read = "attn_metadata.temperature" if subclass else "attn_metadata.vendor_fields['temperature']"
+    held = (r"the fields \['temperature'\] of its _EngineMetadata" if subclass
             else r"vendor_fields \['temperature'\] \(not declared by the vendor\)")
-    with pytest.raises((AttributeError, KeyError)) as raised, torch.inference_mode():
+    with pytest.raises(CaptureError, match=rf"the model read {re.escape(read)}: a full graph's attn_metadata is a "
+                       rf"graphmode\.AttnMetadata made from the graph's buffers, .*held {held}, which that one lacks "
+                       r"\(a default from getattr or dict\.get would be frozen into the graph\)\. Pass a per-step "
+                       r"tensor the model reads as a declared step input"), torch.inference_mode():
         runner(step.input_ids, step.position_ids, setup.graph_cache, attn)
-    notes = "\n".join(getattr(raised.value, "__notes__", []))
-    assert re.search(rf"graphmode: raised by the warm-up of the decode graph of bucket 2 .*held {held}, which that "
-                     r"one lacks\. Pass a per-step tensor the model reads as a declared step input", notes), notes
+    with torch.inference_mode():  # eagerly the model reads it
+        eager = tempered(step.input_ids, step.position_ids, setup.eager_cache, attn)
+    assert torch.isfinite(eager).all()
+
+
+def test_a_context_dropping_nothing_is_the_vendors_own():
+    from graphmode.runner.common import guard_dropped_fields
+
+    setup = _setup(mode="graph")
+    step = setup.engine.decode([setup.engine.add()])
+    inputs = StepInputs(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, {})
+    assert guard_dropped_fields(inputs, inputs) is inputs

@@ -5,17 +5,18 @@ failed capture or replay raises."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 from graphmode.context import AttnMetadata, StepInputs
-from graphmode.errors import GraphModeError
+from graphmode.errors import CaptureError, GraphModeError
 from graphmode.meta import GraphMeta
 from graphmode.runner.family import Shared
 
-__all__ = ["capture_failed", "inert_step", "live_columns", "note_dropped_fields", "note_replay_failure"]
+__all__ = ["capture_failed", "inert_step", "live_columns", "guard_dropped_fields", "note_replay_failure"]
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(AttnMetadata))
 
@@ -93,25 +94,74 @@ def note_replay_failure(error: Exception, shared: Shared, graph: str) -> None:
         )
 
 
-def note_dropped_fields(error: Exception, inputs: StepInputs, context: StepInputs, what: str) -> None:
-    """Note on an error raised by the forward of a full graph's context
-    (its warm-up or capture) what the engine's ``attn_metadata`` held that
-    the context lacks: a graph step hands the model an ``AttnMetadata`` built
-    from the graph's buffers, so the fields of an engine's subclass of it
-    (per-step fields of its own) and ``vendor_fields`` the vendor does not
-    declare are not there, and a model reading one fails with a bare
-    AttributeError or KeyError naming neither graph mode nor the fix."""
-    attn = inputs.attn_metadata
+def guard_dropped_fields(inputs: StepInputs, context: StepInputs) -> StepInputs:
+    """The full graph's context as its warm-up and capture hand it to the
+    model: reading a step field the engine's ``attn_metadata`` held but the
+    context lacks raises :class:`CaptureError` naming it and the fix.
+
+    A graph step hands the model an ``AttnMetadata`` made from the graph's
+    buffers, so the fields of an engine's subclass of it (per-step fields of
+    its own) and ``vendor_fields`` the vendor does not declare are not there.
+    Without the guard, ``getattr(attn, name, default)``, ``hasattr`` and
+    ``vendor_fields.get(name)`` would freeze the default into the graph
+    silently, and a plain read would fail with a bare AttributeError. The
+    error is no AttributeError or KeyError, so no default swallows it. The
+    context itself is returned when nothing was dropped."""
+    attn, graph_attn = inputs.attn_metadata, context.attn_metadata
     own = [f.name for f in dataclasses.fields(attn) if f.name not in _FIELDS] if dataclasses.is_dataclass(attn) else []
-    vendor = sorted(set(attn.vendor_fields) - set(context.attn_metadata.vendor_fields))
-    if not (own or vendor) or not hasattr(error, "add_note"):
-        return
+    vendor = sorted(set(attn.vendor_fields) - set(graph_attn.vendor_fields))
+    if not (own or vendor):
+        return context
     held = ([f"the fields {own} of its {type(attn).__name__}"] if own else []) + (
         [f"vendor_fields {vendor} (not declared by the vendor)"] if vendor else [])
-    error.add_note(
-        f"graphmode: raised by {what} (the model's forward on the graph's context), whose attn_metadata is a "
-        f"graphmode.AttnMetadata made from the graph's buffers, holding only the fields graph mode and the vendor "
-        f"declare: the step's attn_metadata held {' and '.join(held)}, which that one lacks. Pass a per-step "
-        "tensor the model reads as a declared step input (build_graph_runner(step_inputs=[BufferSpec(name, ...)]), "
-        "given to the runner as a keyword and to the model as one), or run such steps with execute_mode='eager'"
+    reason = (
+        "a full graph's attn_metadata is a graphmode.AttnMetadata made from the graph's buffers, holding only the "
+        f"fields graph mode and the vendor declare: the step's attn_metadata held {' and '.join(held)}, which that "
+        "one lacks (a default from getattr or dict.get would be frozen into the graph). Pass a per-step tensor the "
+        "model reads as a declared step input (build_graph_runner(step_inputs=[BufferSpec(name, ...)]), given to the "
+        "runner as a keyword and to the model as one), or run such steps with execute_mode='eager'"
     )
+    base: type = type(graph_attn)
+    guarded: Any = object.__new__(_guarded_class(base, tuple(own), reason))
+    guarded.__dict__.update(vars(graph_attn))
+    if vendor:
+        guarded.__dict__["vendor_fields"] = _GuardedFields(graph_attn.vendor_fields, vendor, reason)
+    return dataclasses.replace(context, attn_metadata=guarded)
+
+
+@functools.cache
+def _guarded_class(base: type, dropped: tuple[str, ...], reason: str) -> type:
+    """``base`` whose missing attributes in ``dropped`` raise (one class per
+    engine: ``torch.compile`` guards on the class)."""
+
+    def __getattr__(self: Any, name: str) -> Any:
+        if name in dropped:
+            raise CaptureError(f"the model read attn_metadata.{name}: {reason}")
+        raise AttributeError(f"'{base.__name__}' object has no attribute '{name}'")
+
+    return type(base.__name__, (base,), {"__getattr__": __getattr__, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__})
+
+
+class _GuardedFields(dict):
+    """``vendor_fields`` whose reads of the keys ``dropped`` raise."""
+
+    def __init__(self, fields: dict, dropped: list[str], reason: str) -> None:
+        super().__init__(fields)
+        self._dropped, self._reason = frozenset(dropped), reason
+
+    def _refuse(self, key: Any) -> None:
+        if key in self._dropped:
+            raise CaptureError(f"the model read attn_metadata.vendor_fields[{key!r}]: {self._reason}")
+
+    def __getitem__(self, key: Any) -> Any:
+        self._refuse(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._refuse(key)
+        return super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._refuse(key)
+        return super().get(key, default)

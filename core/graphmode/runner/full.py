@@ -31,7 +31,7 @@ from graphmode.meta import GraphMeta
 from graphmode.native import NativeSteps, native_module
 from graphmode.plugins import Vendor
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.runner.common import capture_failed, inert_step, note_dropped_fields, note_replay_failure
+from graphmode.runner.common import capture_failed, guard_dropped_fields, inert_step, note_replay_failure
 from graphmode.runner.debug import check_uniform_step
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.host_reads import replay_guard
@@ -344,11 +344,8 @@ class FullGraphs:
         name = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")
         if shared.variant_label != PLAIN:
             name += f", {shared.variant_label}"
-        try:
-            warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()))
-        except Exception as error:
-            note_dropped_fields(error, inputs, static, f"the warm-up of the decode graph of {name}")
-            raise
+        seen = guard_dropped_fields(inputs, static)  # what the model sees of the context
+        warm_output = shared.warm_up(lambda: forward(**seen.as_kwargs()))
         self._outputs.prepare(warm_output, tokens)
         graph = hook.graphmode_make_graph(meta=meta)
         if shared.debug is not None:
@@ -358,7 +355,7 @@ class FullGraphs:
         try:
             state = ModelState(shared.model)
             with graph.capture(pool=shared.pool):
-                meta.output_buffers["output"] = self._outputs.publish(forward(**static.as_kwargs()), tokens)
+                meta.output_buffers["output"] = self._outputs.publish(forward(**seen.as_kwargs()), tokens)
             state.check(f"the decode graph of {name}")
         except Exception as error:
             capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting)
