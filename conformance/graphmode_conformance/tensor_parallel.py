@@ -38,10 +38,27 @@ from graphmode.model.engine import ReferenceEngine, pad_step
 from graphmode.model.parallel import shard_model
 
 PIECEWISE_TOKENS = 512  # the largest token bucket in piecewise modes
+# The most tokens one prefill step takes (sequences beyond go to the next
+# step, as an engine batches prefills): a step's logits are (1, T, vocab),
+# 2.5 GB at 8192 tokens of the bench model's 151936 words, and 256 prompts of
+# up to 1019 tokens in one step made 40 GB a copy, out of memory on an H100.
+PREFILL_TOKENS = 8192
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def prefill_steps(seqs: list[int], lengths: list[int]) -> list[tuple[list[int], list[int]]]:
+    """``seqs`` with their prompt ``lengths`` in prefill steps of at most
+    :data:`PREFILL_TOKENS` tokens each (a longer prompt alone in its step)."""
+    steps: list[tuple[list[int], list[int]]] = []
+    for seq, length in zip(seqs, lengths, strict=True):
+        if not steps or sum(steps[-1][1]) + length > PREFILL_TOKENS:
+            steps.append(([], []))
+        steps[-1][0].append(seq)
+        steps[-1][1].append(length)
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,12 +127,16 @@ def main(argv: list[str] | None = None) -> int:
                 longest, chunks = max(2, min(longest, PIECEWISE_TOKENS // batch) // 2), 2
             prefill_diff = (0.0, 0.0)
             for _ in range(chunks):
-                prompt = engine.prefill(seqs, [engine.rng.randrange(1, longest) for _ in seqs])
-                prefill = runner(prompt.input_ids, prompt.position_ids, caches["graph"], prompt.attn_metadata).clone()
-                prefill_eager = sharded(prompt.input_ids, prompt.position_ids, caches["eager"], prompt.attn_metadata)
-                prefill_tp1 = full(prompt.input_ids, prompt.position_ids, caches["tp1"], prompt.attn_metadata)
-                prefill_diff = (max(prefill_diff[0], relative(prefill, prefill_eager)),
-                                max(prefill_diff[1], relative(prefill, prefill_tp1)))
+                lengths = [engine.rng.randrange(1, longest) for _ in seqs]
+                for step_seqs, step_lengths in prefill_steps(seqs, lengths):
+                    prompt = engine.prefill(step_seqs, step_lengths)
+                    prefill = runner(prompt.input_ids, prompt.position_ids, caches["graph"],
+                                     prompt.attn_metadata).clone()
+                    prefill_eager = sharded(prompt.input_ids, prompt.position_ids, caches["eager"], prompt.attn_metadata)
+                    prefill_tp1 = full(prompt.input_ids, prompt.position_ids, caches["tp1"], prompt.attn_metadata)
+                    prefill_diff = (max(prefill_diff[0], relative(prefill, prefill_eager)),
+                                    max(prefill_diff[1], relative(prefill, prefill_tp1)))
+                    del prefill, prefill_eager, prefill_tp1
             for name in ("eager", "padded"):
                 for (gk, gv), (k, v) in zip(caches["graph"], caches[name]):
                     k.copy_(gk)
