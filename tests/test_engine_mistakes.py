@@ -488,6 +488,58 @@ def _check_the_read_is_refused(mode, how, device, **options):
     assert torch.isfinite(eager).all()
 
 
+@dataclasses.dataclass
+class _PrefillCounts(AttnMetadata):
+    """An engine's own AttnMetadata with a per-step host number (vLLM's
+    metadata carries num_prefills, num_decode_tokens and the like)."""
+
+    num_prefills: int = 0
+
+
+class _ScaledByHostValue(torch.nn.Module):
+    """Scales the logits by a host number of the step, read as ``how`` says."""
+
+    READS = {
+        "subclass field": lambda attn: attn.num_prefills,
+        "vendor_fields entry": lambda attn: attn.vendor_fields["num_prefills"],
+    }
+
+    def __init__(self, model, how):
+        super().__init__()
+        self.inner, self.config, self.ops, self.read = model, model.config, model.ops, self.READS[how]
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        logits = self.inner(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits * (1 + self.read(attn_metadata))
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+@pytest.mark.parametrize("how", sorted(_ScaledByHostValue.READS))
+def test_a_host_value_of_the_step_read_between_attention_calls_is_refused_in_piecewise_graphs(mode, how):
+    # A piecewise capture shows the model ghost metadata (tensors on 'meta'), but kept the engine's host
+    # values as they were: a model using one between attention calls froze the capture step's value into the
+    # graphs, so later steps with another value came back scaled by the old one, silently.
+    import graphmode
+
+    setup = _setup(mode=mode)
+    scaled = _ScaledByHostValue(setup.model, how)
+    runner = graphmode.build_graph_runner(
+        scaled, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[1, 2, 4],
+        execute_mode=mode, capture_token_sizes=[4, 8, 16])
+    seqs = [setup.engine.add() for _ in range(2)]
+    step = setup.engine.prefill(seqs, [3, 4])
+    attn = step.attn_metadata
+    if how == "subclass field":
+        attn = _PrefillCounts(**{f.name: getattr(attn, f.name) for f in dataclasses.fields(attn)}, num_prefills=2)
+    else:
+        attn = attn.replace(vendor_fields={"num_prefills": 2})
+    name = "attn_metadata.num_prefills" if how == "subclass field" else "attn_metadata.vendor_fields['num_prefills']"
+    with pytest.raises(CaptureError, match=rf"the model used {re.escape(name)}, a host value of the engine's step, "
+                       r"at .*test_engine_mistakes\.py:\d+ in forward: in piecewise modes the model sees "
+                       r"attn_metadata .* or pass the value as a declared step input"), torch.inference_mode():
+        runner(step.input_ids, step.position_ids, setup.graph_cache, attn)
+
+
 def test_a_context_dropping_nothing_is_the_vendors_own():
     from graphmode.runner.common import guard_dropped_fields
 

@@ -1,7 +1,10 @@
-"""The metadata a piecewise capture hands the model is a ghost: its tensors
-are on the ``meta`` device (``graphs.shape_only``), so that code between
-the attention calls that reads it fails at capture rather than freeze one
-step's values into the graphs.
+"""The metadata a piecewise capture hands the model is a ghost
+(:func:`shape_only`): its tensors are on the ``meta`` device, and the
+engine's own host values in it (fields of its ``AttnMetadata`` subclass,
+``vendor_fields`` entries that are no tensors) are :class:`GhostValue`
+objects that refuse every use, so that code between the attention calls
+that reads it fails at capture rather than freeze one step's values into
+the graphs (the attention calls themselves get the live step's metadata).
 
 Most operators refuse a ``meta`` tensor beside real ones ("Tensor on device
 meta is not on the expected device"), but indexing does not: ``x[index]``,
@@ -17,17 +20,77 @@ run, naming the operator and the model's line. Not under ``compile=True``
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from graphmode.context import AttnMetadata
 from graphmode.emulator.capture import call_site
 from graphmode.errors import CaptureError
 
-__all__ = ["GhostReads"]
+__all__ = ["GhostReads", "GhostValue", "shape_only"]
+
+_OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(AttnMetadata))
+_READ_INSIDE = (
+    "in piecewise modes the model sees attn_metadata with tensors on the 'meta' device, and only the AttentionOps "
+    "calls get the step's real metadata, since code between them that reads attn_metadata would freeze one step's "
+    "values into the graphs. Read it only inside the vendor's AttentionOps"
+)
+
+
+def shape_only(attn: AttnMetadata) -> AttnMetadata:
+    """The metadata the model sees while a piecewise graph is captured: the
+    same shapes and flags, but tensors on the ``meta`` device, maxima -1,
+    and the engine's host values (its subclass's fields, ``vendor_fields``
+    entries, other than tensors and None) :class:`GhostValue` objects.
+
+    Only the break points may read the step's metadata (they get the live
+    one at every replay); a segment reading it would freeze the capture
+    step's values into the graph. With meta tensors it fails at capture
+    instead ("Tensor on device meta is not on the expected device", or
+    :class:`GhostReads`), with a ghost value at its first use."""
+
+    def ghost(value: Any, name: str, engine_owned: bool) -> Any:
+        if isinstance(value, torch.Tensor):
+            return torch.empty(value.shape, dtype=value.dtype, device="meta")
+        if isinstance(value, dict):
+            return {key: ghost(item, f"{name}[{key!r}]", True) for key, item in value.items()}
+        return GhostValue(name) if engine_owned and value is not None else value
+
+    changes = {f.name: ghost(getattr(attn, f.name), f"attn_metadata.{f.name}", f.name not in _OWN_FIELDS)
+               for f in dataclasses.fields(attn)}
+    return attn.replace(**{**changes, "max_q_seq_len": -1, "max_kv_seq_len": -1})
+
+
+class GhostValue:
+    """A host value of the engine's step as a piecewise capture shows it:
+    any use (truth, comparison, arithmetic, conversion, indexing, an
+    attribute) raises :class:`CaptureError` naming it, since the graphs
+    would keep the capture step's value for every later step."""
+
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "_name", name)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise CaptureError(
+            f"the model used {object.__getattribute__(self, '_name')}, a host value of the engine's step, at "
+            f"{call_site(os.path.abspath(__file__))}: {_READ_INSIDE}, or pass the value as a declared step input "
+            "(build_graph_runner(step_inputs=[BufferSpec(name, ...)]): a tensor the graphs read at every step), "
+            "or use execute_mode='graph'"
+        )
+
+    def __repr__(self) -> str:
+        return f"GhostValue({object.__getattribute__(self, '_name')})"
+
+    __bool__ = __int__ = __index__ = __float__ = __len__ = __iter__ = __contains__ = __getitem__ = _refuse
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __neg__ = __format__ = __getattr__ = _refuse
+    __hash__ = None  # type: ignore[assignment]
 
 
 class GhostReads(TorchDispatchMode):
@@ -40,10 +103,7 @@ class GhostReads(TorchDispatchMode):
         if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
             raise CaptureError(
                 f"{func} mixed a tensor on the 'meta' device with tensors of the model's device, at "
-                f"{call_site(os.path.abspath(__file__))}: in piecewise modes the model sees attn_metadata with tensors on the 'meta' "
-                "device, and only the AttentionOps calls get the step's real metadata, since code between them "
-                "that reads attn_metadata would freeze one step's values into the graphs. Read it only inside "
-                "the vendor's AttentionOps (rows picked from q_start_loc and q_seqlens, such as each "
-                "sequence's last token, after the call), or use execute_mode='graph'"
+                f"{call_site(os.path.abspath(__file__))}: {_READ_INSIDE} (rows picked from q_start_loc and "
+                "q_seqlens, such as each sequence's last token, after the call), or use execute_mode='graph'"
             )
         return func(*args, **kwargs)

@@ -18,15 +18,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from graphmode.context import AttnMetadata, StepInputs
+from graphmode.context import StepInputs
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.piecewise import PIECEWISE_MODES
 from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
 from graphmode.piecewise.compiled import SplitForward
-from graphmode.piecewise.ghosts import GhostReads
+from graphmode.piecewise.ghosts import GhostReads, shape_only
 from graphmode.piecewise.inputs import TokenInputs
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
@@ -243,23 +241,3 @@ class PiecewiseGraphs:
         if self.shared.debug is not None:
             graph.enable_debug_mode()  # before capture, as for full graphs
         return graph
-
-
-def shape_only(attn: AttnMetadata) -> AttnMetadata:
-    """The metadata the model sees while a piecewise graph is captured: the
-    same shapes and flags, but tensors on the ``meta`` device and maxima -1.
-
-    Only the break points may read the step's metadata (they get the live
-    one at every replay); a segment reading it would freeze the capture
-    step's values into the graph. With meta tensors it fails at capture
-    instead ("Tensor on device meta is not on the expected device")."""
-
-    def ghost(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return torch.empty(value.shape, dtype=value.dtype, device="meta")
-        if isinstance(value, dict):
-            return {name: ghost(tensor) for name, tensor in value.items()}
-        return value
-
-    changes = {field.name: ghost(getattr(attn, field.name)) for field in dataclasses.fields(attn)}
-    return attn.replace(**{**changes, "max_q_seq_len": -1, "max_kv_seq_len": -1})
