@@ -519,13 +519,23 @@ def test_a_host_value_of_the_step_read_between_attention_calls_is_refused_in_pie
     # A piecewise capture shows the model ghost metadata (tensors on 'meta'), but kept the engine's host
     # values as they were: a model using one between attention calls froze the capture step's value into the
     # graphs, so later steps with another value came back scaled by the old one, silently.
+    _check_the_host_value_is_refused(mode, how, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor kernels in graphs need a CUDA GPU")
+def test_a_compiled_piecewise_model_using_a_host_value_of_the_step_is_refused():
+    """Dynamo traces the ghost value's use as the model makes it."""
+    _check_the_host_value_is_refused("piecewise", "subclass field", "cuda", compile=True)
+
+
+def _check_the_host_value_is_refused(mode, how, device, **options):
     import graphmode
 
-    setup = _setup(mode=mode)
+    setup = _setup(mode=mode, device=device)
     scaled = _ScaledByHostValue(setup.model, how)
     runner = graphmode.build_graph_runner(
-        scaled, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[1, 2, 4],
-        execute_mode=mode, capture_token_sizes=[4, 8, 16])
+        scaled, max_batches=16, max_blocks_per_seq=8, block_size=16, device=device, capture_batch_sizes=[1, 2, 4],
+        execute_mode=mode, capture_token_sizes=[4, 8, 16], **options)
     seqs = [setup.engine.add() for _ in range(2)]
     step = setup.engine.prefill(seqs, [3, 4])
     attn = step.attn_metadata
