@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 import graphmode
 from graphmode import CaptureError
@@ -78,6 +79,15 @@ class TokensByVocab(Wrapped):
         return super().forward(input_ids, position_ids, past_key_values, attn_metadata)[0]
 
 
+class SamplesInside(Wrapped):
+    """Returns the logits and each token's greedy id, (T,), as an engine that
+    samples inside its graphs does."""
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits, logits[0].argmax(-1)
+
+
 def _run(cls: type[Wrapped], mode: str, steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prefill three sequences, then decode ``steps`` steps through a runner and
     through a second copy of the model run eagerly; each step's (graph, eager) result."""
@@ -92,7 +102,7 @@ def _run(cls: type[Wrapped], mode: str, steps: int = 4) -> list[tuple[torch.Tens
     for index in range(steps + 1):
         step = engine.prefill(seqs, [5, 9, 3]) if index == 0 else engine.decode(seqs[: 3 - index % 2])
         with torch.inference_mode():
-            graph = runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata).clone()
+            graph = tree_map(torch.clone, runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata))
             eager = eager_model(step.input_ids, step.position_ids, eager_cache, step.attn_metadata)
         results.append((graph, eager))
     return results
@@ -122,6 +132,14 @@ def test_a_result_whose_second_dimension_is_not_the_token_is_refused_at_capture(
     # vocabulary ((3, 3) where eager gave (3, 256)), silently.
     with pytest.raises(CaptureError, match=r"shape \(\d+, 256\).*dimension 1.*result\[None\]"):
         _run(TokensByVocab, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_one_dimensional_per_token_result_is_refused_at_capture(mode):
+    # Before: the sampled ids came back uncut, (4,) for a batch of 3 in bucket 4, the padding token's id last.
+    with pytest.raises(CaptureError, match=r"result\[1\] has shape \(\d+,\), one value per token .* Return "
+                       r"per-token values as \(1, T\): result\[None\]"):
+        _run(SamplesInside, mode)
 
 
 def test_a_make_kv_cache_without_a_device_keyword_still_checks_the_cache():
@@ -192,7 +210,7 @@ def test_an_eager_step_that_replaces_a_tensor_the_graphs_hold_refuses_graph_step
 
     def both(step):
         with torch.inference_mode():
-            graph = runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata).clone()
+            graph = tree_map(torch.clone, runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata))
             eager = eager_model(step.input_ids, step.position_ids, eager_cache, step.attn_metadata)
         torch.testing.assert_close(graph, eager)
 

@@ -36,10 +36,20 @@ def check_token_dimension(output: Any, tokens: int) -> None:
     cut along something else: ``(T, vocab)`` logits (vLLM's models return
     ``(num_tokens, hidden)``) lose all but ``T`` columns of the vocabulary,
     and one row per sequence (each sequence's last token) keeps padding rows
-    in a verify step. Scalars and 1-D tensors are not cut."""
+    in a verify step. A 1-D tensor of ``tokens`` values (token ids sampled
+    inside the forward, one log-probability per token) is refused too: it
+    would come back uncut, padding rows included. Scalars and other 1-D
+    tensors are returned whole."""
     for path, leaf in tree_flatten_with_path(output)[0]:
+        where = f"the model's result{keystr(path)}"
+        if isinstance(leaf, torch.Tensor) and leaf.dim() == 1 and leaf.shape[0] == tokens:
+            raise CaptureError(
+                f"{where} has shape ({tokens},), one value per token of the graph being captured ({tokens} "
+                "tokens, padding included): graph results are cut to the live tokens along dimension 1, the model "
+                "contract's (1, T, ...), and a 1-D result is returned whole, so it would come back with the padding "
+                "tokens' values after the live ones. Return per-token values as (1, T): result[None]"
+            )
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[1] != tokens:
-            where = f"the model's result{keystr(path)}"
             raise CaptureError(
                 f"{where} has shape {tuple(leaf.shape)}, but the graph being captured runs {tokens} tokens "
                 f"(padding included): graph results are cut to the live tokens along dimension 1, the model "
