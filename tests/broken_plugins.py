@@ -846,6 +846,7 @@ CAUGHT_LATE = {
     "table_copied_as_contiguous": "sliced_from_a_wider_table",
     "table_kept_by_reference": "sliced_from_a_wider_table",
     "cache_copied_contiguous": "memory_plan",
+    "fill_of_the_vendors_own_spec": "engine_input",
     "staged_from_the_device_buffer": "host_staging",
 }
 OPTIONS = {
