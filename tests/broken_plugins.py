@@ -29,10 +29,12 @@ from graphmode import buffers, hookimpl
 from graphmode.buckets import next_power_of_2, smallest_bucket
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.model import ReferenceAttentionOps
-from graphmode.model.ops import attend, owned_positions
+from graphmode.model.ops import attend, owned_positions, token_rows
 from graphmode.plugins.info import probe_runtime
 from graphmode.spec import BLOCKS, CUDA_VENDOR_SPEC, SEQUENCES
+from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import AscendGraph
+from graphmode_camb.ops import CambAttentionOps
 
 __all__ = ["BROKEN", "OPTIONS", "ORIGINALS", "variant"]
 
@@ -631,6 +633,132 @@ def _changed_entries_only(meta, inputs, batch_size, bucket):
     return True
 
 
+
+# -- Classes that passed the suite before the third probe of 2026-11-26 (or
+#    failed it naming no hook): the recent features --
+
+
+class _ContiguousCacheOps(CambAttentionOps):
+    """Camb's decode kernel gathering from a contiguous copy of the whole
+    cache ("the kernel wants [blocks, block, heads, dim]"): Camb's layout is
+    [blocks, heads, block, dim], its block view a transpose. Outputs are right;
+    each graph holds a copy of the cache in its pool."""
+
+    def _gather(self, cache, block_offsets, head_dim):
+        blocks = self.block_view(cache, head_dim).contiguous()[block_offsets.long()]
+        batch, width, block_size, kv_heads, dim = blocks.shape
+        return blocks.reshape(batch, width * block_size, kv_heads, dim)
+
+
+# 45. Graph memory that grows with the KV cache: plan_memory() on a probe
+#     cache of a few blocks says too little, and an engine sizing its cache
+#     from the plan runs out of memory at warm-up.
+@hookimpl
+def _contiguous_cache_ops():
+    return _ContiguousCacheOps()
+
+
+class _NotCausalVerifyOps(ReferenceAttentionOps):
+    """MACA's decode of several tokens per sequence through
+    flash_attn_with_kvcache without causal=True (its default is False): each
+    new token sees all of its sequence's new tokens. One-token decode is right."""
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        if query.shape[0] == attn.block_offsets.shape[0]:
+            return super().paged_decode_attention(query, k_cache, v_cache, attn, scale)
+        keys = self._gather(k_cache, attn.block_offsets, query.shape[-1])
+        values = self._gather(v_cache, attn.block_offsets, query.shape[-1])
+        positions = torch.arange(keys.shape[1], device=query.device)
+        owned = owned_positions(attn.block_offsets, keys.shape[1])
+        row, _ = token_rows(attn, query.shape[0])
+        visible = (positions[None, :] < self._decode_limit(attn)[row]) & owned[row]
+        return attend(query, keys[row], values[row], visible, scale)
+
+
+# 46. Verify (multi-token decode) attention not causal among the new tokens:
+#     graphs equal eager (the same kernel), both wrong.
+@hookimpl
+def _not_causal_verify_ops():
+    return _NotCausalVerifyOps()
+
+
+# 47. The distributed backend answered for every device: "hccl" on cpu too,
+#     where the emulator's tensor-parallel runs need gloo.
+@hookimpl
+def _hccl_for_every_device(device):
+    return "hccl"
+
+
+# 48. Ascend's capture advice matched on the word "stream": PyTorch's own
+#     "operation not permitted when stream is capturing" (a host sync in the
+#     forward) becomes advice to capture fewer sizes.
+@hookimpl
+def _advice_on_any_stream_error(error, meta, bucket):
+    if "stream" in str(error).lower():
+        error = RuntimeError(f"{error} (error 207008: Stream resources are insufficient)")
+    captured = list(meta.vendor_state.get("captured_graphs", ()))
+    pieces = None if meta.is_decoding else sum(graph.piece for graph in captured)
+    return capture_advice(error, bucket, len(captured), list(meta.capture_sizes), pieces)
+
+
+class _AccumulatingOutOps(_OutOps):
+    """A prefill kernel whose out= path adds its result to out (a split-KV
+    merge written for a zeroed out)."""
+
+    def prefill_attention(self, query, k_cache, v_cache, attn, scale, out=None):
+        result = ReferenceAttentionOps.prefill_attention(self, query, k_cache, v_cache, attn, scale)
+        if out is None:
+            return result
+        out += result
+        return out
+
+
+# 49. An out= path accumulating into out: piecewise graphs pass rows of a
+#     buffer holding the previous step's attention.
+@hookimpl
+def _accumulating_out_ops():
+    return _AccumulatingOutOps()
+
+
+# 50. A fill of the vendor's own declarations (its module's GraphSpec, not
+#     meta.spec): the engine's declared step inputs (LoRA ids, sampling
+#     parameters) are never copied, their buffers hold padding.
+@hookimpl
+def _fill_of_the_vendors_own_spec(meta, inputs, batch_size, bucket):
+    buffers.fill(dataclasses.replace(meta, spec=camb.CAMB_SPEC), inputs, batch_size, bucket)
+    return True
+
+
+# 51. Acme's block input computed from the slot buffer the default fill has
+#     just written ("the slots are in the buffer already"), with host
+#     staging declared: with host inputs the fill stages a device tensor (on
+#     a device, the arena holds the previous step's slots until the copy).
+_ACME_SPEC_OWN_BLOCKS = acme.ACME_SPEC.with_buffers(
+    dataclasses.replace(next(b for b in acme.ACME_SPEC.buffers if b.name == "slot_blocks"), source=None))
+
+
+@hookimpl
+def _acme_spec_own_blocks():
+    return _ACME_SPEC_OWN_BLOCKS
+
+
+@hookimpl(wrapper=True)
+def _blocks_from_the_slot_buffer(meta, inputs, batch_size, bucket):
+    done = yield
+    tokens = inputs.num_tokens
+    rows = bucket * (tokens // batch_size)
+    slots = meta.input_buffers["kv_start_indices"][:tokens]
+    target, padding = meta.input_buffers["slot_blocks"], meta.padding_buffers["slot_blocks"]
+    live = torch.where(slots >= 0, slots // acme.BLOCK_SIZE, 0).to(torch.int32)
+    buffers.stage(meta, [(target[:tokens], live), (target[tokens:rows], padding[tokens:rows])])
+    return done
+
+
+@hookimpl
+def _acme_info_with_host_staging():
+    info = acme.graphmode_vendor_info()
+    return dataclasses.replace(info, capabilities=info.capabilities | {"host_staging"})
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -686,6 +814,18 @@ BROKEN = {
     "query_starts_padded_with_zero": variant(
         cuda, "query_starts_padded_with_zero", graphmode_graph_spec=_query_starts_zero_spec),
     "table_kept_by_reference": variant(camb, "table_kept_by_reference", graphmode_fill_buffers=_changed_entries_only),
+    # The third probe of 2026-11-26.
+    "cache_copied_contiguous": variant(camb, "cache_copied_contiguous", graphmode_attention_ops=_contiguous_cache_ops),
+    "verify_not_causal": variant(maca, "verify_not_causal", graphmode_attention_ops=_not_causal_verify_ops),
+    "hccl_for_every_device": variant(ascend, "hccl_for_every_device", graphmode_dist_backend=_hccl_for_every_device),
+    "advice_on_any_stream_error": variant(
+        ascend, "advice_on_any_stream_error", graphmode_capture_error=_advice_on_any_stream_error),
+    "out_accumulates": variant(cuda, "out_accumulates", graphmode_attention_ops=_accumulating_out_ops),
+    "fill_of_the_vendors_own_spec": variant(
+        camb, "fill_of_the_vendors_own_spec", graphmode_fill_buffers=_fill_of_the_vendors_own_spec),
+    "staged_from_the_device_buffer": variant(
+        acme.plugin, "staged_from_the_device_buffer", graphmode_graph_spec=_acme_spec_own_blocks,
+        graphmode_fill_buffers=_blocks_from_the_slot_buffer, graphmode_vendor_info=_acme_info_with_host_staging),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.
@@ -705,10 +845,15 @@ CAUGHT_LATE = {
     "direct_writes_with_host_staging": "host_staging",
     "table_copied_as_contiguous": "sliced_from_a_wider_table",
     "table_kept_by_reference": "sliced_from_a_wider_table",
+    "cache_copied_contiguous": "memory_plan",
+    "fill_of_the_vendors_own_spec": "engine_input",
+    "staged_from_the_device_buffer": "host_staging",
 }
 OPTIONS = {
     "padding_to_power_of_two": ["--capture-sizes", "1,3,6,12,24,48"],
     "host_lengths_through_int16": ONE_UPDATE_PATH,
+    "hccl_for_every_device": ONE_UPDATE_PATH,
+    "advice_on_any_stream_error": ONE_UPDATE_PATH,
     **{name: ["-k", keyword] for name, keyword in CAUGHT_LATE.items()},
 }
 OPTIONS["active_mask_per_sequence"] += ONE_UPDATE_PATH

@@ -226,6 +226,47 @@ DIAGNOSES = {
         "before this fill, so the copy was skipped for them",
         "compared with a tensor kept from the last step by reference",
     ),
+    # The third probe of 2026-11-26.
+    "cache_copied_contiguous": (
+        "[graph memory] vendor camb on cpu: plan_memory() on a probe cache of 4 blocks planned",
+        "Graph memory grows with the KV cache's size",
+        "a kernel of graphmode_attention_ops copies the whole cache inside the graph (.contiguous()",
+    ),
+    "verify_not_causal": (
+        "[kernels] vendor maca: on the decode of 2 tokens per sequence step",
+        "graphmode_attention_ops",
+        "causal among the new tokens (FlashAttention's causal=True, whose default is False",
+    ),
+    "hccl_for_every_device": (
+        "[distributed backend] vendor ascend: graphmode_dist_backend answers 'hccl' for cpu, a device type the "
+        "vendor does not drive",
+        "Hook: graphmode_dist_backend must answer from device.type and return None for device types it does not drive",
+    ),
+    "advice_on_any_stream_error": (
+        "[capture advice] vendor ascend: graphmode_capture_error turned RuntimeError('CUDA error: operation not "
+        "permitted when stream is capturing')",
+        "into CaptureError: 'capturing bucket 4 ran out of NPU streams",
+        "Hook: graphmode_capture_error must match its runtime's signature exactly",
+    ),
+    "out_accumulates": (
+        "[kernels] vendor cuda: prefill_attention(out=) wrote rows",
+        "it adds its result to what out held (an out of ones came back as the result + 1)",
+        "Hook: graphmode_attention_ops: the out= path must overwrite out, never read it",
+    ),
+    "fill_of_the_vendors_own_spec": (
+        "[declared buffers] vendor camb on cpu, batch 12, bucket 12, step 1 (capture): buffer token_scale live rows",
+        "graphmode_fill_buffers did not copy the step's values into the live rows. Buffer token_scale is the "
+        "engine's declared step input",
+        "Fill every buffer of meta.spec",
+    ),
+    "staged_from_the_device_buffer": (
+        "host staging (step inputs on the host",
+        "the runner raised InputError in graphmode_fill_buffers (plugin acme): the step's rows for the "
+        "'slot_blocks' buffer are a device tensor",
+        "But every step tensor the runner got here is a host tensor: that device tensor is graphmode_fill_buffers's "
+        "own, computed from device memory",
+        "Hook: graphmode_fill_buffers (plugin acme) must compute what it stages from the step's tensors",
+    ),
 }
 
 

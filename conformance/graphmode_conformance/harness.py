@@ -26,6 +26,7 @@ import torch
 
 import graphmode
 from graphmode.context import StepInputs
+from graphmode.errors import InputError
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.staging import to_host
@@ -226,7 +227,12 @@ class Harness:
         """The declared-buffer checks after a fill of (batch, bucket)."""
         if self.declared is None:
             self.declared = DeclaredBuffers(self.vendor, meta)
-        self.declared.check(where, meta, inputs, batch, bucket, before)
+        self.declared.check(where, meta, self.with_extras(inputs), batch, bucket, before)
+
+    def with_extras(self, inputs: StepInputs) -> StepInputs:
+        """The step as the runner got it: with the extra keyword inputs a
+        subclass passes (an engine's declared step inputs)."""
+        return inputs
 
     def _probes(self, batch: int, bucket: int | None) -> list:
         """Each hook that is given the engine's step, called alone on a copy."""
@@ -255,7 +261,17 @@ class Harness:
                 raised_in = found
             traceback = traceback.tb_next
         where = f" in {raised_in[0]} (plugin {raised_in[1]})" if raised_in else ""
-        return f"the runner raised {type(error).__name__}{where}: {error}"
+        text = f"the runner raised {type(error).__name__}{where}: {error}"
+        if self.host_inputs and raised_in and isinstance(error, InputError) and "are a device tensor" in str(error):
+            # Not the engine's: every step tensor the runner got here is a host tensor.
+            text += (
+                f". But every step tensor the runner got here is a host tensor: that device tensor is "
+                f"{raised_in[0]}'s own, computed from device memory (the buffers of meta.input_buffers, which host "
+                "staging writes only when the step's copy launches, after the fill: they hold the previous step's "
+                f"values). Hook: {raised_in[0]} (plugin {raised_in[1]}) must compute what it stages from the step's "
+                "tensors (its inputs), never from the device buffers"
+            )
+        return text
 
     def _call_runner(self, inputs: StepInputs) -> Any:
         if self.sliced_tables:

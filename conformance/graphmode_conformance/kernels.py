@@ -44,6 +44,14 @@ class KernelTests(ConformanceFixtures):
         steps += [("mixed (4 decodes, a chunk of 9)", engine.prefill(seqs, [1, 1, 1, 1, 9]),
                    "; in a mixed step: a causal offset (kv length - query length) taken for the whole batch "
                    "rather than per sequence, or q_seqlens and kv_seqlens mixed up")]
+        # Decode steps of several tokens per sequence (speculative verify, MTP), where the vendor's
+        # graphs take them: each new token sees its sequence's cache up to its own position.
+        if vendor.spec.max_q_len is None or vendor.spec.max_q_len > 1:
+            steps += [(f"decode of {q_len} tokens per sequence", engine.decode(seqs, q_len),
+                       f"; in a decode step of {q_len} new tokens per sequence (speculative verify, MTP): each "
+                       "new token must see its sequence's cache up to its own position, causal among the new "
+                       "tokens (FlashAttention's causal=True, whose default is False; FIA's sparse_mode 3)")
+                      for q_len in (2, 4)]
         # A context past LONG tokens, prefilled in chunks, then decoded beside the short sequences.
         # Chunks of four sizes: shapes that repeat with other lengths are the planning-state test's.
         long = engine.add()
@@ -106,10 +114,24 @@ class KernelTests(ConformanceFixtures):
                         "write its result into out and return out (or None)"
                     )
                 wrong = ~torch.isclose(out.float(), expected.float(), atol=1e-3, rtol=1e-2).flatten(1).all(dim=1)
-                if wrong.any():
+                if not wrong.any():
+                    continue
+                rows = f"{name}(out=) wrote rows {wrong.nonzero().flatten().tolist()[:8]} of {shape[0]}"
+                # An out holding ones: does the kernel add its result to what out held?
+                ones = torch.ones_like(query)
+                kernel(query, k_cache, v_cache, step.attn_metadata, scale, out=ones)
+                if torch.allclose(ones.float(), expected.float() + 1, atol=1e-3, rtol=1e-2):
                     raise ConformanceFailure(
-                        f"[kernels] vendor {vendor.name}: {name}(out=) wrote rows {wrong.nonzero().flatten().tolist()[:8]} "
-                        f"of {shape[0]} differently from the result it returns without out. Likely cause: the "
-                        "kernel's out= path writes part of the rows, or another layout, than its result; piecewise "
-                        "graphs read out, so their attention would be wrong"
+                        f"[kernels] vendor {vendor.name}: {rows} differently from the result it returns without out: "
+                        "it adds its result to what out held (an out of ones came back as the result + 1). Likely "
+                        "cause: the out= path accumulates into out (out += ..., a split-KV merge that assumes a "
+                        "zeroed out); piecewise graphs pass rows of a buffer holding the previous step's attention, "
+                        "so their attention would be wrong. Hook: graphmode_attention_ops: the out= path must "
+                        "overwrite out, never read it"
                     )
+                raise ConformanceFailure(
+                    f"[kernels] vendor {vendor.name}: {rows} differently from the result it returns without out. "
+                    "Likely cause: the kernel's out= path writes part of the rows, or another layout, than its "
+                    "result; piecewise graphs read out, so their attention would be wrong. Hook: "
+                    "graphmode_attention_ops"
+                )

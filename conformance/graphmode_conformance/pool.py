@@ -19,6 +19,8 @@ can:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import graphmode
@@ -27,8 +29,13 @@ from graphmode.graphs import DeviceGraph
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
 from graphmode_conformance.modes import EXECUTE_MODES, build_in_mode
+from graphmode_conformance.sizes import MIN_MAX_BATCHES
 
 __all__ = ["MemoryPoolTests", "check_one_pool", "runner_graphs"]
+
+MiB = 2**20
+PROBE_BLOCKS = 4  # the probe cache plan_memory() is given, as docs/engines.md shows
+REAL_LAYER_BYTES = 32 * MiB  # on a device, the least one layer's key cache of the real cache holds
 
 
 def runner_graphs(runner: graphmode.GraphRunner) -> list[tuple[str, DeviceGraph]]:
@@ -88,3 +95,38 @@ class MemoryPoolTests(ConformanceFixtures):
         where = f"vendor {harness.vendor.name} on {harness.device}{harness.variant}, {mode}"
         assert len(runner_graphs(harness.runner)) >= 2, f"{where}: the steps should capture several graphs"
         check_one_pool(where, harness.runner)
+
+    def test_the_memory_plan_on_a_probe_cache_holds_for_the_real_cache(self, build_harness, sizes):
+        """``runner.plan_memory(probe)`` on a cache of a few blocks says what
+        ``warmup()`` into the real cache takes (an engine sizes its KV cache
+        from it): no graph memory may grow with the cache's size."""
+        small = dataclasses.replace(sizes, max_batches=MIN_MAX_BATCHES, capture_sizes=None)
+        harness = build_harness(sizes=small, capture_batch_sizes=[1, 4, MIN_MAX_BATCHES])
+        runner, model, block = harness.runner, harness.model, harness.sizes.block
+        cache, blocks = harness.graph_cache, harness.sizes.cache_blocks
+        if harness.device.type != "cpu":
+            # A device's figures move by allocator segments (2 MiB and more): a cache whose
+            # layers hold at least REAL_LAYER_BYTES each makes a copy of one stand out.
+            per_block = cache[0][0].nbytes // blocks
+            blocks = max(blocks, -(-REAL_LAYER_BYTES // per_block))
+            cache = model.make_kv_cache(blocks, block)
+        plan = runner.plan_memory(model.make_kv_cache(PROBE_BLOCKS, block))
+        runner.warmup(cache, progress=False)
+        actual = runner.graph_memory
+        if actual is None:
+            pytest.skip(f"graph memory is not measured on {harness.device}")
+        # What one layer's key cache adds from the probe to the real cache.
+        grown = cache[0][0].nbytes * (1 - PROBE_BLOCKS / blocks)
+        difference = actual.bytes - plan.bytes
+        if abs(difference) >= grown / 2:
+            raise ConformanceFailure(
+                f"[graph memory] vendor {harness.vendor.name} on {harness.device}{harness.variant}: plan_memory() on a "
+                f"probe cache of {PROBE_BLOCKS} blocks planned {plan.bytes / MiB:.2f} MiB, but warmup() into the real "
+                f"cache of {blocks} blocks took {actual.bytes / MiB:.2f} MiB ({difference / MiB:+.2f} "
+                f"MiB, {difference / grown:.1f} x what one layer's key cache grew by, {grown / MiB:.2f} MiB). Graph "
+                "memory grows with the KV cache's size, so an engine sizing its cache from the plan runs out of "
+                "memory at warm-up. Likely cause: a kernel of graphmode_attention_ops copies the whole cache inside "
+                "the graph (.contiguous() or .to() of a cache or of its block_view, a cast for the softmax): memory "
+                "of the cache's size in the graph's pool, and a copy of the whole cache at every step. Gather only "
+                "the blocks of the step's block table"
+            )

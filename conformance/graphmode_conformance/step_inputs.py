@@ -6,6 +6,7 @@ filled with the step's other inputs, and its padding rows must stay neutral.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -45,6 +46,9 @@ def token_scale(inputs: StepInputs) -> torch.Tensor:
 
 
 class StepInputsHarness(Harness):
+    def with_extras(self, inputs: StepInputs) -> StepInputs:
+        return dataclasses.replace(inputs, extras={**inputs.extras, "token_scale": token_scale(inputs)})
+
     def _call_runner(self, inputs: StepInputs) -> Any:
         return self.runner(inputs.input_ids, inputs.position_ids, self.graph_cache, inputs.attn_metadata,
                            token_scale=token_scale(inputs))

@@ -193,6 +193,11 @@ class DeclaredBuffers:
                            "data_ptr as the last step's, or values compared with a tensor kept from the last step "
                            "by reference) skips it when an engine writes its persistent tensors in place: compare "
                            "with a copy, or copy always")
+            if name not in self.vendor.spec.names:
+                skipped = (f". Buffer {name} is the engine's declared step input (build_graph_runner(step_inputs="
+                           "...)), which meta.spec holds beside the vendor's own buffers: a fill of the vendor's own "
+                           "declarations only (its module's GraphSpec rather than meta.spec, or a fixed list of "
+                           "names) leaves it. Fill every buffer of meta.spec")
             return (
                 f"buffer {name} live rows {_span(wrong)} hold {_values(live_rows[wrong])}, but this step's "
                 f"{origin} is {_values(value[wrong])}: graphmode_fill_buffers did not copy the step's values "

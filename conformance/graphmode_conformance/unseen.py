@@ -16,6 +16,7 @@ step of every test (``graphmode.emulator.replay``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -222,6 +223,16 @@ def _narrowed_through(value: torch.Tensor, got: torch.Tensor) -> torch.dtype | N
     return next((d for d in _NARROWER if torch.equal(value.to(d).to(torch.int64), got)), None)
 
 
+# Capture errors no vendor's runtime signature matches, and where they come from.
+_FOREIGN_CAPTURE_ERRORS = {
+    RuntimeError("CUDA error: operation not permitted when stream is capturing"):
+        "PyTorch's: a host synchronisation inside the captured forward",
+    RuntimeError("Cannot call CUDAGeneratorImpl::current_seed during CUDA graph capture"):
+        "PyTorch's: a random op seeded on the host during capture",
+    KeyError("kv_seqlens"): "the model's own",
+}
+
+
 class UnseenByOutputsTests(ConformanceFixtures):
     def test_distributed_backend_ignores_the_device_index(self, vendor, device):
         """``graphmode_dist_backend`` for ``cuda:0`` (each rank's own device)
@@ -242,8 +253,41 @@ class UnseenByOutputsTests(ConformanceFixtures):
                     "must answer from device.type, not from the device's string form"
                 )
             checked.append(device_type)
+        # The emulator's process groups (tensor parallel on the CPU) are made
+        # on cpu, a type no vendor drives: the vendor answers None there and
+        # the default's gloo comes through.
+        if "cpu" not in vendor.info.device_types:
+            on_cpu = vendor.hook.graphmode_dist_backend(device=torch.device("cpu"))
+            if on_cpu != "gloo":
+                raise ConformanceFailure(
+                    f"[distributed backend] vendor {vendor.name}: graphmode_dist_backend answers {on_cpu!r} for cpu, "
+                    f"a device type the vendor does not drive (its device_types {vendor.info.device_types}). "
+                    "Tensor-parallel runs on the CPU emulator (torchrun -m graphmode_conformance.tensor_parallel "
+                    f"--device cpu) make their process groups on cpu, where only gloo works: init_process_group("
+                    f"{on_cpu!r}) fails there. Hook: graphmode_dist_backend must answer from device.type and "
+                    "return None for device types it does not drive, so that the default answers (gloo on cpu)"
+                )
         if not checked:
             pytest.skip(f"torch here names none of the vendor's device types {vendor.info.device_types}")
+
+    def test_capture_advice_leaves_errors_it_does_not_know_alone(self, vendor, harness):
+        """``graphmode_capture_error`` turns only its runtime's own signatures
+        into advice: errors every runtime raises (PyTorch's capture errors, a
+        model's KeyError) come back as None, for full and piecewise graphs."""
+        meta = harness.runner.graph_meta()
+        pieces = dataclasses.replace(meta, is_decoding=False, capture_sizes=(2, 8, 24, 64))
+        for error in _FOREIGN_CAPTURE_ERRORS:
+            for graph_meta, what in ((meta, "a decode graph of bucket 4"), (pieces, "a piecewise graph of token bucket 8")):
+                advice = vendor.hook.graphmode_capture_error(error=error, meta=graph_meta, bucket=4 if graph_meta.is_decoding else 8)
+                if advice is not None:
+                    raise ConformanceFailure(
+                        f"[capture advice] vendor {vendor.name}: graphmode_capture_error turned {error!r}, raised "
+                        f"capturing {what}, into {type(advice).__name__}: {str(advice)[:300]!r}. That error is not "
+                        f"{vendor.name}'s runtime's ({_FOREIGN_CAPTURE_ERRORS[error]}): advice for it sends the engine "
+                        "after the wrong setting. Hook: graphmode_capture_error must match its runtime's signature "
+                        "exactly (an error code with its text, not a word such as \"stream\" alone) and return None "
+                        "for anything else, which keeps the error's type and the note naming the graph"
+                    )
 
     def test_pushed_host_values_hold_padding_in_padding_rows(self, updates_graph_params, harness):
         """A large batch, then smaller ones in the same bucket: after each

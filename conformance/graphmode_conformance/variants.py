@@ -10,6 +10,7 @@ the live tokens' slots.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -52,6 +53,9 @@ class LoraHarness(ModeHarness):
             ids = ids.repeat_interleave(inputs.attn_metadata.q_seqlens.to(ids.device).long())
         self._extras = {"lora_ids": ids, "lora": any(self.adapters.get(s, 0) for s in seqs)}
         super().checked(seqs, inputs)
+
+    def with_extras(self, inputs: StepInputs) -> StepInputs:
+        return dataclasses.replace(inputs, extras={**inputs.extras, **self._extras})
 
     def step_variant(self) -> dict[str, Any]:
         return {"lora": self._extras["lora"]}
