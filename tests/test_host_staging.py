@@ -9,8 +9,12 @@ from setups import slow_gpu_model, tiny_setup
 
 import graphmode
 from graphmode import ConfigError, InputError
-from graphmode.emulator import is_host, is_pinned_host
+from graphmode.emulator import is_host, is_pinned_host, mark_host
+from graphmode.model import ModelConfig, build_reference_model
+from graphmode.model.engine import ReferenceEngine
+from graphmode.model.lora import add_lora
 from graphmode.native import native_module
+from graphmode.spec import SEQUENCES, BufferSpec
 from graphmode.staging import to_device, to_host
 
 
@@ -102,6 +106,30 @@ def test_warmup_of_a_host_staged_runner_captures_from_the_host():
     captures = setup.runner.stats.captures
     churn(setup, [5, 2, 8])
     assert setup.runner.stats.captures == captures  # every step replayed
+
+
+def test_warmup_of_a_host_staged_runner_with_a_declared_step_input_stages_its_padding_from_the_host():
+    # warmup() fills a declared step input with its padding; under host staging that padding
+    # must come from the host too (it was a device tensor: InputError blaming the engine's input).
+    model = add_lora(build_reference_model(ModelConfig.tiny(), device="cpu"), count=2)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=2, max_blocks_per_seq=2, block_size=16, device="cpu", host_staging=True,
+        step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)],
+    )
+    engine = ReferenceEngine(9, 16, "cpu", vocab_size=model.config.vocab_size, host_inputs=True)
+    cache, eager_cache = model.make_kv_cache(9, 16), model.make_kv_cache(9, 16)
+    with torch.inference_mode():
+        runner.warmup(cache, progress=False)
+        assert sorted(runner.captured_buckets) == list(runner.capture_sizes)
+        seqs = [engine.add() for _ in range(2)]
+        step = engine.prefill(seqs, [3, 5])
+        for kv in (cache, eager_cache):
+            model(step.input_ids, step.position_ids, kv, step.attn_metadata, lora_ids=torch.tensor([1, 2]))
+        step, ids = engine.decode(seqs), mark_host(torch.tensor([2, 1], dtype=torch.int32))
+        graph = runner(step.input_ids, step.position_ids, cache, step.attn_metadata, lora_ids=ids)
+        eager = model(step.input_ids, step.position_ids, eager_cache, step.attn_metadata, lora_ids=ids)
+    assert runner.stats.replays == 1
+    torch.testing.assert_close(graph, eager)
 
 
 def test_warmup_before_any_step_with_host_staging_none_keeps_the_device_fill():

@@ -198,7 +198,8 @@ class FullGraphs:
             report(f"capturing {name} ({index + 1}/{len(todo)})", index + 1 == len(todo))
             step = inert_step(self.shared, bucket, past_key_values, extras, q_len)
             # With host staging the step comes from the host, as an engine's steps do.
-            step = to_host(step, self.shared.config.device) if self.staging is not None else step
+            if self.staging is not None:  # declared step inputs too: their padding was made on the device
+                step = to_host(step, self.shared.config.device, self.shared.declared_extras)
             self._capture(step, bucket, bucket, warmup=True)
 
     def reset(self) -> None:
