@@ -194,7 +194,8 @@ class HostStaging:
                 f"the step's rows for the {self.buffer_name(destination)!r} buffer are a device "
                 f"tensor ({source.device}), but this runner stages its inputs on the host (host "
                 "staging): reading them would need a device-to-host copy every step. Pass the "
-                "step's inputs as host (CPU) tensors, or build the runner with host_staging=False"
+                f"step's inputs as host (CPU) tensors{emulator_host_hint(self.device)}, or build the runner "
+                "with host_staging=False"
             )
         host = _like(constant[1], source, source.storage_offset())
         if len(self._host_sources) > _ROUTE_CACHE_LIMIT:
@@ -286,6 +287,15 @@ def staging_refusal(vendor: Any, device: torch.device) -> str | None:
             "declare the 'host_staging' capability (every buffer write through graphmode.buffers.stage)"
         )
     return None
+
+
+def emulator_host_hint(device: torch.device) -> str:
+    """On the emulator, what a host tensor is: every tensor there is a CPU
+    tensor, so "pass host (CPU) tensors" alone does not say how."""
+    if device.type != "cpu":
+        return ""
+    return (" (on the CPU emulator every tensor is a CPU tensor: host tensors are those marked with "
+            "graphmode.emulator.mark_host(t), and graphmode.staging.to_host(step, device) marks a step's)")
 
 
 def to_host(inputs: StepInputs, device: torch.device, extras: Collection[str] = ()) -> StepInputs:
