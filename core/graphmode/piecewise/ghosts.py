@@ -45,5 +45,7 @@ class GhostReads(TorchDispatchMode):
                 "that reads attn_metadata would freeze one step's values into the graphs. Read it only inside "
                 "the vendor's AttentionOps (rows picked from q_start_loc and q_seqlens, such as each "
                 "sequence's last token, after the call), or use execute_mode='graph'"
+                "; only the calls of the AttentionOps objects at `model.ops` and its submodules' `.ops` are intercepted, "
+                "so a layer calling its ops from another attribute reaches them with this metadata too: keep them at `.ops`"
             )
         return func(*args, **kwargs)
