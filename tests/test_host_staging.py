@@ -3,6 +3,8 @@ every graph. On the emulator, and the ordering on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from setups import slow_gpu_model, tiny_setup
@@ -198,6 +200,10 @@ def test_to_host_marks_host_memory_on_the_emulator():
     seqs = setup.prefill(2)
     step = to_host(setup.engine.decode(seqs), torch.device("cpu"))
     assert is_host(step.input_ids) and is_host(step.attn_metadata.block_offsets)
+    # A declared step input named in extras moves too; any other extra is frozen by identity and stays.
+    frozen, ids = torch.ones(2), torch.zeros(2, dtype=torch.int32)
+    step = to_host(dataclasses.replace(step, extras={"lora_ids": ids, "scale": frozen}), torch.device("cpu"), {"lora_ids"})
+    assert is_host(step.extras["lora_ids"]) and step.extras["scale"] is frozen and not is_host(frozen)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the ordering hazard needs an asynchronous device")
