@@ -54,6 +54,10 @@ def test_the_plan_on_a_probe_cache_is_what_the_warmup_into_the_real_cache_takes(
     assert all(plan.families[name] > 0 and actual.families[name] > 0 for name in families)
     captured = len(runner.captured_graphs) + (len(runner.piecewise.captured_buckets) if runner.piecewise else 0)
     assert plan.graphs == actual.graphs == sum(families.values()) == captured
+    # The statistics count the graphs the warm-up captured, not the planning's thrown away (were twice).
+    stats = runner.stats
+    assert (stats.captures, stats.piecewise_captures) == (families.get("full", 0), families.get("piecewise", 0))
+    assert stats.warmup_captures == families.get("full", 0)
     # The emulator is deterministic and the cache's size sizes no graph memory: the same bytes.
     assert plan.bytes == actual.bytes > 0
     # What a family keeps beside its pool counts: the full graphs' shared logits (bucket 4 x q_len 2

@@ -3,14 +3,20 @@ every graph. On the emulator, and the ordering on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from setups import slow_gpu_model, tiny_setup
 
 import graphmode
 from graphmode import ConfigError, InputError
-from graphmode.emulator import is_host, is_pinned_host
+from graphmode.emulator import is_host, is_pinned_host, mark_host
+from graphmode.model import ModelConfig, build_reference_model
+from graphmode.model.engine import ReferenceEngine
+from graphmode.model.lora import add_lora
 from graphmode.native import native_module
+from graphmode.spec import SEQUENCES, BufferSpec
 from graphmode.staging import to_device, to_host
 
 
@@ -69,6 +75,7 @@ def test_device_inputs_on_a_host_staged_runner_are_refused():
     with pytest.raises(InputError, match="stages its inputs on the host") as error:
         setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
     assert "host_staging=False" in str(error.value)
+    assert "graphmode.emulator.mark_host" in str(error.value)  # on the emulator, how to make a host tensor
 
 
 def test_host_inputs_on_a_device_staged_runner_are_copied_to_the_device():
@@ -102,6 +109,30 @@ def test_warmup_of_a_host_staged_runner_captures_from_the_host():
     captures = setup.runner.stats.captures
     churn(setup, [5, 2, 8])
     assert setup.runner.stats.captures == captures  # every step replayed
+
+
+def test_warmup_of_a_host_staged_runner_with_a_declared_step_input_stages_its_padding_from_the_host():
+    # warmup() fills a declared step input with its padding; under host staging that padding
+    # must come from the host too (it was a device tensor: InputError blaming the engine's input).
+    model = add_lora(build_reference_model(ModelConfig.tiny(), device="cpu"), count=2)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=2, max_blocks_per_seq=2, block_size=16, device="cpu", host_staging=True,
+        step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)],
+    )
+    engine = ReferenceEngine(9, 16, "cpu", vocab_size=model.config.vocab_size, host_inputs=True)
+    cache, eager_cache = model.make_kv_cache(9, 16), model.make_kv_cache(9, 16)
+    with torch.inference_mode():
+        runner.warmup(cache, progress=False)
+        assert sorted(runner.captured_buckets) == list(runner.capture_sizes)
+        seqs = [engine.add() for _ in range(2)]
+        step = engine.prefill(seqs, [3, 5])
+        for kv in (cache, eager_cache):
+            model(step.input_ids, step.position_ids, kv, step.attn_metadata, lora_ids=torch.tensor([1, 2]))
+        step, ids = engine.decode(seqs), mark_host(torch.tensor([2, 1], dtype=torch.int32))
+        graph = runner(step.input_ids, step.position_ids, cache, step.attn_metadata, lora_ids=ids)
+        eager = model(step.input_ids, step.position_ids, eager_cache, step.attn_metadata, lora_ids=ids)
+    assert runner.stats.replays == 1
+    torch.testing.assert_close(graph, eager)
 
 
 def test_warmup_before_any_step_with_host_staging_none_keeps_the_device_fill():
@@ -160,7 +191,7 @@ def test_a_device_source_in_stage_is_refused_naming_the_buffer():
     setup = tiny_setup(host_inputs=True)
     churn(setup, [2])
     meta = setup.runner.graph_meta()
-    with pytest.raises(InputError, match="'kv_seqlens' buffer are a device tensor"):
+    with pytest.raises(InputError, match="'kv_seqlens' buffer are a device tensor(.|\n)*emulator.mark_host"):
         graphmode.buffers.stage(meta, [(meta.input_buffers["kv_seqlens"][:2], torch.ones(2, dtype=torch.int32))])
 
 
@@ -169,6 +200,10 @@ def test_to_host_marks_host_memory_on_the_emulator():
     seqs = setup.prefill(2)
     step = to_host(setup.engine.decode(seqs), torch.device("cpu"))
     assert is_host(step.input_ids) and is_host(step.attn_metadata.block_offsets)
+    # A declared step input named in extras moves too; any other extra is frozen by identity and stays.
+    frozen, ids = torch.ones(2), torch.zeros(2, dtype=torch.int32)
+    step = to_host(dataclasses.replace(step, extras={"lora_ids": ids, "scale": frozen}), torch.device("cpu"), {"lora_ids"})
+    assert is_host(step.extras["lora_ids"]) and step.extras["scale"] is frozen and not is_host(frozen)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the ordering hazard needs an asynchronous device")

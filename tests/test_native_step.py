@@ -25,6 +25,32 @@ def test_the_native_step_builds_here():
     assert native_module() is not None, "graphmode.native could not be built; see the graphmode logger's INFO record"
 
 
+def test_a_build_killed_mid_way_does_not_hang_the_next_one(tmp_path):
+    """PyTorch's build lock is a file its baton waits on forever: a build killed
+    before removing it hung every later process at its first replay. The build
+    now holds an OS lock (dropped when its process dies) and clears a dead
+    build's file; a live build's is waited for, not cleared."""
+    import subprocess
+    import sys
+
+    from graphmode.native import _build_lock
+
+    killed = "from torch.utils.file_baton import FileBaton; import os, sys; " \
+             "assert FileBaton(sys.argv[1] + '/lock').try_acquire(); os._exit(1)"
+    subprocess.run([sys.executable, "-c", killed, str(tmp_path)], check=False)
+    assert (tmp_path / "lock").exists()  # what a killed build leaves
+    with _build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    live = ("import pathlib, sys, time; from graphmode.native import _build_lock; d = pathlib.Path(sys.argv[1])\n"
+            "with _build_lock(d):\n    (d / 'lock').touch(); print('held', flush=True); time.sleep(0.5)\n"
+            "    assert (d / 'lock').exists(); (d / 'lock').unlink(); (d / 'done').touch()")
+    child = subprocess.Popen([sys.executable, "-c", live, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "held"
+    with _build_lock(tmp_path):
+        assert (tmp_path / "done").exists()  # waited for the live build, its lock file untouched
+    assert child.wait() == 0
+
+
 _seen: dict[int, int] = {}
 
 

@@ -307,6 +307,7 @@ def test_a_segment_reading_the_attention_metadata_fails_at_capture():
     with torch.inference_mode(), pytest.raises(RuntimeError, match="meta") as raised:
         runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
     assert "Read it only inside the vendor's AttentionOps" in "".join(getattr(raised.value, "__notes__", []))
+    assert "keep them at `.ops`" in "".join(getattr(raised.value, "__notes__", []))  # ops elsewhere are not intercepted
 
 
 def test_another_kv_cache_is_refused_at_replay():

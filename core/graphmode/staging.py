@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -194,7 +194,8 @@ class HostStaging:
                 f"the step's rows for the {self.buffer_name(destination)!r} buffer are a device "
                 f"tensor ({source.device}), but this runner stages its inputs on the host (host "
                 "staging): reading them would need a device-to-host copy every step. Pass the "
-                "step's inputs as host (CPU) tensors, or build the runner with host_staging=False"
+                f"step's inputs as host (CPU) tensors{emulator_host_hint(self.device)}, or build the runner "
+                "with host_staging=False"
             )
         host = _like(constant[1], source, source.storage_offset())
         if len(self._host_sources) > _ROUTE_CACHE_LIMIT:
@@ -288,17 +289,28 @@ def staging_refusal(vendor: Any, device: torch.device) -> str | None:
     return None
 
 
-def to_host(inputs: StepInputs, device: torch.device) -> StepInputs:
+def emulator_host_hint(device: torch.device) -> str:
+    """On the emulator, what a host tensor is: every tensor there is a CPU
+    tensor, so "pass host (CPU) tensors" alone does not say how."""
+    if device.type != "cpu":
+        return ""
+    return (" (on the CPU emulator every tensor is a CPU tensor: host tensors are those marked with "
+            "graphmode.emulator.mark_host(t), and graphmode.staging.to_host(step, device) marks a step's)")
+
+
+def to_host(inputs: StepInputs, device: torch.device, extras: Collection[str] = ()) -> StepInputs:
     """``inputs`` with its per-step tensors as host tensors, as an engine that
     builds its steps on the host passes them (for a runner on ``device``; on
-    the emulator, host copies marked as host memory)."""
+    the emulator, host copies marked as host memory). ``extras`` names the
+    keywords of ``inputs.extras`` to move too: the engine's declared step
+    inputs, which are data; any other extra is frozen by identity and stays."""
     if device.type == "cpu":
         def move(tensor: torch.Tensor) -> torch.Tensor:
             return tensor if is_host(tensor) else mark_host(tensor.clone())
     else:
         def move(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.cpu()
-    return _moved(inputs, move)
+    return _moved(inputs, move, extras)
 
 
 def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
@@ -322,11 +334,13 @@ def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     return _moved(inputs, move)
 
 
-def _moved(inputs: StepInputs, move: Callable[[torch.Tensor], torch.Tensor]) -> StepInputs:
+def _moved(inputs: StepInputs, move: Callable[[torch.Tensor], torch.Tensor], extras: Collection[str] = ()) -> StepInputs:
     attn = inputs.attn_metadata
     return dataclasses.replace(
         inputs,
         input_ids=move(inputs.input_ids),
         position_ids=move(inputs.position_ids),
         attn_metadata=attn.replace(**{name: move(getattr(attn, name)) for name in REQUIRED_TENSORS}),
+        extras={name: move(value) if name in extras and isinstance(value, torch.Tensor) else value
+                for name, value in inputs.extras.items()},
     )

@@ -146,12 +146,16 @@ def plan(runner: Any, past_key_values: Any, q_lens: Sequence[int] | None, extras
         )
     if not runner.families:  # execute mode "eager": no graph, no memory
         return MemoryPlan(0, {}, 0, GraphMemory(0, {}, 0, "no graphs (execute mode 'eager')"))
+    # The planning warm-up's graphs serve nothing and are dropped: leave them out of the statistics.
+    stats = runner.stats
+    counts = (stats.captures, stats.warmup_captures, stats.piecewise_captures)
     with MemoryMeter(runner.config.device) as meter:
         before = meter.used()
         runner.warmup(past_key_values, progress=False, q_lens=q_lens, **extras)
         warmed = meter.used()
         runner.reset()
         after = meter.used()
+    stats.captures, stats.warmup_captures, stats.piecewise_captures = counts
     warmup = runner.graph_memory
     assert warmup is not None  # a runner measures the warm-ups it plans
     return MemoryPlan(warmed - after, dict(warmup.families), after - before, warmup)

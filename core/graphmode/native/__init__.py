@@ -66,13 +66,35 @@ def native_module() -> Any | None:
         # Per torch version: an extension built against one torch crashes another.
         build = root / f"native-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
         build.mkdir(parents=True, exist_ok=True)
-        with _ninja_on_path():
+        with _ninja_on_path(), _build_lock(build):
             return load(name="graphmode_native_step", sources=[str(_SOURCE)], build_directory=str(build),
                         extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # no compiler, no ninja, a read-only home: the Python path
         logger.info("graphmode: the native replay step could not be built (%s); every step takes the Python path",
                     str(error).splitlines()[0] if str(error) else type(error).__name__)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """Hold an OS lock on ``build`` while PyTorch builds or loads the module,
+    and remove PyTorch's ``lock`` file found there: PyTorch's file baton waits
+    forever for that file, so a build killed before removing it (Ctrl-C, a
+    timeout) hung every later process at its first replay, silently. Every
+    graphmode build holds this lock, which the OS drops when its process dies,
+    so a ``lock`` file found while holding it is a dead build's."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: PyTorch's baton alone
+        yield
+        return
+    with open(build / "graphmode.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,10 @@ _READ_INSIDE = (
     "calls get the step's real metadata, since code between them that reads attn_metadata would freeze one step's "
     "values into the graphs. Read it only inside the vendor's AttentionOps"
 )
+_OPS_AT_OPS = (
+    "Only the calls of the AttentionOps objects at `model.ops` and its submodules' `.ops` are intercepted, so a "
+    "layer calling its ops from another attribute reaches them with this metadata too: keep them at `.ops`"
+)
 
 
 def shape_only(attn: AttnMetadata) -> AttnMetadata:
@@ -80,7 +84,7 @@ class GhostValue:
             f"the model used {object.__getattribute__(self, '_name')}, a host value of the engine's step, at "
             f"{call_site(os.path.abspath(__file__))}: {_READ_INSIDE}, or pass the value as a declared step input "
             "(build_graph_runner(step_inputs=[BufferSpec(name, ...)]): a tensor the graphs read at every step), "
-            "or use execute_mode='graph'"
+            f"or use execute_mode='graph'. {_OPS_AT_OPS}"
         )
 
     def __repr__(self) -> str:
@@ -104,6 +108,7 @@ class GhostReads(TorchDispatchMode):
             raise CaptureError(
                 f"{func} mixed a tensor on the 'meta' device with tensors of the model's device, at "
                 f"{call_site(os.path.abspath(__file__))}: {_READ_INSIDE} (rows picked from q_start_loc and "
-                "q_seqlens, such as each sequence's last token, after the call), or use execute_mode='graph'"
+                "q_seqlens, such as each sequence's last token, after the call), or use execute_mode='graph'. "
+                f"{_OPS_AT_OPS}"
             )
         return func(*args, **kwargs)

@@ -194,6 +194,8 @@ class PiecewiseGraphs:
                     "device, and only the AttentionOps calls get the step's real metadata: code between "
                     "them that reads attn_metadata would freeze one step's values into the graphs. Read "
                     "it only inside the vendor's AttentionOps, or use execute_mode='graph'"
+                    "; only the calls of the AttentionOps objects at `model.ops` and its submodules' `.ops` are intercepted, "
+                    "so a layer calling its ops from another attribute reaches them with this metadata too: keep them at `.ops`"
                 )
             raise
         self._outputs.prepare(warm_output, bucket)

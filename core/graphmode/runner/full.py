@@ -38,7 +38,7 @@ from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.model_state import ModelState
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.validate import check_cache_layout
-from graphmode.staging import HostStaging, to_device, to_host
+from graphmode.staging import HostStaging, emulator_host_hint, to_device, to_host
 from graphmode.variants import PLAIN, file_suffix
 
 __all__ = ["CapturedGraph", "FullGraphs", "bucket_table"]
@@ -198,7 +198,8 @@ class FullGraphs:
             report(f"capturing {name} ({index + 1}/{len(todo)})", index + 1 == len(todo))
             step = inert_step(self.shared, bucket, past_key_values, extras, q_len)
             # With host staging the step comes from the host, as an engine's steps do.
-            step = to_host(step, self.shared.config.device) if self.staging is not None else step
+            if self.staging is not None:  # declared step inputs too: their padding was made on the device
+                step = to_host(step, self.shared.config.device, self.shared.declared_extras)
             self._capture(step, bucket, bucket, warmup=True)
 
     def reset(self) -> None:
@@ -233,8 +234,8 @@ class FullGraphs:
                     "this runner stages its inputs on the host (host staging: its graphs copy them "
                     "from a pinned host mirror), but this step's tensors are on "
                     f"{inputs.input_ids.device}; reading them back would cost a device-to-host copy "
-                    "every step. Pass the step's inputs as host (CPU) tensors, or build the runner "
-                    "with host_staging=False"
+                    f"every step. Pass the step's inputs as host (CPU) tensors"
+                    f"{emulator_host_hint(self.shared.config.device)}, or build the runner with host_staging=False"
                 )
             return inputs
         return to_device(inputs, self.shared.config.device) if on_host else inputs
