@@ -431,6 +431,27 @@ def test_a_fused_cache_vendor_pushing_a_length_bound_passes(tmp_path):
     assert ran["test_live_results_never_depend_on_the_reserved_block"] == "passed", ran
 
 
+@pytest.mark.parametrize(("slip", "named"), [
+    ("fused_rebuilt_by_copy", ("on the prefill step", "graphmode_attention_ops's fill_kv_cache: after this step the key "
+                               "cache of layer 0, read through block_view, differs from the reference kernels'",
+                               "(they hold zeros: nothing reached the cache passed)", "torch.stack")),
+    ("cu_seqlens_padded_at_the_end", ("on the decode 1 step", "The caches agree at this step's slots",
+                                      "graphmode_attention_ops's paged_decode_attention computes something else")),
+])
+def test_a_kernel_slip_is_named_by_the_kernel_at_fault(slip, named, tmp_path):
+    """Quill's fused cache written through a stacked copy of its halves, and
+    its cumulative starts padded at the wrong end: the kernels check names
+    the cache write when the cache differs from the reference's at the
+    step's slots, else the step's attention kernel (it named the three
+    kernels alike)."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", f"plugins.quill:{slip}",
+                               "-k", "reference_kernels")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    for part in named:
+        assert part in message, message
+
+
 def test_a_host_length_bound_pushed_short_is_named(tmp_path):
     """Quill pushing its kernel's max_seqlen_k one short (the longest
     position, not a length): the replay's outputs differ, and the diagnosis

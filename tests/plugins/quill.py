@@ -243,6 +243,31 @@ def _host_cu_seqlens_ops() -> QuillAttentionOps:
     return _HostCuSeqlensOps()
 
 
+class _FusedByCopyOps(QuillAttentionOps):
+    def fill_kv_cache(self, key, value, k_cache, v_cache, attn):
+        # The slip: the fused tensor "viewed" by stacking its halves, a new tensor: the write goes nowhere.
+        torch.ops.quill.reshape_and_cache(key, value, torch.stack((k_cache, v_cache), dim=1), attn.kv_start_indices)
+
+
+@hookimpl
+def _fused_by_copy_ops() -> QuillAttentionOps:
+    return _FusedByCopyOps()
+
+
+class _ShiftedCuSeqlensOps(QuillAttentionOps):
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        # The slip: the cumulative starts padded at the end, not the front: sequence b gets b + 1's length.
+        cu_seqlens_k = torch.nn.functional.pad(attn.kv_seqlens.cumsum(0), (0, 1)).to(torch.int32)
+        return torch.ops.quill.paged_decode(
+            query, fused_of(k_cache, v_cache), attn.block_offsets, cu_seqlens_k, int(attn.max_kv_seq_len), scale
+        )
+
+
+@hookimpl
+def _shifted_cu_seqlens_ops() -> QuillAttentionOps:
+    return _ShiftedCuSeqlensOps()
+
+
 @hookimpl(wrapper=True)
 def _bound_at_capture(meta, inputs, batch_size, bucket):
     # The slip: the bound computed where the context is made, which runs before each capture only.
@@ -267,3 +292,5 @@ cu_seqlens_from_host_lengths = _with("quill_cu_seqlens_from_host_lengths", graph
 bound_kept_at_capture = _with("quill_bound_kept_at_capture", graphmode_update_context=_bound_at_capture,
                               graphmode_update_graph_params=_push_bound_kept_at_capture)
 bound_off_by_one = _with("quill_bound_off_by_one", graphmode_update_graph_params=_push_bound_off_by_one)
+fused_rebuilt_by_copy = _with("quill_fused_rebuilt_by_copy", graphmode_attention_ops=_fused_by_copy_ops)
+cu_seqlens_padded_at_the_end = _with("quill_cu_seqlens_padded_at_the_end", graphmode_attention_ops=_shifted_cu_seqlens_ops)
