@@ -310,6 +310,23 @@ def case_pageable_copy_in_capture_refused(b: Backend):
     return "did not raise"
 
 
+def case_pageable_move_to_device_in_capture_refused(b: Backend):
+    """A host tensor moved to the device inside a capture (``.to(x.device)``,
+    cumulative starts computed from host lengths) is a host-to-device copy
+    of pageable memory: refused (CUDA's copy checks that the host tensor is
+    pinned; the emulator raises CaptureError). Before 2026-11-26 the
+    emulator ran the move once, at capture, and froze the value moved."""
+    lengths = b.host([1, 2, 3])
+    x = b.tensor([0, 0, 0], dtype=torch.int64)
+    g = b.graph()
+    try:
+        with g.capture():
+            x + lengths.cumsum(0).to(x.device)
+    except Exception as error:  # noqa: BLE001 - CUDA raises RuntimeError, the emulator CaptureError
+        return {"raised": isinstance(error, RuntimeError), "says pinned": "pinned" in str(error)}
+    return "did not raise"
+
+
 def case_blocking_copy_in_capture_refused(b: Backend):
     """A blocking copy from pinned host memory inside a capture is refused:
     it synchronises the stream (CUDA: cudaStreamSynchronize during capture)."""
@@ -387,6 +404,7 @@ _FAILING = (
     "host_list_index",
     "host_sync_raises",
     "pageable_copy_in_capture_refused",
+    "pageable_move_to_device_in_capture_refused",
     "blocking_copy_in_capture_refused",
     "host_copy_raises",
     "to_host_raises",
@@ -415,6 +433,7 @@ EXPECTED = {
     "frozen_size": [3, 3],
     "pinned_copy_in_capture_is_live": {"after_capture": [0, 0, 0], "replays": [[20, 40, 60], [8, 10, 12]]},
     "pageable_copy_in_capture_refused": {"raised": True, "says pinned": True},
+    "pageable_move_to_device_in_capture_refused": {"raised": True, "says pinned": True},
     "blocking_copy_in_capture_refused": {"raised": True},
     "no_op_device_move_is_live": {"no_op_moves": [9.0, 12.0], "conversion": [30.0, 40.0]},
     "host_copy_raises": "raised",

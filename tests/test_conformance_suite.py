@@ -457,6 +457,75 @@ def test_a_kernel_indexing_the_cache_with_its_sentinel_is_caught(tmp_path):
     assert "indexing the cache with a block-table sentinel of -1" in message, message
 
 
+def test_a_fused_cache_vendor_pushing_a_length_bound_passes(tmp_path):
+    """Quill (tests/plugins/quill.py, the third outsider's plugin): key and
+    value caches the two halves of one fused tensor per layer, written by one
+    kernel; a decode kernel taking cumulative starts and a host length bound
+    pushed into every captured call (a scalar, not a list). The tests its
+    traits reach: the kernels against the reference (the fused write), block
+    0 through the halves' block_view, and replays with growing lengths."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.quill:plugin",
+                               "-k", "reference_kernels or depend_on_the_reserved_block or new_host_values")
+    assert status == 0, failures(report)
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_new_host_values_reach_every_replay"] == "passed", ran
+    assert ran["test_live_results_never_depend_on_the_reserved_block"] == "passed", ran
+
+
+@pytest.mark.parametrize(("slip", "named"), [
+    ("fused_rebuilt_by_copy", ("on the prefill step", "graphmode_attention_ops's fill_kv_cache: after this step the key "
+                               "cache of layer 0, read through block_view, differs from the reference kernels'",
+                               "(they hold zeros: nothing reached the cache passed)", "torch.stack")),
+    ("cu_seqlens_padded_at_the_end", ("on the decode 1 step", "The caches agree at this step's slots",
+                                      "graphmode_attention_ops's paged_decode_attention computes something else")),
+])
+def test_a_kernel_slip_is_named_by_the_kernel_at_fault(slip, named, tmp_path):
+    """Quill's fused cache written through a stacked copy of its halves, and
+    its cumulative starts padded at the wrong end: the kernels check names
+    the cache write when the cache differs from the reference's at the
+    step's slots, else the step's attention kernel (it named the three
+    kernels alike)."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", f"plugins.quill:{slip}",
+                               "-k", "reference_kernels")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    for part in named:
+        assert part in message, message
+
+
+def test_a_host_length_bound_pushed_short_is_named(tmp_path):
+    """Quill pushing its kernel's max_seqlen_k one short (the longest
+    position, not a length): the replay's outputs differ, and the diagnosis
+    names the operator, the argument, its value against the step's longest
+    kv length, and the hook. Before, it listed four possible causes and
+    named none of them. (plugins.quill:bound_kept_at_capture, the capture
+    step's maximum kept by graphmode_update_context, gets the same diagnosis.)"""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.quill:bound_off_by_one",
+                               "-k", "new_host_values", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "(replay)" in message and "Likely cause: at this replay the graph's quill.paged_decode.default (call 1 of 2)" \
+        " reads the host length bound max_seqlen_k=" in message, message
+    assert "below this step's longest kv length" in message, message
+    assert "into every call at every replay in graphmode_update_graph_params" in message, message
+
+
+def test_cumulative_starts_moved_from_host_lengths_fail_at_capture(tmp_path):
+    """Quill computing cu_seqlens_k from kv_seqlens_cpu and moving it to the
+    device inside the captured kernel: CUDA refuses the pageable copy at
+    capture; the emulator ran it once and replays read the capture step's
+    starts, failing later with a generic diagnosis. Now the capture fails,
+    naming the line and the fix."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.quill:cu_seqlens_from_host_lengths",
+                               "-k", "new_host_values", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "(capture): the runner raised CaptureError: Tensor.to(device) of pageable host memory inside graph " \
+        "capture" in message, message
+    assert "plugins/quill.py" in message and "in paged_decode_attention" in message, message
+    assert "compute it on the device from device tensors (attn.kv_seqlens, not kv_seqlens_cpu)" in message, message
+
+
 def test_a_host_length_buffer_padded_with_minus_one_is_refused_by_its_declaration(tmp_path):
     """Zeta's host kv lengths declared with padding=-1 (trial 22's slip, "-1
     writes nothing" copied from the slot buffer): the emulator's kernel masks

@@ -207,9 +207,9 @@ class Harness:
         except ConformanceFailure as failure:
             if meta is None or bucket is None or phase != "replay" or self.device.type != "cpu":
                 raise
-            from graphmode_conformance.unseen import pushed_values_cause  # it imports this module
+            from graphmode_conformance.unseen import length_bound_cause, pushed_values_cause  # it imports this module
 
-            pushed = pushed_values_cause(self, batch, bucket, buffers_before)
+            pushed = pushed_values_cause(self, batch, bucket, buffers_before) or length_bound_cause(self, batch, bucket)
             if pushed is None:
                 raise
             message = str(failure)

@@ -70,13 +70,11 @@ class KernelTests(ConformanceFixtures):
                 difference = (ours - theirs).abs().max().item()
                 if not difference <= tolerance * max(1.0, theirs.abs().max().item()):
                     token = int((ours - theirs).abs().amax(dim=-1)[0].argmax())
+                    kernel = _kernel_at_fault(model, reference, caches, step, name.startswith("decode"))
                     raise ConformanceFailure(
                         f"[kernels] vendor {vendor.name}: on the {name} step (eager, kv lengths {step.attn_metadata.kv_seqlens.tolist()}) the vendor's "
                         f"attention ops give logits differing from graphmode's reference kernels by {difference:.3g} "
-                        f"(tolerance {tolerance:g} relative to the largest logit), most at token {token}. Likely "
-                        "cause: a kernel of graphmode_attention_ops (fill_kv_cache, prefill_attention, "
-                        "paged_decode_attention) computes something else than its contract (masking, scale, "
-                        f"head mapping, softmax){hint}"
+                        f"(tolerance {tolerance:g} relative to the largest logit), most at token {token}. {kernel}{hint}"
                     )
 
     def test_a_kernel_taking_out_writes_what_it_returns_without_it(self, harness, vendor):
@@ -135,3 +133,29 @@ class KernelTests(ConformanceFixtures):
                     "result; piecewise graphs read out, so their attention would be wrong. Hook: "
                     "graphmode_attention_ops"
                 )
+
+
+def _kernel_at_fault(model, reference, caches: dict, step, decode: bool) -> str:
+    """Which kernel of graphmode_attention_ops a differing step points at: the
+    cache write when the vendor's first-layer cache, read through its
+    ``block_view``, differs from the reference's at the slots this step
+    writes (the first layer's keys and values depend on the step's tokens
+    alone; later layers' on the attention before them); else the step's
+    attention kernel."""
+    slots = step.attn_metadata.kv_start_indices.reshape(-1).long()
+    slots = slots[slots >= 0]
+    head_dim = model.config.head_dim
+    for layer, (ours, theirs) in enumerate(zip(caches["vendor"][:1], caches["reference"][:1])):
+        for half, mine, want in (("key", ours[0], theirs[0]), ("value", ours[1], theirs[1])):
+            got = model.ops.block_view(mine, head_dim).reshape(-1, want.shape[-2] * head_dim)[slots].float()
+            expected = reference.ops.block_view(want, head_dim).reshape(-1, want.shape[-2] * head_dim)[slots].float()
+            if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
+                untouched = " (they hold zeros: nothing reached the cache passed)" if not got.any() else ""
+                return (f"Likely cause: graphmode_attention_ops's fill_kv_cache: after this step the {half} cache of layer {layer}, read "
+                        f"through block_view, differs from the reference kernels' at the {len(slots)} slots the step "
+                        f"writes{untouched}: a write into a copy (torch.stack, reshape or .contiguous() of a cache, a "
+                        "fused tensor rebuilt from its key and value halves) or into other slots")
+    attention = "paged_decode_attention" if decode else "prefill_attention"
+    return (f"The caches agree at this step's slots (fill_kv_cache wrote them as the reference does). Likely cause: "
+            f"graphmode_attention_ops's {attention} computes something else than its contract (masking, scale, head "
+            "mapping, softmax, the lengths or starts it derives)")

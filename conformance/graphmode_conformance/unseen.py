@@ -61,15 +61,7 @@ def _emulated(graph: Any, depth: int = 3) -> EmulatedGraph | None:
 def _host_lists(graph: EmulatedGraph) -> list[tuple[str, str, list]]:
     """``graph.host_arguments()``, an operator called more than once (a
     kernel per layer) named with the call's number: "op (call 2 of 2)"."""
-    found = graph.host_arguments()
-    calls = {(op, argument): sum(1 for o, a, _ in found if (o, a) == (op, argument)) for op, argument, _ in found}
-    seen: dict[tuple[str, str], int] = {}
-    named = []
-    for op, argument, values in found:
-        seen[(op, argument)] = seen.get((op, argument), 0) + 1
-        total = calls[(op, argument)]
-        named.append((op if total == 1 else f"{op} (call {seen[(op, argument)]} of {total})", argument, values))
-    return named
+    return _numbered(graph.host_arguments())
 
 
 def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
@@ -183,6 +175,50 @@ def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[
                 f"this step's ({held}); {which}. Hook: graphmode_update_graph_params must push this step's rows "
                 "of its host buffer (meta.input_buffers[name][:bucket]) into the graph it is given, at every replay")
     return None
+
+
+def length_bound_cause(harness: Harness, batch: int, bucket: int) -> str | None:
+    """Why a replay's outputs are wrong when, on the emulator, a host integer
+    a kernel of the bucket's graph reads as a length bound (an argument
+    whose name holds "len": ``max_seqlen_k``) is below this step's longest
+    kv length: a bound frozen at capture, or pushed stale or short by
+    graphmode_update_graph_params. A kernel trusting it reads that many
+    tokens only. None otherwise."""
+    captured = harness.runner.graph(bucket)
+    graph = _emulated(captured.graph) if captured is not None else None
+    meta = harness.runner.graph_meta()
+    if graph is None or "kv_seqlens" not in meta.input_buffers:
+        return None
+    longest = int(meta.input_buffers["kv_seqlens"][:batch].max())
+    calls = _numbered(graph.host_scalars())
+    short = [(op, argument, value) for op, argument, value in calls if "len" in argument.lower() and 0 < value < longest]
+    if not short:
+        return None
+    op, argument, value = short[0]
+    pushes = harness.vendor.implements("graphmode_update_graph_params")
+    how = ("graphmode_update_graph_params pushed it stale or short (from an earlier step, a value kept at capture, "
+           "an off-by-one), or pushed it into some calls only" if pushes else
+           "it was frozen at capture (no graphmode_update_graph_params pushes it)")
+    others = f" ({len(short) - 1} more such calls)" if len(short) > 1 else ""
+    return (f"at this replay the graph's {op} reads the host length bound {argument}={value}{others}, below this "
+            f"step's longest kv length {longest} (kv_seqlens rows 0..{batch - 1}): a kernel trusting it reads "
+            f"{value} tokens at most; {how}. A graph freezes host integers: push a bound of this step's lengths "
+            "(the max of a host buffer's rows, meta.input_buffers[name][:bucket], kv_seqlens_cpu's copy) into every "
+            "call at every replay in graphmode_update_graph_params, or declare GraphSpec max_kv_seq_len='capacity' "
+            "(a bound valid at every replay) and push none")
+
+
+def _numbered(found: list[tuple[str, str, Any]]) -> list[tuple[str, str, Any]]:
+    """``found`` with an operator called more than once named with the
+    call's number: "op (call 2 of 2)"."""
+    calls = {(op, argument): sum(1 for o, a, _ in found if (o, a) == (op, argument)) for op, argument, _ in found}
+    seen: dict[tuple[str, str], int] = {}
+    named = []
+    for op, argument, value in found:
+        seen[(op, argument)] = seen.get((op, argument), 0) + 1
+        total = calls[(op, argument)]
+        named.append((op if total == 1 else f"{op} (call {seen[(op, argument)]} of {total})", argument, value))
+    return named
 
 
 # Added to a step's lengths, positions and token ids: a 128k context and a

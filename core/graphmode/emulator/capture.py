@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from graphmode.emulator.host import is_host, is_pinned_host, mark_derived, mark_host
+from graphmode.emulator.host import PAGEABLE_MOVE, is_host, is_pinned_host, mark_derived, mark_host, pageable_move
 from graphmode.emulator.recording import OpRecord, frozen_view, is_mutating, written_tensors
 from graphmode.errors import CaptureError
 
@@ -135,7 +135,8 @@ class CaptureSession:
         self.snapshots: dict[int, tuple[Any, Any]] = {}
         self.in_operator = False
         self.error: BaseException | None = None
-        self._modes = (HostReadGuard(self.refuse_host_read, lambda: self.in_operator), _Recorder(self))
+        move = lambda: self.fail(CaptureError(PAGEABLE_MOVE.format(site=call_site())))  # noqa: E731
+        self._modes = (HostReadGuard(self.refuse_host_read, lambda: self.in_operator, move), _Recorder(self))
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -346,15 +347,19 @@ class ValueSizedOps(TorchDispatchMode):
 class HostReadGuard(TorchFunctionMode):
     """Refuses host reads of device memory (:data:`HOST_READS`, ``.to("cpu")``)
     while entered: ``refuse(what)`` makes the error raised; ``exempt()`` says
-    when a call is the emulator's own (an operator running for the recorder)."""
+    when a call is the emulator's own (an operator running for the recorder);
+    ``refuse_move()``, given in a capture, the error for a move of pageable
+    host memory to the device (:func:`pageable_move`)."""
 
-    def __init__(self, refuse: Callable[[str], BaseException], exempt: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, refuse: Callable[[str], BaseException], exempt: Callable[[], bool] = lambda: False,
+                 refuse_move: Callable[[], BaseException] | None = None) -> None:
         super().__init__()
-        self.refuse = refuse
-        self.exempt = exempt
+        self.refuse, self.exempt, self.refuse_move = refuse, exempt, refuse_move  # refuse_move: a capture's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.refuse_move is not None and not self.exempt() and pageable_move(func, args, kwargs):
+            raise self.refuse_move()
         if reads_host(func, args, kwargs) and not self.exempt():
             name = getattr(func, "__name__", str(func))
             raise self.refuse(f"Tensor.{name}()")

@@ -158,6 +158,21 @@ class EmulatedGraph(DeviceGraph):
                     found.append((str(step.func), name, list(value)))
         return found
 
+    def host_scalars(self) -> list[tuple[str, str, int]]:
+        """The host integers this graph's kernels read at replay, as
+        (operator, argument, value): every int argument of every recorded
+        call of an operator outside ``aten`` (a vendor's kernel: a length
+        bound such as ``max_seqlen_k``). Frozen at capture unless an update
+        replaced the record; what an update pushed shows here after it."""
+        found = []
+        for step in _walk(self._steps):
+            if not isinstance(step, OpRecord) or getattr(step.func, "namespace", "aten") in ("aten", "prims"):
+                continue
+            for name, value in named_arguments(step.func, step.args, step.kwargs).items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    found.append((str(step.func), name, value))
+        return found
+
     @property
     def num_ops(self) -> int:
         """Operators recorded (views and host answers included)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_host", "is_pinned_host", "mark_derived", "mark_host"]
+__all__ = ["is_host", "is_pinned_host", "mark_derived", "mark_host", "pageable_move"]
 
 #: Calls that move a tensor to the device (``x.cuda()``; ``x.to(device)`` is told by its arguments).
 _MOVES = frozenset({"cuda", "npu", "mlu", "xpu", "musa"})
@@ -90,3 +90,34 @@ def is_pinned_host(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (or the tensor it views) was marked as pinned host memory."""
     entry = _mark(tensor)
     return entry is not None and entry[1]
+
+
+PAGEABLE_MOVE = (
+    "Tensor.to(device) of pageable host memory inside graph capture: CUDA refuses it ('Cannot copy between CPU "
+    "and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned'). Called at {site}. A graph would "
+    "read the value the host held at capture at every replay: compute it on the device from device tensors "
+    "(attn.kv_seqlens, not kv_seqlens_cpu), or declare it a buffer (BufferSpec) the fill refreshes every step."
+)
+
+
+def pageable_move(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args, **kwargs)`` copies pageable host memory to the device:
+    ``Tensor.to`` of a host tensor naming a device other than the string
+    "cpu" (a ``torch.device`` object is the device's, ``query.device``, as in
+    :func:`mark_derived`), or a device tensor to match; ``x.cuda()`` and the
+    like. On a device that is a host-to-device copy, which a graph capture
+    takes from pinned memory only (CUDA refuses pageable memory), where the
+    emulator would run it once, at capture, and freeze its value."""
+    if not args or not isinstance(args[0], torch.Tensor) or not is_host(args[0]) or is_pinned_host(args[0]):
+        return False
+    name = getattr(func, "__name__", "")
+    if name in _MOVES:
+        return True
+    if name != "to":
+        return False
+    for value in (*args[1:], kwargs.get("device"), kwargs.get("other")):
+        if isinstance(value, torch.Tensor) and not is_host(value):
+            return True
+        if isinstance(value, torch.device) or (isinstance(value, str) and value.split(":")[0] != "cpu"):
+            return True
+    return False
