@@ -105,11 +105,13 @@ def test_bad_device_values_are_refused_before_the_graph_runs(case):
 
 
 @pytest.mark.parametrize("mode", ["graph", "piecewise", "full_and_piecewise"])
-def test_a_batch_the_engine_padded_itself_passes(mode):
+@pytest.mark.parametrize("padded_kv", [1, 0])
+def test_a_batch_the_engine_padded_itself_passes(mode, padded_kv):
     # An engine padding its step to a capture size itself, as graph mode pads: a row of token 0, slot -1
     # (PAD_SLOT_ID), the reserved block 0 and one KV token. It writes nothing and reads only the reserved
     # block; debug mode refused it before ("sequence 3 uses block 0 ... never give it to a sequence"), so
-    # such an engine could not run in debug mode at all.
+    # such an engine could not run in debug mode at all. vLLM pads seq_lens with 0: eager and the graph
+    # run such a row too, and debug mode refused it ("sequence 3 has kv_seqlens=0, below 1").
     setup, seqs = _setup(execute_mode=mode, capture_token_sizes=[4, 8])
     setup.decode(seqs)  # captures bucket 4 (token bucket 4)
     step = setup.engine.decode(seqs)
@@ -120,8 +122,8 @@ def test_a_batch_the_engine_padded_itself_passes(mode):
 
     padded = attn.replace(
         block_offsets=pad(attn.block_offsets, 0), q_start_loc=torch.arange(4, dtype=attn.q_start_loc.dtype),
-        q_seqlens=pad(attn.q_seqlens, 1), kv_seqlens=pad(attn.kv_seqlens, 1),
-        kv_start_indices=pad(attn.kv_start_indices, -1), kv_seqlens_cpu=pad(attn.kv_seqlens_cpu, 1))
+        q_seqlens=pad(attn.q_seqlens, 1), kv_seqlens=pad(attn.kv_seqlens, padded_kv),
+        kv_start_indices=pad(attn.kv_start_indices, -1), kv_seqlens_cpu=pad(attn.kv_seqlens_cpu, padded_kv))
     with torch.inference_mode():
         graph = setup.runner(pad(step.input_ids[0], 0)[None], pad(step.position_ids[0], 0)[None],
                              setup.graph_cache, padded)[:, :3].clone()

@@ -88,11 +88,17 @@ class StepChecker:
                 f"token {t} has input id {int(step.ids[t])}, outside the model's vocabulary 0..{self.vocab - 1} "
                 f"(config.vocab_size={self.vocab}): the embedding would index past its rows. Pass token ids the "
                 "model knows (a tokenizer with added tokens needs the model's embeddings resized)"))
+        # A row writing nothing (every slot -1) is padding an engine added itself (to a capture size, as
+        # graph mode pads): it may read the reserved block, and hold no KV token (vLLM pads seq_lens with 0).
+        writes, seq = torch.zeros(batch, dtype=torch.bool), torch.repeat_interleave(step.q_lens.clamp(min=0))
+        if seq.shape[0] == tokens:  # else the length checks below refuse the step
+            writes[seq[step.slots >= 0]] = True
         if uniform:
             self._check_uniform(inputs, step, batch)
-            _check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ")
+            _check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ", writes.tolist())
         else:
-            check_query_lengths(inputs.attn_metadata, tokens, step.q_lens, step.q_starts, step.kv_lens, "debug mode: ")
+            check_query_lengths(inputs.attn_metadata, tokens, step.q_lens, step.q_starts, step.kv_lens, "debug mode: ",
+                                writes.tolist())
         _first(step.kv_lens > capacity, lambda r: (
             f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
             f"can address ({width} blocks x block_size={block_size}); give it more blocks (a wider table)"))
@@ -110,10 +116,6 @@ class StepChecker:
             "cache. Fill unused columns with 0 (the reserved block) and give sequences only allocated blocks"))
         used = (step.kv_lens + block_size - 1) // block_size  # the blocks each sequence's tokens occupy
         owned = torch.arange(width)[None, :] < used[:, None]
-        # A row writing nothing (every slot -1) over block 0 is padding an engine added itself (to a
-        # capture size, as graph mode pads): it reads the reserved block as graph mode's padding does.
-        writes = torch.zeros(batch, dtype=torch.bool)
-        writes[torch.repeat_interleave(torch.arange(batch), step.q_lens)[step.slots >= 0]] = True
         reserved = owned & (step.table == 0) & writes[:, None]
         _first(reserved.any(1), lambda r: (
             f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
@@ -254,7 +256,7 @@ def check_uniform_step(attn: AttnMetadata, batch: int, tokens: int, q_lens: torc
 
 
 def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
-                        kv_lens: torch.Tensor, prefix: str = "") -> None:
+                        kv_lens: torch.Tensor, prefix: str = "", writes: list[bool] | None = None) -> None:
     """Refuse host copies of a step's lengths that a piecewise step (prefill,
     mixed, decode: each sequence's tokens from its ``q_seqlens``) cannot
     have: a sequence without new tokens, lengths not summing to the step's
@@ -292,7 +294,7 @@ def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q
                 "earlier sequences' q_seqlens summed): q_start_loc must be the exclusive cumulative sum of q_seqlens"
             )
         start += count
-    _check_kv_holds_q(q, kv, prefix)
+    _check_kv_holds_q(q, kv, prefix, writes)
 
 
 def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None:
@@ -336,9 +338,12 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
         )
 
 
-def _check_kv_holds_q(q_lens: list[int], kv_lens: list[int], prefix: str) -> None:
+def _check_kv_holds_q(q_lens: list[int], kv_lens: list[int], prefix: str, writes: list[bool] | None = None) -> None:
+    """Refuse a row holding fewer KV tokens than its new ones, but a padding
+    row's 0 (``writes``: which rows write the cache; one writing nothing may
+    hold none, as vLLM pads)."""
     for row, (count, length) in enumerate(zip(q_lens, kv_lens)):
-        if length < count:
+        if length < count and not (length == 0 and writes is not None and not writes[row]):
             raise InputError(
                 f"{prefix}sequence {row} has kv_seqlens={length}, below {count} (its new tokens): a sequence "
                 "holds at least this step's tokens; pass its cached tokens plus this step's"
