@@ -498,6 +498,49 @@ def test_a_context_dropping_nothing_is_the_vendors_own():
     assert guard_dropped_fields(inputs, inputs) is inputs
 
 
+# -- declared step inputs -----------------------------------------------------------
+
+
+def _lora_setup(mode, **options):
+    """A setup whose model has 3 adapters, and a runner with lora_ids declared per sequence."""
+    from graphmode.model.lora import add_lora
+    from graphmode.spec import SEQUENCES
+
+    import graphmode
+
+    setup = _setup(mode=mode)
+    model = add_lora(setup.model, count=3, rank=2, seed=1)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", execute_mode=mode,
+        capture_batch_sizes=[1, 2, 4], capture_token_sizes=[4, 8, 16],
+        step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)], **options,
+    )
+    return setup, model, runner
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_step_input_value_the_model_cannot_index_with_is_noted_as_unchecked(mode, debug):
+    """LoRA adapter id 4 of adapters 0..3 in a replay: an IndexError from
+    inside the graph, whose note sent the engine to debug mode (which does
+    not read step inputs, and raised the same bare IndexError) and then to
+    the vendor. The note now names the declared step inputs as unchecked."""
+    setup, model, runner = _lora_setup(mode, debug=debug)
+    seqs = setup.prefill(3, [5, 9, 3])
+    with torch.inference_mode():
+        for adapters in ([1, 2, 3], [1, 4, 3]):
+            step = setup.engine.decode(seqs)
+            ids = torch.tensor(adapters, dtype=torch.int32)
+            if adapters[1] != 4:
+                runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True)
+                continue
+            with pytest.raises(IndexError) as raised:
+                runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True)
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert re.search(r"declared step inputs \('lora_ids'\) are not checked, in debug mode either.*adapter id", notes)
+    assert ("debug mode found the step's device values" in notes) == debug
+
+
 # -- a per-sequence step input in piecewise graphs ---------------------------------
 
 
@@ -510,18 +553,7 @@ def test_a_per_sequence_step_input_in_a_step_of_more_tokens_than_sequences_runs_
     gave its first 3 tokens adapters 1, 2, 3: logits 0.097 and the cache
     0.40 off eager, silently). Such a step runs eagerly, counted and warned
     about once, naming the input and the fix; one-token steps still replay."""
-    from graphmode.model.lora import add_lora
-    from graphmode.spec import SEQUENCES
-
-    import graphmode
-
-    setup = _setup(mode=mode)
-    model = add_lora(setup.model, count=3, rank=2, seed=1)
-    runner = graphmode.build_graph_runner(
-        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", execute_mode=mode,
-        capture_batch_sizes=[1, 2, 4], capture_token_sizes=[4, 8, 16], max_q_len=2,
-        step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)],
-    )
+    setup, model, runner = _lora_setup(mode, max_q_len=2)
     seqs = setup.prefill(3, [5, 9, 3])
     ids = torch.tensor([1, 2, 3], dtype=torch.int32)
     steps = [setup.engine.decode(seqs), setup.engine.prefill(seqs, [6, 1, 1]) if kind == "mixed"
