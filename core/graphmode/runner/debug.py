@@ -313,16 +313,20 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
     reductions, whatever the batch; rows are walked only when one fails, to
     name the first bad one."""
     host, kv_max = attn.kv_seqlens_cpu, attn.max_kv_seq_len
+    q_lens, kv_lens, starts = attn.q_seqlens, attn.kv_seqlens, attn.q_start_loc
     if host is not None and kv_max >= 0 and int(host.max()) > kv_max:
+        if on_host and not torch.equal(host, kv_lens) and int(kv_lens.max()) <= kv_max:
+            _host_lengths_differ(host, kv_lens)  # the maximum is right: the host lengths are not
         row = int((host > kv_max).nonzero()[0])
         raise InputError(
             f"max_kv_seq_len={kv_max}, but attn_metadata.kv_seqlens_cpu holds {int(host[row])} (sequence {row}): "
             "kernels that size their work by the maximum (Camb, PPU, FlashAttention's max_seqlen_k) would read "
-            "part of that sequence's cache. Pass the step's real max_kv_seq_len (the largest kv_seqlens), or -1"
+            "part of that sequence's cache. Pass the step's real max_kv_seq_len (the largest kv_seqlens), or -1; "
+            "or, if max_kv_seq_len is right, kv_seqlens_cpu is not the host copy of kv_seqlens: build both from "
+            "the same lengths"
         )
     if not on_host:
         return
-    q_lens, kv_lens, starts = attn.q_seqlens, attn.kv_seqlens, attn.q_start_loc
     # Each sequence's start plus its length is the running total of the lengths, ending at the step's
     # tokens: a start off it has the sequence read another's queries and leaves its own output rows
     # stale in the graph's buffer (piecewise != eager).
@@ -331,11 +335,15 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
             or 0 <= attn.max_q_seq_len < int(q_lens.max()) or 0 <= kv_max < int(kv_lens.max()):
         check_query_lengths(attn, tokens, q_lens, starts, kv_lens)
     if host is not None and not torch.equal(host, kv_lens):  # any dtypes
-        row = int((host != kv_lens).nonzero()[0])
-        raise InputError(
-            f"sequence {row} has kv_seqlens_cpu={int(host[row])} but kv_seqlens={int(kv_lens[row])}; kernels "
-            "that take host lengths (Ascend) would use the first. Build both from the same lengths"
-        )
+        _host_lengths_differ(host, kv_lens)
+
+
+def _host_lengths_differ(host: torch.Tensor, kv_lens: torch.Tensor) -> None:
+    row = int((host != kv_lens).nonzero()[0])
+    raise InputError(
+        f"sequence {row} has kv_seqlens_cpu={int(host[row])} but kv_seqlens={int(kv_lens[row])}; kernels "
+        "that take host lengths (Ascend) would use the first. Build both from the same lengths"
+    )
 
 
 def _check_kv_holds_q(q_lens: list[int], kv_lens: list[int], prefix: str, writes: list[bool] | None = None) -> None:
