@@ -503,10 +503,9 @@ def test_a_context_dropping_nothing_is_the_vendors_own():
 
 def _lora_setup(mode, **options):
     """A setup whose model has 3 adapters, and a runner with lora_ids declared per sequence."""
+    import graphmode
     from graphmode.model.lora import add_lora
     from graphmode.spec import SEQUENCES
-
-    import graphmode
 
     setup = _setup(mode=mode)
     model = add_lora(setup.model, count=3, rank=2, seed=1)

@@ -114,9 +114,14 @@ class StepChecker:
             f"sequence {r}'s block table holds block id {_bad(step.table[r], out_of_range[r])} (column "
             f"{int(out_of_range[r].nonzero()[0])}), outside {limit}; kernels would read memory outside the "
             "cache. Fill unused columns with 0 (the reserved block) and give sequences only allocated blocks"))
-        used = (step.kv_lens + block_size - 1) // block_size  # the blocks each sequence's tokens occupy
-        owned = torch.arange(width)[None, :] < used[:, None]
-        reserved = owned & (step.table == 0) & writes[:, None]
+        owned = torch.arange(width)[None, :] < ((step.kv_lens + block_size - 1) // block_size)[:, None]
+        # The blocks up to a row's last written position: its live tokens read no further (a drafter's
+        # trailing padding tokens, slot -1, may lie in a block not given to the sequence yet).
+        written = step.slots >= 0
+        position = step.kv_lens[seq] - (step.q_starts + step.q_lens)[seq] + torch.arange(tokens)
+        reach = torch.zeros(batch, dtype=torch.long).scatter_reduce_(0, seq[written], position[written] + 1, "amax")
+        reserved = (torch.arange(width)[None, :] < ((reach + block_size - 1) // block_size)[:, None]) \
+            & (step.table == 0)
         _first(reserved.any(1), lambda r: (
             f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
             f"kv_seqlens={int(step.kv_lens[r])}) and writes the cache; block 0 is reserved for padding rows "
