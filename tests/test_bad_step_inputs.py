@@ -192,6 +192,23 @@ def test_a_kv_maximum_below_the_host_lengths_is_refused_in_a_piecewise_step(mode
 
 
 
+@pytest.mark.parametrize("host", [False, True])
+def test_host_lengths_above_a_right_kv_maximum_name_the_host_lengths(host):
+    # kv_seqlens_cpu one above kv_seqlens, max_kv_seq_len right: the refusal told the engine to pass "the
+    # step's real max_kv_seq_len", which it did. A host-built step's lengths show which one is wrong (no
+    # synchronisation); a device-built step's error names both possibilities.
+    setup = tiny_setup("camb", execute_mode="piecewise", capture_token_sizes=[4, 8, 16], host_inputs=host)
+    seqs = setup.prefill(2, [5, 3])
+    step = setup.engine.prefill(seqs, [2, 1])
+    _call(setup, step)
+    host_lengths = mark_host(step.attn_metadata.kv_seqlens_cpu + torch.tensor([1, 0], dtype=torch.int32))
+    message = (r"^sequence 0 has kv_seqlens_cpu=8 but kv_seqlens=7; kernels that take host lengths" if host else
+               r"^max_kv_seq_len=7, but attn_metadata.kv_seqlens_cpu holds 8 \(sequence 0\).*or -1; or, if "
+               r"max_kv_seq_len is right, kv_seqlens_cpu is not the host copy of kv_seqlens")
+    with pytest.raises(InputError, match=message):
+        _call(setup, step, kv_seqlens_cpu=host_lengths)
+
+
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
 def test_a_q_start_loc_off_the_prefix_sum_is_refused_in_a_host_built_piecewise_step(mode):
     # Host lengths cost no synchronisation to check. q_start_loc [0, 2, 0] for q_seqlens [2, 3, 1] ran

@@ -105,11 +105,13 @@ def test_bad_device_values_are_refused_before_the_graph_runs(case):
 
 
 @pytest.mark.parametrize("mode", ["graph", "piecewise", "full_and_piecewise"])
-def test_a_batch_the_engine_padded_itself_passes(mode):
+@pytest.mark.parametrize("padded_kv", [1, 0])
+def test_a_batch_the_engine_padded_itself_passes(mode, padded_kv):
     # An engine padding its step to a capture size itself, as graph mode pads: a row of token 0, slot -1
     # (PAD_SLOT_ID), the reserved block 0 and one KV token. It writes nothing and reads only the reserved
     # block; debug mode refused it before ("sequence 3 uses block 0 ... never give it to a sequence"), so
-    # such an engine could not run in debug mode at all.
+    # such an engine could not run in debug mode at all. vLLM pads seq_lens with 0: eager and the graph
+    # run such a row too, and debug mode refused it ("sequence 3 has kv_seqlens=0, below 1").
     setup, seqs = _setup(execute_mode=mode, capture_token_sizes=[4, 8])
     setup.decode(seqs)  # captures bucket 4 (token bucket 4)
     step = setup.engine.decode(seqs)
@@ -120,8 +122,8 @@ def test_a_batch_the_engine_padded_itself_passes(mode):
 
     padded = attn.replace(
         block_offsets=pad(attn.block_offsets, 0), q_start_loc=torch.arange(4, dtype=attn.q_start_loc.dtype),
-        q_seqlens=pad(attn.q_seqlens, 1), kv_seqlens=pad(attn.kv_seqlens, 1),
-        kv_start_indices=pad(attn.kv_start_indices, -1), kv_seqlens_cpu=pad(attn.kv_seqlens_cpu, 1))
+        q_seqlens=pad(attn.q_seqlens, 1), kv_seqlens=pad(attn.kv_seqlens, padded_kv),
+        kv_start_indices=pad(attn.kv_start_indices, -1), kv_seqlens_cpu=pad(attn.kv_seqlens_cpu, padded_kv))
     with torch.inference_mode():
         graph = setup.runner(pad(step.input_ids[0], 0)[None], pad(step.position_ids[0], 0)[None],
                              setup.graph_cache, padded)[:, :3].clone()
@@ -431,3 +433,30 @@ def test_debug_mode_checks_a_piecewise_step_against_its_host_maxima(mode):
     with torch.inference_mode():
         eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
     torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["graph", "piecewise", "full_and_piecewise"])
+def test_a_draft_padding_token_past_the_sequences_blocks_passes(mode):
+    # A drafter's step padded to one q_len: sequence 0 (15 cached tokens) feeds 1 live token and 1 padding
+    # token (slot -1) whose position, 16, falls in a block the engine has not given it yet (column 1 is 0).
+    # No live token reads position 16 (each sees only positions up to its own), so eager and graph steps run
+    # it alike; debug mode refused it ("sequence 0 uses block 0 ... and writes the cache").
+    setup = tiny_setup(capture_batch_sizes=[2, 4], cache_blocks=40, debug=True, max_q_len=2, execute_mode=mode,
+                       capture_token_sizes=[4, 8])
+    seqs = setup.prefill(2, [15, 5])
+    setup.decode(seqs, 2)  # captures (bucket 2, q_len 2) / token bucket 4: 17 and 7 tokens cached
+    setup.engine.sequences[seqs[0]].kv_len -= 2  # step back: sequence 0 holds 15 tokens again
+    setup.engine.sequences[seqs[0]].blocks.pop()
+    step = setup.engine.decode(seqs, 2)
+    attn = step.attn_metadata
+    assert attn.block_offsets[0, 1] != 0 and attn.kv_seqlens.tolist()[0] == 17
+    slots = attn.kv_start_indices.clone()
+    slots[1] = -1  # sequence 0's second token: padding
+    table = attn.block_offsets.clone()
+    table[0, 1] = 0
+    padded = attn.replace(kv_start_indices=slots, block_offsets=table)
+    with torch.inference_mode():
+        graph = setup.runner(step.input_ids, step.position_ids, setup.graph_cache, padded).clone()
+        eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, padded)
+    live = [0, 2, 3]  # the padding token's output means nothing
+    torch.testing.assert_close(graph[:, live], eager[:, live], atol=1e-5, rtol=1e-5)

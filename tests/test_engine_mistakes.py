@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
+import warnings
 
 import pytest
 import torch
@@ -557,3 +558,74 @@ def test_a_context_dropping_nothing_is_the_vendors_own():
     step = setup.engine.decode([setup.engine.add()])
     inputs = StepInputs(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, {})
     assert guard_dropped_fields(inputs, inputs) is inputs
+
+
+# -- declared step inputs -----------------------------------------------------------
+
+
+def _lora_setup(mode, **options):
+    """A setup whose model has 3 adapters, and a runner with lora_ids declared per sequence."""
+    import graphmode
+    from graphmode.model.lora import add_lora
+    from graphmode.spec import SEQUENCES
+
+    setup = _setup(mode=mode)
+    model = add_lora(setup.model, count=3, rank=2, seed=1)
+    runner = graphmode.build_graph_runner(
+        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", execute_mode=mode,
+        capture_batch_sizes=[1, 2, 4], capture_token_sizes=[4, 8, 16],
+        step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)], **options,
+    )
+    return setup, model, runner
+
+
+@pytest.mark.parametrize("mode", ["graph", "piecewise"])  # full_and_piecewise: the decode is graph's
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_step_input_value_the_model_cannot_index_with_is_noted_as_unchecked(mode, debug):
+    """LoRA adapter id 4 of adapters 0..3 in a replay: an IndexError from
+    inside the graph, whose note sent the engine to debug mode (which does
+    not read step inputs, and raised the same bare IndexError) and then to
+    the vendor. The note now names the declared step inputs as unchecked."""
+    setup, model, runner = _lora_setup(mode, debug=debug)
+    seqs = setup.prefill(3, [5, 9, 3])
+    with torch.inference_mode():
+        for adapters in ([1, 2, 3], [1, 4, 3]):
+            step = setup.engine.decode(seqs)
+            ids = torch.tensor(adapters, dtype=torch.int32)
+            if adapters[1] != 4:
+                runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True)
+                continue
+            with pytest.raises(IndexError) as raised:
+                runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True)
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert re.search(r"declared step inputs \('lora_ids'\) are not checked, in debug mode either.*adapter id", notes)
+    assert ("debug mode found the step's device values" in notes) == debug
+
+
+# -- a per-sequence step input in piecewise graphs ---------------------------------
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+@pytest.mark.parametrize("kind", ["mixed", "verify"])
+def test_a_per_sequence_step_input_in_a_step_of_more_tokens_than_sequences_runs_eagerly(mode, kind):
+    """A piecewise segment sees a per-sequence step input as the token
+    bucket's rows: in a step of more tokens than sequences no model can map
+    them to tokens (LoRA ids [1, 2, 3] for a mixed step of 6 + 1 + 1 tokens
+    gave its first 3 tokens adapters 1, 2, 3: logits 0.097 and the cache
+    0.40 off eager, silently). Such a step runs eagerly, counted and warned
+    about once, naming the input and the fix; one-token steps still replay."""
+    setup, model, runner = _lora_setup(mode, max_q_len=2)
+    seqs = setup.prefill(3, [5, 9, 3])
+    ids = torch.tensor([1, 2, 3], dtype=torch.int32)
+    steps = [setup.engine.decode(seqs), setup.engine.prefill(seqs, [6, 1, 1]) if kind == "mixed"
+             else setup.engine.decode(seqs, [2, 2, 2]) if mode == "piecewise" else setup.engine.decode(seqs, [2, 1, 1])]
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in steps:
+            call = (step.input_ids, step.position_ids)
+            graph = runner(*call, setup.graph_cache, step.attn_metadata, lora_ids=ids, lora=True).clone()
+            eager = model(*call, setup.eager_cache, step.attn_metadata, lora_ids=ids, lora=True)
+            torch.testing.assert_close(graph, eager)
+    assert setup.caches_close()
+    assert [re.search("'lora_ids'.*per sequence.*TOKENS.*repeat_interleave", str(w.message)) for w in caught]
+    assert runner.stats.eager_steps["per_sequence_input"] == 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,11 +86,35 @@ class PiecewiseGraphs:
         # KV writes the ops let segments capture read the step's slots from a static buffer.
         in_graph = any(writes_kv_in_graph(ops) for ops in self.ops)
         self._inputs = TokenInputs(self.sizes[-1], declared, config.max_blocks_per_seq, config.device, in_graph)
+        # Step inputs of one row per sequence: a segment sees them as the bucket's rows of tokens.
+        self._per_sequence = [spec.name for spec in declared if not spec.per_token]
+        self._warned = False
 
     # -- the protocol ----------------------------------------------------------
 
     def refusal(self, inputs: StepInputs, batch: int, q_len: int | None) -> str | None:
-        return None if inputs.num_tokens <= self.sizes[-1] else "no_token_bucket"
+        if inputs.num_tokens > self.sizes[-1]:
+            return "no_token_bucket"
+        if self._per_sequence and inputs.num_tokens != batch:
+            return self._per_sequence_refusal(inputs.num_tokens, batch)
+        return None
+
+    def _per_sequence_refusal(self, tokens: int, batch: int) -> str:
+        """A step of more tokens than sequences with a per-sequence step
+        input runs eagerly: its segments would see the input's rows as the
+        first tokens' (ids [1, 2, 3] for 6 + 1 + 1 tokens: adapters 1, 2, 3
+        on the first sequence's first tokens), a silently wrong result."""
+        if not self._warned:
+            self._warned = True
+            names = ", ".join(repr(name) for name in self._per_sequence)
+            warnings.warn(
+                f"graphmode: step inputs {names} are declared per sequence, but a piecewise graph's segments see "
+                f"a step as rows of tokens: a step of {tokens} tokens for {batch} sequences (prefill, mixed, "
+                "verify) runs eagerly instead (runner.stats.eager_steps['per_sequence_input']). Declare them "
+                "per token, BufferSpec(name, dtype, shape=(TOKENS,)), and pass values.repeat_interleave(q_seqlens)",
+                stacklevel=4,
+            )
+        return "per_sequence_input"
 
     def run(self, inputs: StepInputs, batch: int, q_len: int | None, on_host: bool) -> Any:
         """Replay the step's token bucket, or capture it first."""

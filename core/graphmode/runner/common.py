@@ -80,18 +80,31 @@ def capture_failed(error: Exception, shared: Shared, meta: GraphMeta, bucket: in
 
 def note_replay_failure(error: Exception, shared: Shared, graph: str) -> None:
     """Note on an error raised inside the replay of ``graph`` (a kernel's
-    index out of range: the emulator's, or an eager break point's), outside
-    debug mode, that the step's device values were not checked and how to
-    have them checked: a block id past the cache or a slot past it fails
-    there, as an IndexError from inside torch that names neither."""
-    if shared.debug is None and not isinstance(error, GraphModeError) and hasattr(error, "add_note"):
-        error.add_note(
-            f"graphmode: raised replaying the graph of {graph}. A step's device values (input ids, block ids, "
-            "slots, lengths) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 (or debug=True) to have a "
-            "bad one named, with its sequence and the fix. If debug mode finds none, the vendor's graph or its "
-            f"graphmode_update_graph_params hook raised: `graphmode conformance --vendor {shared.vendor.name}` checks "
-            "both"
-        )
+    index out of range: the emulator's, or an eager break point's) what
+    was checked and what was not: outside debug mode, the step's device
+    values, and how to have them checked (a block id or a slot past the
+    cache fails there, as an IndexError from inside torch that names
+    neither); in either mode, the engine's declared step inputs, whose
+    values only the model knows the limits of (a LoRA adapter id past the
+    model's adapters fails so, debug mode or not)."""
+    if isinstance(error, GraphModeError) or not hasattr(error, "add_note"):
+        return
+    names = ", ".join(repr(spec.name) for spec in shared.config.step_inputs)
+    inputs = (f" The values of the declared step inputs ({names}) are not checked, in debug mode either: the model "
+              "indexes with them, and one past what it indexes (a LoRA adapter id past its adapters) fails so; "
+              "check them where the engine builds them.") if names else ""
+    if shared.debug is not None:
+        if inputs:
+            error.add_note(f"graphmode: raised replaying the graph of {graph}; debug mode found the step's device "
+                           f"values (input ids, block ids, slots, lengths) right.{inputs}")
+        return
+    error.add_note(
+        f"graphmode: raised replaying the graph of {graph}. A step's device values (input ids, block ids, "
+        "slots, lengths) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 (or debug=True) to have a "
+        f"bad one named, with its sequence and the fix.{inputs} If debug mode finds none, the vendor's graph or its "
+        f"graphmode_update_graph_params hook raised: `graphmode conformance --vendor {shared.vendor.name}` checks "
+        "both"
+    )
 
 
 def guard_dropped_fields(inputs: StepInputs, context: StepInputs) -> StepInputs:

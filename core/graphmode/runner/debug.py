@@ -88,11 +88,17 @@ class StepChecker:
                 f"token {t} has input id {int(step.ids[t])}, outside the model's vocabulary 0..{self.vocab - 1} "
                 f"(config.vocab_size={self.vocab}): the embedding would index past its rows. Pass token ids the "
                 "model knows (a tokenizer with added tokens needs the model's embeddings resized)"))
+        # A row writing nothing (every slot -1) is padding an engine added itself (to a capture size, as
+        # graph mode pads): it may read the reserved block, and hold no KV token (vLLM pads seq_lens with 0).
+        writes, seq = torch.zeros(batch, dtype=torch.bool), torch.repeat_interleave(step.q_lens.clamp(min=0))
+        if seq.shape[0] == tokens:  # else the length checks below refuse the step
+            writes[seq[step.slots >= 0]] = True
         if uniform:
             self._check_uniform(inputs, step, batch)
-            _check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ")
+            _check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ", writes.tolist())
         else:
-            check_query_lengths(inputs.attn_metadata, tokens, step.q_lens, step.q_starts, step.kv_lens, "debug mode: ")
+            check_query_lengths(inputs.attn_metadata, tokens, step.q_lens, step.q_starts, step.kv_lens, "debug mode: ",
+                                writes.tolist())
         _first(step.kv_lens > capacity, lambda r: (
             f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
             f"can address ({width} blocks x block_size={block_size}); give it more blocks (a wider table)"))
@@ -108,13 +114,14 @@ class StepChecker:
             f"sequence {r}'s block table holds block id {_bad(step.table[r], out_of_range[r])} (column "
             f"{int(out_of_range[r].nonzero()[0])}), outside {limit}; kernels would read memory outside the "
             "cache. Fill unused columns with 0 (the reserved block) and give sequences only allocated blocks"))
-        used = (step.kv_lens + block_size - 1) // block_size  # the blocks each sequence's tokens occupy
-        owned = torch.arange(width)[None, :] < used[:, None]
-        # A row writing nothing (every slot -1) over block 0 is padding an engine added itself (to a
-        # capture size, as graph mode pads): it reads the reserved block as graph mode's padding does.
-        writes = torch.zeros(batch, dtype=torch.bool)
-        writes[torch.repeat_interleave(torch.arange(batch), step.q_lens)[step.slots >= 0]] = True
-        reserved = owned & (step.table == 0) & writes[:, None]
+        owned = torch.arange(width)[None, :] < ((step.kv_lens + block_size - 1) // block_size)[:, None]
+        # The blocks up to a row's last written position: its live tokens read no further (a drafter's
+        # trailing padding tokens, slot -1, may lie in a block not given to the sequence yet).
+        written = step.slots >= 0
+        position = step.kv_lens[seq] - (step.q_starts + step.q_lens)[seq] + torch.arange(tokens)
+        reach = torch.zeros(batch, dtype=torch.long).scatter_reduce_(0, seq[written], position[written] + 1, "amax")
+        reserved = (torch.arange(width)[None, :] < ((reach + block_size - 1) // block_size)[:, None]) \
+            & (step.table == 0)
         _first(reserved.any(1), lambda r: (
             f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
             f"kv_seqlens={int(step.kv_lens[r])}) and writes the cache; block 0 is reserved for padding rows "
@@ -254,7 +261,7 @@ def check_uniform_step(attn: AttnMetadata, batch: int, tokens: int, q_lens: torc
 
 
 def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
-                        kv_lens: torch.Tensor, prefix: str = "") -> None:
+                        kv_lens: torch.Tensor, prefix: str = "", writes: list[bool] | None = None) -> None:
     """Refuse host copies of a step's lengths that a piecewise step (prefill,
     mixed, decode: each sequence's tokens from its ``q_seqlens``) cannot
     have: a sequence without new tokens, lengths not summing to the step's
@@ -292,7 +299,7 @@ def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q
                 "earlier sequences' q_seqlens summed): q_start_loc must be the exclusive cumulative sum of q_seqlens"
             )
         start += count
-    _check_kv_holds_q(q, kv, prefix)
+    _check_kv_holds_q(q, kv, prefix, writes)
 
 
 def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None:
@@ -311,16 +318,20 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
     reductions, whatever the batch; rows are walked only when one fails, to
     name the first bad one."""
     host, kv_max = attn.kv_seqlens_cpu, attn.max_kv_seq_len
+    q_lens, kv_lens, starts = attn.q_seqlens, attn.kv_seqlens, attn.q_start_loc
     if host is not None and kv_max >= 0 and int(host.max()) > kv_max:
+        if on_host and not torch.equal(host, kv_lens) and int(kv_lens.max()) <= kv_max:
+            _host_lengths_differ(host, kv_lens)  # the maximum is right: the host lengths are not
         row = int((host > kv_max).nonzero()[0])
         raise InputError(
             f"max_kv_seq_len={kv_max}, but attn_metadata.kv_seqlens_cpu holds {int(host[row])} (sequence {row}): "
             "kernels that size their work by the maximum (Camb, PPU, FlashAttention's max_seqlen_k) would read "
-            "part of that sequence's cache. Pass the step's real max_kv_seq_len (the largest kv_seqlens), or -1"
+            "part of that sequence's cache. Pass the step's real max_kv_seq_len (the largest kv_seqlens), or -1; "
+            "or, if max_kv_seq_len is right, kv_seqlens_cpu is not the host copy of kv_seqlens: build both from "
+            "the same lengths"
         )
     if not on_host:
         return
-    q_lens, kv_lens, starts = attn.q_seqlens, attn.kv_seqlens, attn.q_start_loc
     # Each sequence's start plus its length is the running total of the lengths, ending at the step's
     # tokens: a start off it has the sequence read another's queries and leaves its own output rows
     # stale in the graph's buffer (piecewise != eager).
@@ -329,16 +340,23 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
             or 0 <= attn.max_q_seq_len < int(q_lens.max()) or 0 <= kv_max < int(kv_lens.max()):
         check_query_lengths(attn, tokens, q_lens, starts, kv_lens)
     if host is not None and not torch.equal(host, kv_lens):  # any dtypes
-        row = int((host != kv_lens).nonzero()[0])
-        raise InputError(
-            f"sequence {row} has kv_seqlens_cpu={int(host[row])} but kv_seqlens={int(kv_lens[row])}; kernels "
-            "that take host lengths (Ascend) would use the first. Build both from the same lengths"
-        )
+        _host_lengths_differ(host, kv_lens)
 
 
-def _check_kv_holds_q(q_lens: list[int], kv_lens: list[int], prefix: str) -> None:
+def _host_lengths_differ(host: torch.Tensor, kv_lens: torch.Tensor) -> None:
+    row = int((host != kv_lens).nonzero()[0])
+    raise InputError(
+        f"sequence {row} has kv_seqlens_cpu={int(host[row])} but kv_seqlens={int(kv_lens[row])}; kernels "
+        "that take host lengths (Ascend) would use the first. Build both from the same lengths"
+    )
+
+
+def _check_kv_holds_q(q_lens: list[int], kv_lens: list[int], prefix: str, writes: list[bool] | None = None) -> None:
+    """Refuse a row holding fewer KV tokens than its new ones, but a padding
+    row's 0 (``writes``: which rows write the cache; one writing nothing may
+    hold none, as vLLM pads)."""
     for row, (count, length) in enumerate(zip(q_lens, kv_lens)):
-        if length < count:
+        if length < count and not (length == 0 and writes is not None and not writes[row]):
             raise InputError(
                 f"{prefix}sequence {row} has kv_seqlens={length}, below {count} (its new tokens): a sequence "
                 "holds at least this step's tokens; pass its cached tokens plus this step's"

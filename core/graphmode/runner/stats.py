@@ -17,6 +17,8 @@ EAGER_REASONS = {
                    "max_q_seq_len does not prove them equal: tokens != batch x max_q_seq_len)",
     "no_bucket": "the batch is larger than the largest capture size",
     "no_token_bucket": "the step has more tokens than the largest piecewise token bucket (capture_token_sizes)",
+    "per_sequence_input": "a piecewise step of more tokens than sequences with a step input declared per "
+                          "sequence, which its segments cannot map to tokens (declare it per token)",
 }
 
 
