@@ -358,8 +358,11 @@ def test_a_host_lengths_vendor_with_the_default_capture_policy_passes(tmp_path):
     """Zeta (tests/plugins/zeta.py, an outsider's plugin: host kv lengths
     pushed before every replay) on the default graded capture list: the
     replay test picks its batches inside one bucket of that list, so it
-    replays as often on graded sizes as on powers of two."""
-    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:plugin")
+    replays as often on graded sizes as on powers of two. The tests its
+    pushed lengths and its buckets reach (the rest is CUDA's hooks, which
+    the installed-vendor runs pass end to end)."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.zeta:plugin", "-k",
+                               "new_host_values or pushed_host or every_batch_size or capture_list or compatible_size or interleaved")
     assert status == 0, failures(report)
     ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
     assert ran["test_new_host_values_reach_every_replay"] == "passed"
