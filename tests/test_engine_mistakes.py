@@ -458,14 +458,20 @@ def test_a_compiled_model_reading_a_field_the_graph_context_lacks_is_refused(how
     _check_the_read_is_refused("graph", how, "cuda", compile=True)
 
 
-def _check_the_read_is_refused(mode, how, device, **options):
+def _wrapped(wrapper, how, mode, device, **options):
+    """A setup, its model wrapped as ``wrapper(model, how)``, and a runner of the wrapped model."""
     import graphmode
 
     setup = _setup(mode=mode, device=device)
-    tempered = _Tempered(setup.model, how)
+    model = wrapper(setup.model, how)
     runner = graphmode.build_graph_runner(
-        tempered, max_batches=16, max_blocks_per_seq=8, block_size=16, device=device, capture_batch_sizes=[1, 2, 4],
+        model, max_batches=16, max_blocks_per_seq=8, block_size=16, device=device, capture_batch_sizes=[1, 2, 4],
         execute_mode=mode, capture_token_sizes=[4, 8, 16], **options)
+    return setup, model, runner
+
+
+def _check_the_read_is_refused(mode, how, device, **options):
+    setup, tempered, runner = _wrapped(_Tempered, how, mode, device, **options)
     seqs = [setup.engine.add() for _ in range(2)]
     temperature = torch.full((2,), 2.0, device=device)
     step = setup.engine.decode(seqs)  # a first decode (on an empty cache): the graph's warm-up runs it
@@ -530,13 +536,7 @@ def test_a_compiled_piecewise_model_using_a_host_value_of_the_step_is_refused():
 
 
 def _check_the_host_value_is_refused(mode, how, device, **options):
-    import graphmode
-
-    setup = _setup(mode=mode, device=device)
-    scaled = _ScaledByHostValue(setup.model, how)
-    runner = graphmode.build_graph_runner(
-        scaled, max_batches=16, max_blocks_per_seq=8, block_size=16, device=device, capture_batch_sizes=[1, 2, 4],
-        execute_mode=mode, capture_token_sizes=[4, 8, 16], **options)
+    setup, _, runner = _wrapped(_ScaledByHostValue, how, mode, device, **options)
     seqs = [setup.engine.add() for _ in range(2)]
     step = setup.engine.prefill(seqs, [3, 4])
     attn = step.attn_metadata

@@ -341,6 +341,7 @@ def _moved(inputs: StepInputs, move: Callable[[torch.Tensor], torch.Tensor], ext
         input_ids=move(inputs.input_ids),
         position_ids=move(inputs.position_ids),
         attn_metadata=attn.replace(**{name: move(getattr(attn, name)) for name in REQUIRED_TENSORS}),
+        # A new dict only when some extra moves: to_device runs at every host-input step.
         extras={name: move(value) if name in extras and isinstance(value, torch.Tensor) else value
-                for name, value in inputs.extras.items()},
+                for name, value in inputs.extras.items()} if extras else inputs.extras,
     )
