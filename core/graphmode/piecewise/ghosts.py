@@ -32,15 +32,15 @@ from graphmode.context import AttnMetadata
 from graphmode.emulator.capture import call_site
 from graphmode.errors import CaptureError
 
-__all__ = ["GhostReads", "GhostValue", "shape_only"]
+__all__ = ["OPS_AT_OPS", "READ_INSIDE_OPS", "GhostReads", "GhostValue", "shape_only"]
 
 _OWN_FIELDS = frozenset(f.name for f in dataclasses.fields(AttnMetadata))
-_READ_INSIDE = (
+READ_INSIDE_OPS = (
     "in piecewise modes the model sees attn_metadata with tensors on the 'meta' device, and only the AttentionOps "
     "calls get the step's real metadata, since code between them that reads attn_metadata would freeze one step's "
     "values into the graphs. Read it only inside the vendor's AttentionOps"
 )
-_OPS_AT_OPS = (
+OPS_AT_OPS = (
     "Only the calls of the AttentionOps objects at `model.ops` and its submodules' `.ops` are intercepted, so a "
     "layer calling its ops from another attribute reaches them with this metadata too: keep them at `.ops`"
 )
@@ -82,9 +82,9 @@ class GhostValue:
     def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise CaptureError(
             f"the model used {object.__getattribute__(self, '_name')}, a host value of the engine's step, at "
-            f"{call_site(os.path.abspath(__file__))}: {_READ_INSIDE}, or pass the value as a declared step input "
+            f"{call_site(os.path.abspath(__file__))}: {READ_INSIDE_OPS}, or pass the value as a declared step input "
             "(build_graph_runner(step_inputs=[BufferSpec(name, ...)]): a tensor the graphs read at every step), "
-            f"or use execute_mode='graph'. {_OPS_AT_OPS}"
+            f"or use execute_mode='graph'. {OPS_AT_OPS}"
         )
 
     def __repr__(self) -> str:
@@ -107,8 +107,8 @@ class GhostReads(TorchDispatchMode):
         if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
             raise CaptureError(
                 f"{func} mixed a tensor on the 'meta' device with tensors of the model's device, at "
-                f"{call_site(os.path.abspath(__file__))}: {_READ_INSIDE} (rows picked from q_start_loc and "
+                f"{call_site(os.path.abspath(__file__))}: {READ_INSIDE_OPS} (rows picked from q_start_loc and "
                 "q_seqlens, such as each sequence's last token, after the call), or use execute_mode='graph'. "
-                f"{_OPS_AT_OPS}"
+                f"{OPS_AT_OPS}"
             )
         return func(*args, **kwargs)

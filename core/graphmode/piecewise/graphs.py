@@ -25,7 +25,7 @@ from graphmode.meta import GraphMeta
 from graphmode.piecewise import PIECEWISE_MODES
 from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
 from graphmode.piecewise.compiled import SplitForward
-from graphmode.piecewise.ghosts import GhostReads, shape_only
+from graphmode.piecewise.ghosts import OPS_AT_OPS, READ_INSIDE_OPS, GhostReads, shape_only
 from graphmode.piecewise.inputs import TokenInputs
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
@@ -214,14 +214,7 @@ class PiecewiseGraphs:
                 warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()))  # compiles, with compile=True
         except RuntimeError as error:
             if "meta" in str(error) and hasattr(error, "add_note"):
-                error.add_note(
-                    "graphmode: in piecewise modes the model sees attn_metadata with tensors on the 'meta' "
-                    "device, and only the AttentionOps calls get the step's real metadata: code between "
-                    "them that reads attn_metadata would freeze one step's values into the graphs. Read "
-                    "it only inside the vendor's AttentionOps, or use execute_mode='graph'"
-                    "; only the calls of the AttentionOps objects at `model.ops` and its submodules' `.ops` are intercepted, "
-                    "so a layer calling its ops from another attribute reaches them with this metadata too: keep them at `.ops`"
-                )
+                error.add_note(f"graphmode: {READ_INSIDE_OPS}, or use execute_mode='graph'. {OPS_AT_OPS}")
             raise
         self._outputs.prepare(warm_output, bucket)
         # Plugins tell piecewise graphs from full ones (make_graph, capture
