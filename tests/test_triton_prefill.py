@@ -110,22 +110,63 @@ def test_prefill_kernel_equals_the_reference_on_cuda(dtype):
 
 
 @gpu
+@pytest.mark.parametrize("descriptors", [True, False], ids=["descriptors", "pointers"])
 @pytest.mark.parametrize("per_program", [None, 1, 2])
-def test_every_grouping_of_query_heads_equals_the_reference_on_cuda(monkeypatch, per_program):
+def test_every_grouping_of_query_heads_equals_the_reference_on_cuda(monkeypatch, per_program, descriptors):
     """One, two or all query heads of a KV head per program; 16 rows per
-    program, so that the short cases take the chosen grouping too."""
+    program, so that the short cases take the chosen grouping too. One head
+    per program reads through tensor descriptors on Hopper where the shapes
+    allow (16-bit, head dim and page a power of two from 16), and through
+    pointers otherwise or with descriptors off."""
     from graphmode.kernels import triton_prefill
 
     monkeypatch.setattr(triton_prefill, "ROWS", 16)
     monkeypatch.setattr(triton_prefill, "HEADS_PER_PROGRAM", per_program)
+    monkeypatch.setattr(triton_prefill, "TENSOR_DESCRIPTORS", descriptors)
+    monkeypatch.setattr(triton_prefill, "DESC_ROWS", 16)
+    monkeypatch.setattr(triton_prefill, "DESC_MIN_TOKENS", 0)
     check_all("cuda", [torch.bfloat16, torch.float32])
+
+
+@gpu
+@pytest.mark.parametrize("descriptors", [True, False], ids=["descriptors", "pointers"])
+def test_slots_past_the_length_and_the_reserved_block_are_never_read(monkeypatch, descriptors):
+    """NaN in every cache slot a sequence does not own (the rest of its last
+    page, block 0): the output is the reference's, NaN-free. Descriptors
+    fetch whole pages, so the slots past the length reach the kernel."""
+    from graphmode.kernels import triton_prefill
+    from graphmode.kernels.triton_prefill import paged_prefill
+
+    monkeypatch.setattr(triton_prefill, "TENSOR_DESCRIPTORS", descriptors)
+    monkeypatch.setattr(triton_prefill, "DESC_MIN_TOKENS", 0)
+    shapes, (heads, kv_heads, dim, block) = [(0, 150), (37, 200), (5, 1)], (14, 2, 64, 64)
+    query, (k_cache, v_cache), attn = prefill_case(shapes, 3, heads, kv_heads, dim, block)
+    expected = ReferenceAttentionOps().prefill_attention(query, k_cache, v_cache, attn, dim**-0.5)
+    owned = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for row, kv_len in zip(attn.block_offsets.tolist(), attn.kv_seqlens.tolist()):
+        for position in range(kv_len):
+            owned[row[position // block], position % block] = True
+    for cache in (k_cache, v_cache):
+        cache[~owned] = float("nan")
+    cuda = [t.to("cuda") for t in (attn.block_offsets, attn.q_start_loc, attn.q_seqlens, attn.kv_seqlens)]
+    query, k_cache, v_cache = (t.to("cuda", torch.bfloat16) for t in (query, k_cache, v_cache))
+    if descriptors and torch.cuda.get_device_capability()[0] >= 9:
+        assert triton_prefill._descriptors_fit(query, k_cache, v_cache), "the descriptor path is tested"
+    out = paged_prefill(query, k_cache, v_cache, *cuda, attn.max_q_seq_len, dim**-0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
 
 
 @gpu
 def test_prefill_kernel_at_bench_shapes_on_cuda():
     """The bench model's heads (14 over 2 KV heads, head dim 64) and block
-    size 64, 2048-token prompts beside chunks and decodes."""
-    check([(0, 2048), (1000, 512), (4000, 1), (0, 128)], (14, 2, 64, 64), torch.bfloat16, "cuda", padding=5)
+    size 64, 2048-token prompts beside chunks and decodes: over
+    DESC_MIN_TOKENS tokens, so tensor descriptors on Hopper."""
+    from graphmode.kernels.triton_prefill import DESC_MIN_TOKENS
+
+    shapes = [(0, 2048), (0, 2000), (1000, 512), (4000, 1), (0, 128)]
+    assert sum(new for _, new in shapes) >= DESC_MIN_TOKENS
+    check(shapes, (14, 2, 64, 64), torch.bfloat16, "cuda", padding=5)
 
 
 def interpreter_check() -> None:

@@ -157,8 +157,28 @@ def write_kv_kernel(
 
 
 @triton.jit
+def _softmax_step(q, k, v, m_i, l_i, acc, scale_log2, visible, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of keys and values into an online softmax (base 2): the
+    new running maximum, sum and accumulator. Scores stay unscaled: the
+    scale joins the subtraction of the running maximum in one multiply-add
+    (as flash attention does). ``visible`` (rows x keys) masks scores when
+    ``MASKED``; a row that sees nothing yet keeps weights 0, not NaN."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(scores * scale_log2 - m_sub[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, starts_ptr, q_lens_ptr, kv_lens_ptr,
+    q_desc, k_desc, v_desc,
     scale_log2, num_seqs, num_tokens, capacity,
     stride_qt, stride_qh,
     stride_kn, stride_kt, stride_kh,
@@ -167,6 +187,7 @@ def prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+    DESC: tl.constexpr,
 ):
     """One (sequence, block of BLOCK_Q of its new tokens, HEADS of the
     GROUP query heads of one KV head) per program: those rows (BLOCK_Q x
@@ -176,6 +197,13 @@ def prefill_kernel(
     ceil(GROUP / HEADS). A token at
     index i of the sequence's ``q_len`` new tokens sits at position
     ``kv_len - q_len + i`` and sees the cached positions up to its own.
+
+    With ``DESC`` (Hopper and later; HEADS 1, BLOCK_N == PAGE, BLOCK_D ==
+    HEAD_DIM) queries and whole pages of keys and values come through
+    tensor descriptors (``q_desc`` over the (tokens, heads, dim) queries,
+    ``k_desc`` and ``v_desc`` over the (blocks, page, kv_heads, dim)
+    caches): the copy engine fetches them into shared memory, no address
+    per element. Otherwise through pointers.
 
     Lengths are read on the device: a program past its sequence's tokens
     does nothing. The extra sequence index ``num_seqs`` zeroes the rows after
@@ -209,8 +237,13 @@ def prefill_kernel(
             token = first + rows // HEADS
             row_ok = (token < q_len) & head_ok
             position = kv_len - q_len + token
-            q_rows = (start + token).to(tl.int64) * stride_qt + heads * stride_qh
-            q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+            if DESC:  # rows past the sequence read other rows (or zeros): never stored
+                q = q_desc.load([start + first, kv_head * GROUP + tl.program_id(2) % per_kv_head, 0])
+                q = q.reshape(BLOCK_Q, BLOCK_D)
+            else:
+                q_rows = (start + token).to(tl.int64) * stride_qt + heads * stride_qh
+                q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
+                            other=0.0)
 
             m_i = tl.full([BLOCK_Q * HEADS], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_Q * HEADS], dtype=tl.float32)
@@ -221,42 +254,39 @@ def prefill_kernel(
             # first token's position) need no mask: most of a long prompt's.
             full = tl.maximum(kv_len - q_len + first + 1, 0) // BLOCK_N * BLOCK_N
             for key_start in range(0, full, BLOCK_N):
-                keys = key_start + tl.arange(0, BLOCK_N)
-                block = tl.load(table + keys // PAGE).to(tl.int64)
-                offset = (keys % PAGE).to(tl.int64)
-                k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
-                k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=dim_ok[None, :], other=0.0)
-                # Scores stay unscaled: the scale joins the subtraction of the
-                # running maximum in one multiply-add (as flash attention does).
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-                m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(scores * scale_log2 - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
-                v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=dim_ok[None, :], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m_i = m_new
+                if DESC:
+                    page = tl.load(table + key_start // PAGE)
+                    k = k_desc.load([page, 0, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+                    v = v_desc.load([page, 0, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+                else:
+                    keys = key_start + tl.arange(0, BLOCK_N)
+                    block = tl.load(table + keys // PAGE).to(tl.int64)
+                    offset = (keys % PAGE).to(tl.int64)
+                    k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
+                    k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=dim_ok[None, :], other=0.0)
+                    v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
+                    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=dim_ok[None, :], other=0.0)
+                m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, scale_log2, None, False, PRECISION)
             for key_start in range(full, hi, BLOCK_N):  # the diagonal: causal and length masks
                 keys = key_start + tl.arange(0, BLOCK_N)
                 in_range = keys < hi
-                block = tl.load(table + keys // PAGE, mask=in_range, other=0).to(tl.int64)
-                offset = (keys % PAGE).to(tl.int64)
-                mask = in_range[:, None] & dim_ok[None, :]
-                k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
-                k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                if DESC:
+                    page = tl.load(table + key_start // PAGE)
+                    k = k_desc.load([page, 0, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+                    # A page's slots past the length hold anything, NaN
+                    # included: a zero weight times NaN would still be NaN.
+                    v = v_desc.load([page, 0, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+                    v = tl.where(in_range[:, None], v, 0.0)
+                else:
+                    block = tl.load(table + keys // PAGE, mask=in_range, other=0).to(tl.int64)
+                    offset = (keys % PAGE).to(tl.int64)
+                    mask = in_range[:, None] & dim_ok[None, :]
+                    k_rows = block * stride_kn + offset * stride_kt + kv_head * stride_kh
+                    k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+                    v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
+                    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
                 visible = in_range[None, :] & (keys[None, :] <= position[:, None])
-                scores = tl.where(visible, scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: weights 0, not NaN
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(scores * scale_log2 - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v_rows = block * stride_vn + offset * stride_vt + kv_head * stride_vh
-                v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, scale_log2, visible, True, PRECISION)
             result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # nothing visible: zeros, as the reference
             out_rows = (start + token).to(tl.int64) * stride_ot + heads * stride_oh
             tl.store(out_ptr + out_rows[:, None] + dims[None, :], result.to(out_ptr.dtype.element_ty),
