@@ -5,6 +5,8 @@ naming the cause and the fix, and what it can replay equals eager."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -88,14 +90,17 @@ class SamplesInside(Wrapped):
         return logits, logits[0].argmax(-1)
 
 
-def _run(cls: type[Wrapped], mode: str, steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Prefill three sequences, then decode ``steps`` steps through a runner and
-    through a second copy of the model run eagerly; each step's (graph, eager) result."""
-    graph_model, eager_model = cls(), cls()
+def _run(
+    cls: type[Wrapped], mode: str, steps: int = 4, graph_model: Wrapped | None = None, **options
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill three sequences, then decode ``steps`` steps through a runner
+    (built with ``options``) over ``graph_model`` and through a second copy
+    of the model run eagerly; each step's (graph, eager) result."""
+    graph_model, eager_model = graph_model or cls(), cls()
     engine = ReferenceEngine(65, 16, "cpu", vocab_size=ModelConfig.tiny().vocab_size, table_width=4, seed=3)
     graph_cache, eager_cache = graph_model.make_kv_cache(65, 16), eager_model.make_kv_cache(65, 16)
     runner = graphmode.build_graph_runner(
-        graph_model, max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu", execute_mode=mode
+        graph_model, max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu", execute_mode=mode, **options
     )
     seqs = [engine.add() for _ in range(3)]
     results = []
@@ -124,6 +129,139 @@ def test_state_grown_once_and_buffers_changed_in_place_replay_as_eager(mode):
     results = _run(GrowsOnceAndCounts, mode)
     for graph, eager in results:
         torch.testing.assert_close(graph, eager)
+
+
+class AppendsToHistory(Wrapped):
+    """Keeps every step's token count in a Python list (as a scheduler-side
+    statistic kept on the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: list[int] = []
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        self.history.append(input_ids.shape[1])
+        return super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+
+
+class KeepsLastInADict(Wrapped):
+    """KeepsLastStep's previous logits, kept in a dict item rather than an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        previous = self.kept.get("logits")
+        if previous is not None and previous.shape == logits.shape:
+            logits = logits + 0.5 * previous
+        self.kept["logits"] = logits
+        return logits
+
+
+class AddsToASet(Wrapped):
+    """Numbers its forwards in a set of the call numbers it has seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        self.seen.add(len(self.seen))
+        return super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+
+
+class ReplacesInAList(Wrapped):
+    """Keeps the previous step's mean logit in a list of tensors, mixed into the next step's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept = [torch.ones(()), torch.zeros(())]
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        mixed = logits + self.kept[1]
+        self.kept[1] = logits.mean()
+        return mixed * self.kept[0]
+
+
+@pytest.mark.parametrize(("mode", "cls", "name", "change"), [
+    pytest.param("graph", AppendsToHistory, "history", r" \(list of (\d+) at (0x[0-9a-f]+) -> list of (?!\1\b)\d+ at \2\)",
+                 id="list-append"),
+    pytest.param("piecewise", AppendsToHistory, "history", r" \(list of (\d+) at (0x[0-9a-f]+) -> list of ",
+                 id="list-append-piecewise"),
+    pytest.param("graph", KeepsLastInADict, "kept", r"\['logits'\] \(tensor \(1, \d+, 256\) at 0x[0-9a-f]+ -> tensor ",
+                 id="dict-item"),
+    pytest.param("graph", AddsToASet, "seen", r" \(set of (\d+) at (0x[0-9a-f]+) -> set of (?!\1\b)\d+ at \2\)",
+                 id="set-add"),
+    pytest.param("graph", ReplacesInAList, "kept", r"\[1\] \(tensor \(\) at 0x[0-9a-f]+ -> tensor \(\) at 0x",
+                 id="tensor-list-element"),
+])
+def test_a_forward_that_changes_a_container_in_place_is_refused_at_capture(mode, cls, name, change):
+    # Before: the list, dict and set kept their identity, so the capture
+    # accepted them; graph steps then stopped appending (and
+    # KeepsLastInADict and ReplacesInAList mixed in the captured step's
+    # logits at every replay, off eager), silently.
+    with pytest.raises(CaptureError) as raised:
+        _run(cls, mode, steps=1)
+    message = str(raised.value)
+    assert re.search(re.escape(name) + change, message), message
+    assert f"host_bookkeeping=({name!r},)" in message
+
+
+class ReadsContainers(Wrapped):
+    """Python containers the forward only reads, and a dict it fills once per
+    token count (the warm-up before each capture fills it): graphs replay these."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = [torch.tensor(0.5), torch.tensor(2.0)]
+        self.offsets = {"bias": 0.25, "layers": (1, 2)}
+        self.by_tokens: dict[int, torch.Tensor] = {}
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        tokens = input_ids.shape[1]
+        if tokens not in self.by_tokens:
+            self.by_tokens[tokens] = 1 + 0.01 * torch.arange(tokens)  # a row's value not its step's size
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        scaled = logits * self.weights[0] + self.weights[1] * self.offsets["bias"] * len(self.offsets["layers"])
+        return scaled * self.by_tokens[tokens][None, :, None]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_containers_read_or_filled_once_replay_as_eager(mode):
+    for graph, eager in _run(ReadsContainers, mode):
+        torch.testing.assert_close(graph, eager)
+
+
+class CountsForLogging(AppendsToHistory):
+    """Host bookkeeping no output depends on: a call counter and a list of token counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        self.calls += 1
+        return super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_declared_host_bookkeeping_is_accepted_and_left_unchanged_by_graph_steps(mode):
+    # Before: no way to accept it (and no host_bookkeeping keyword).
+    model = CountsForLogging()
+    results = _run(CountsForLogging, mode, steps=6, graph_model=model, host_bookkeeping=("calls", "hist*"))
+    for graph, eager in results:
+        torch.testing.assert_close(graph, eager)
+    # Eager and capture forwards counted, graph steps (the replays) not.
+    assert model.calls == len(model.history) < len(results)
+
+
+def test_host_bookkeeping_given_as_one_string_is_refused():
+    with pytest.raises(graphmode.ConfigError, match=r"host_bookkeeping='calls': give a tuple .*\('calls',\)"):
+        graphmode.build_graph_runner(Wrapped(), max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu",
+                                     host_bookkeeping="calls")
 
 
 @pytest.mark.parametrize("mode", MODES)

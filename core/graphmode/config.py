@@ -143,6 +143,7 @@ class RunnerConfig:
     capture_token_sizes: tuple[int, ...] | None = None
     max_q_len: int = 1
     graph_variants: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+    host_bookkeeping: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if self.host_staging not in (True, False, None):
@@ -166,6 +167,7 @@ class RunnerConfig:
         self.step_inputs = tuple(s.bound(MODEL_INPUTS) for s in self.step_inputs)
         self.graph_variants = clean_graph_variants(self.graph_variants, tuple(s.name for s in self.step_inputs))
         self.debug = resolve_debug(self.debug)
+        self.host_bookkeeping = _clean_names(self.host_bookkeeping)
         if self.capture_token_sizes is not None:
             from graphmode.piecewise.sizes import clean_token_sizes
 
@@ -212,6 +214,23 @@ def _clean_compile_options(compile: bool, options: Any) -> dict[str, Any]:
             "graphmode's graphs; leave it False"
         )
     return dict(options)
+
+
+def _clean_names(names: Any) -> tuple[str, ...]:
+    """``host_bookkeeping`` as a tuple of non-empty strings."""
+    if isinstance(names, str):
+        raise ConfigError(f"host_bookkeeping={names!r}: give a tuple of attribute names, ({names!r},)")
+    try:
+        cleaned = tuple(names)
+    except TypeError:
+        raise ConfigError(f"host_bookkeeping={names!r}: give a tuple of attribute names") from None
+    bad = [name for name in cleaned if not isinstance(name, str) or not name]
+    if bad:
+        raise ConfigError(
+            f"host_bookkeeping has {bad!r}: each must be an attribute name as capture errors give it "
+            "('calls', 'layers.0.timings') or an fnmatch pattern ('layers.*.timings')"
+        )
+    return cleaned
 
 
 def _with_index(device: torch.device) -> torch.device:

@@ -49,6 +49,7 @@ def build_graph_runner(
     max_q_len: int = 1,
     graph_variants: dict[str, Sequence[Any]] | None = None,
     share_pool_with: GraphRunner | None = None,
+    host_bookkeeping: Sequence[str] = (),
 ) -> GraphRunner:
     """A runner that serves ``model``'s decode steps from device graphs.
 
@@ -115,6 +116,14 @@ def build_graph_runner(
         intermediate memory. Their steps must then run one after another
         on one stream, as one runner's do (docs/engines.md, "Draft-model
         graphs").
+    host_bookkeeping: the model's attributes that are host bookkeeping no
+        output depends on (a call counter, a profiling list), by the names
+        capture errors give them or fnmatch patterns (``("calls",
+        "layers.*.timings")``): a capture accepts a forward that changes
+        them, and graph steps leave them unchanged. Any other attribute the
+        forward changes at every call (rebound, or a list, dict or set
+        changed in place) is refused at capture (docs/engines.md, "Model
+        contract").
     """
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
@@ -139,6 +148,7 @@ def build_graph_runner(
         capture_token_sizes=tuple(capture_token_sizes) if capture_token_sizes is not None else None,
         max_q_len=max_q_len,
         graph_variants=dict(graph_variants or {}),
+        host_bookkeeping=host_bookkeeping,
     )
     return GraphRunner(
         model, config, chosen, process_group=process_group, check_ranks=check_ranks, share_pool_with=share_pool_with,

@@ -227,7 +227,7 @@ class PiecewiseGraphs:
         if ranks is not None:
             ranks.barrier()  # every rank's device idle before any of them captures
         try:
-            state = ModelState(shared.model)
+            state = ModelState(shared.model, shared.config.host_bookkeeping)
             # Below the capture's own modes: a segment's end pops the emulator's.
             with intercepted(self.ops, capture), self._ghost_reads(), capture:
                 output = self._outputs.publish(forward(**static.as_kwargs()), bucket)

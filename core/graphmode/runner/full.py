@@ -354,7 +354,7 @@ class FullGraphs:
         if ranks is not None:
             ranks.barrier()
         try:
-            state = ModelState(shared.model)
+            state = ModelState(shared.model, shared.config.host_bookkeeping)
             with graph.capture(pool=shared.pool):
                 meta.output_buffers["output"] = self._outputs.publish(forward(**seen.as_kwargs()), tokens)
             state.check(f"the decode graph of {name}")
