@@ -72,8 +72,9 @@ CASES = [
     [(2, 1), (7, 1)],  # decodes only
     [(0, 70), (100, 33)],  # longer than a block of keys (64) and of tokens
 ]
-# (heads, kv_heads, dim, block size): GQA groups of 2 and 7 (not a power of two), MHA, head dims 16, 64 and 80.
-SHAPES = [(4, 2, 16, 4), (14, 2, 64, 16), (8, 8, 80, 64)]
+# (heads, kv_heads, dim, block size): GQA groups of 2, 4 and 7 (not a power of two), MHA, head dims 16, 64, 80
+# and 128 (on Hopper, 16-bit and one head per program: head dims 64 and 128 through tensor descriptors).
+SHAPES = [(4, 2, 16, 4), (14, 2, 64, 16), (8, 8, 80, 64), (8, 2, 128, 32)]
 
 
 def check(shapes, shape, dtype, device, padding=0, max_q=None, seed=0) -> None:

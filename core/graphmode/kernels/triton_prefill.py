@@ -46,16 +46,25 @@ NUM_STAGES: int | None = 2  # software pipelining depth; None: Triton's default
 # few, so a block read once for the group is what they cost.
 HEADS_PER_PROGRAM: int | None = 1
 # Tensor descriptors (Hopper's tensor memory accelerator) for one query head
-# per program, where the shapes allow (_descriptors): queries and whole
-# pages fetched by the copy engine, no address computed per element. Same
-# layer, same H100 (2026-11-26, a sweep of 36 configurations): 0.324 ms
-# (371 TFLOP/s) with 64 rows, 4 warps, 2 stages, against 0.397 ms for the
-# pointer kernel above; 128 rows took 0.357 ms at best. Making three
-# descriptors costs the host about 30 us a call (Triton validates and
-# encodes each at launch), 0.7 ms a step of the bench model's 24 layers:
-# so only steps of DESC_MIN_TOKENS or more take them, whose device work
-# (about 15 ms at 8192 tokens) keeps the device, not the host, the bound.
+# per program, where the shapes allow (_descriptors_fit): queries and whole
+# pages fetched by the copy engine, no address computed per element. The
+# bench model's 16x2048 layer on an H100 (2026-11-26, a sweep of 36
+# configurations): 0.324 ms (371 TFLOP/s) with 64 rows, 4 warps, 2 stages,
+# against 0.397 ms for the pointer kernel above; 128 rows took 0.357 ms at
+# best. A whole page is one key block, so the page size sets the tile:
+# DESC_TILES holds the (page, head dim) pairs where descriptors measured
+# faster (16x2048 and 4x2048, same H100, descriptors / pointers): page 64
+# and 128 at head dim 64 (0.81-0.84, 0.91-0.99), page 32 and 64 at head
+# dim 128 (0.81-0.82, 0.77). Elsewhere they lost: pages of 16 (1.05-1.39,
+# too small a tile), page 32 at dim 64 (1.05-1.07), page 128 at dim 128
+# (1.09-1.12), every page at dim 256 (0.98-1.75; page 128 exceeds shared
+# memory). Making three descriptors costs the host about 30 us a call
+# (Triton validates and encodes each at launch), 0.7 ms a step of the
+# bench model's 24 layers: so only steps of DESC_MIN_TOKENS or more take
+# them, whose device work (about 15 ms at 8192 tokens) keeps the device,
+# not the host, the bound.
 TENSOR_DESCRIPTORS = True
+DESC_TILES = frozenset({(64, 64), (128, 64), (32, 128), (64, 128)})  # (page, head dim)
 DESC_ROWS, DESC_WARPS, DESC_STAGES = 64, 4, 2
 DESC_MIN_TOKENS = 4096
 
@@ -132,14 +141,14 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _descriptors_fit(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether tensor descriptors can serve the kernel: a Hopper or later
-    GPU, 16-bit, a head dim and page that are powers of two from 16 to 256
-    (a whole page is one key block), every tensor's base and strides
-    multiples of 16 bytes (what the copy engine addresses)."""
-    if not (TENSOR_DESCRIPTORS and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
+    """Whether tensor descriptors serve the kernel: a Hopper or later GPU,
+    16-bit queries and caches of one dtype, a (page, head dim) in
+    DESC_TILES, every tensor's base and strides multiples of 16 bytes (what
+    the copy engine addresses)."""
+    if not (TENSOR_DESCRIPTORS and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+            and k_cache.dtype == v_cache.dtype == query.dtype):
         return False
-    page, dim = k_cache.shape[1], query.shape[2]
-    if not all(16 <= size <= 256 and size & (size - 1) == 0 for size in (page, dim)):
+    if (k_cache.shape[1], query.shape[2]) not in DESC_TILES:
         return False
     return all(_addressable(tensor) for tensor in (query, k_cache, v_cache)) and _hopper(query.device)
 
