@@ -168,8 +168,8 @@ def test_weights_reloaded_into_new_tensors_between_steps_are_refused_until_reset
         setup.decode(seqs)
     reloaded = {name: torch.randn_like(t) if t.is_floating_point() else t for name, t in before.items()}
     setup.model.load_state_dict(reloaded, assign=True)
-    with pytest.raises(ReplayError, match=r"embed_tokens.weight, .*\(and \d+ more\) was replaced after graphs "
-                       r"captured.*load_state_dict\(\.\.\., assign=True\).*call runner.reset\(\)"):
+    with pytest.raises(ReplayError, match=r"replaced the model's embed_tokens.weight, .*\(and \d+ more\) after "
+                       r"graphs captured.*load_state_dict\(\.\.\., assign=True\).*call runner.reset\(\)"):
         setup.decode(seqs)
     setup.runner.reset()
     graph, eager = setup.decode(seqs)

@@ -115,7 +115,7 @@ class EagerRebinds:
 
     def registered(self, name: str) -> None:
         """A registration hook saw ``name`` rebound on the model."""
-        if self._graphs_exist is not None and self._graphs_exist():
+        if name not in self.changed and self._graphs_exist is not None and self._graphs_exist():
             self.changed.append(name)
             if self._on_change is not None:
                 self._on_change()
@@ -127,7 +127,8 @@ class EagerRebinds:
         before = _tensors(model)
         output = forward()
         after = _tensors(model)
-        self.changed += sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        replaced = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        self.changed += [name for name in replaced if name not in self.changed]  # the hooks may have it
         return output, bool(self.changed)
 
     def check(self) -> None:
@@ -135,8 +136,8 @@ class EagerRebinds:
         if self.changed:
             more = f" (and {len(self.changed) - _SHOWN} more)" if len(self.changed) > _SHOWN else ""
             raise ReplayError(
-                f"the model's {', '.join(self.changed[:_SHOWN])}{more} was replaced after graphs captured the old "
-                "tensors (by an eager step's forward: a table regrown in Python, a buffer rebound; or between "
+                f"something replaced the model's {', '.join(self.changed[:_SHOWN])}{more} after graphs captured the "
+                "old tensors (an eager step's forward: a table regrown in Python, a buffer rebound; or between "
                 "steps: a weight reload by load_state_dict(..., assign=True), module.weight = Parameter(new), a "
                 "submodule swapped): graph steps would keep reading the old ones, unlike eager steps. Size such "
                 "tensors before the first capture (for max_blocks_per_seq * block_size positions) or change them "
