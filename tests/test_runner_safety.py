@@ -10,7 +10,7 @@ import pytest
 import torch
 from setups import tiny_setup
 
-from graphmode import InputError
+from graphmode import InputError, ReplayError
 
 
 def test_a_cache_tensor_replaced_inside_the_same_container_is_refused():
@@ -153,3 +153,24 @@ def test_no_garbage_collection_runs_inside_a_capture(mode):
     gc.collect()
     assert len(seen) > 2 * len(setup.model.layers) and not any(seen), f"{sum(seen)} finalizers ran in a capture"
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("mode", ["graph", "piecewise"])
+def test_weights_reloaded_into_new_tensors_between_steps_are_refused_until_reset(mode):
+    # load_state_dict(assign=True) gives the modules new Parameter objects:
+    # graphs kept the old ones, and replayed with them silently before
+    # (logits 24 off eager with new random weights, debug mode off).
+    setup = tiny_setup(**({} if mode == "graph" else {"execute_mode": mode}))
+    before = tiny_setup().model.state_dict()  # other weights, same shapes
+    setup.model.load_state_dict(before, assign=True)  # before any capture: nothing to refuse
+    seqs = setup.prefill(2, [5, 6])
+    for _ in range(3):  # a capture, then replays (the native step's memo on the python path's second)
+        setup.decode(seqs)
+    reloaded = {name: torch.randn_like(t) if t.is_floating_point() else t for name, t in before.items()}
+    setup.model.load_state_dict(reloaded, assign=True)
+    with pytest.raises(ReplayError, match=r"replaced the model's embed_tokens.weight, .*\(and \d+ more\) after "
+                       r"graphs captured.*load_state_dict\(\.\.\., assign=True\).*call runner.reset\(\)"):
+        setup.decode(seqs)
+    setup.runner.reset()
+    graph, eager = setup.decode(seqs)
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)

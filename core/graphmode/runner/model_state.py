@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch import nn
 
 from graphmode.errors import CaptureError, ReplayError
 
-__all__ = ["EagerRebinds", "ModelState"]
+__all__ = ["EagerRebinds", "ModelState", "watched_rebinds"]
 
 _BY_VALUE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 _DEPTH = 4
@@ -181,15 +182,33 @@ class ModelState:
 
 
 class EagerRebinds:
-    """An eager step's forward that gives the model other parameter or
-    buffer tensors while graphs exist (a rotary table regrown by a long
-    prefill, with other values): the graphs keep reading the tensors they
-    captured, so every later graph step is refused until ``runner.reset()``.
-    Tensor identities only, and only around eager steps that run while
-    graphs are captured (debug mode checks the addresses at every replay)."""
+    """An eager step's forward, or the engine between steps, giving the
+    model other parameter or buffer tensors while graphs exist (a rotary
+    table regrown by a long prefill; a weight reload by
+    ``load_state_dict(..., assign=True)`` or ``module.weight = Parameter(new)``):
+    the graphs keep reading the tensors they captured, so every later graph
+    step is refused until ``runner.reset()``. Tensor identities only, around
+    eager steps that run while graphs are captured, and PyTorch's global
+    parameter and buffer registration hooks for the model's modules, which
+    cost nothing per step (debug mode checks the addresses at every replay:
+    ``param.data = new`` registers nothing). ``graphs_exist()`` says whether
+    graphs are captured; ``on_change()`` runs when a registration is noted
+    (the runner forgets its native replays, which skip :meth:`check`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: Any = None, graphs_exist: Callable[[], bool] | None = None,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.changed: list[str] = []
+        self._graphs_exist = graphs_exist
+        self._on_change = on_change
+        if isinstance(model, nn.Module) and graphs_exist is not None:
+            _watch(model, self)
+
+    def registered(self, name: str) -> None:
+        """A registration hook saw ``name`` rebound on the model."""
+        if name not in self.changed and self._graphs_exist is not None and self._graphs_exist():
+            self.changed.append(name)
+            if self._on_change is not None:
+                self._on_change()
 
     def run(self, model: Any, forward: Any, graphs_exist: bool) -> tuple[Any, bool]:
         """``forward()``, and whether it rebound a tensor of ``model`` the graphs may hold."""
@@ -198,21 +217,67 @@ class EagerRebinds:
         before = _tensors(model)
         output = forward()
         after = _tensors(model)
-        self.changed += sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        replaced = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        self.changed += [name for name in replaced if name not in self.changed]  # the hooks may have it
         return output, bool(self.changed)
 
     def check(self) -> None:
         """Refuse a graph step while graphs hold tensors the model replaced."""
         if self.changed:
+            more = f" (and {len(self.changed) - _SHOWN} more)" if len(self.changed) > _SHOWN else ""
             raise ReplayError(
-                f"an eager step's forward replaced the model's {', '.join(self.changed[:_SHOWN])} after graphs "
-                "captured the old tensors (a table regrown in Python, a buffer rebound): graph steps would keep "
-                "reading the old ones, unlike eager steps. Size such tensors before the first capture (for "
-                "max_blocks_per_seq * block_size positions) or change them in place (.copy_()); after "
-                "replacing them, call runner.reset()"
+                f"something replaced the model's {', '.join(self.changed[:_SHOWN])}{more} after graphs captured the "
+                "old tensors (an eager step's forward: a table regrown in Python, a buffer rebound; or between "
+                "steps: a weight reload by load_state_dict(..., assign=True), module.weight = Parameter(new), a "
+                "submodule swapped): graph steps would keep reading the old ones, unlike eager steps. Size such "
+                "tensors before the first capture (for max_blocks_per_seq * block_size positions) or change them "
+                "in place (.copy_(), load_state_dict without assign=True); after replacing them, call "
+                "runner.reset()"
             )
+
+
+def watched_rebinds(runner: Any) -> EagerRebinds:
+    """``runner``'s :class:`EagerRebinds`, watching its model's registrations
+    while it holds graphs (a weak reference: the hooks never keep it alive)."""
+    me = weakref.ref(runner)
+
+    def graphs_exist() -> bool:
+        held = me()
+        return held is not None and any(family.captured() for family in held.families)
+
+    def forget_native() -> None:  # its memo would replay without EagerRebinds.check
+        held = me()
+        full = held._full if held is not None else None
+        if full is not None and full.native is not None:
+            full.native.clear()
+
+    return EagerRebinds(runner.model, graphs_exist, forget_native)
 
 
 def _tensors(model: Any) -> dict[str, int]:
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     return {name: id(tensor) for name, tensor in named}
+
+
+# module -> [(watcher, the module's name in the watcher's model)]; weak both ways.
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref, str]]] = weakref.WeakKeyDictionary()
+_HOOKED = False
+
+
+def _watch(model: nn.Module, rebinds: EagerRebinds) -> None:
+    global _HOOKED
+    if not _HOOKED:  # once per process: every registration anywhere runs it (a dict lookup)
+        torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+        torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
+        torch.nn.modules.module.register_module_module_registration_hook(_registered)
+        _HOOKED = True
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        live = [(ref, name) for ref, name in _WATCHED.get(module, []) if ref() is not None]
+        _WATCHED[module] = [*live, (weakref.ref(rebinds), prefix)]
+
+
+def _registered(module: nn.Module, name: str, value: Any) -> None:
+    for ref, prefix in _WATCHED.get(module, ()):
+        rebinds = ref()
+        if rebinds is not None:
+            rebinds.registered(f"{prefix}.{name}" if prefix else name)

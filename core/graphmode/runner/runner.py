@@ -33,7 +33,7 @@ from graphmode.runner.common import note_replay_failure
 from graphmode.runner.family import Shared
 from graphmode.runner.full import CapturedGraph, FullGraphs, bucket_table
 from graphmode.runner.guard import busy, one_at_a_time
-from graphmode.runner.model_state import EagerRebinds
+from graphmode.runner.model_state import watched_rebinds
 from graphmode.runner.modes import build_families
 from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
@@ -72,7 +72,7 @@ class GraphRunner:
         ranks = _rank_sync(process_group, check_ranks)
         self._shared = Shared(model, config, vendor, self.spec, self.capture_sizes, self._bucket_of, ranks)
         self._cache_fit = self._shared.cache_fit
-        self._rebinds = EagerRebinds()  # an eager forward replacing tensors the graphs hold
+        self._rebinds = watched_rebinds(self)  # the model given other tensors than the graphs hold
         self._busy = self._shared.lock = threading.RLock()  # one step at a time (graphmode.runner.guard)
         self._check_inputs = StepChecks(config)  # check_inputs, its per-layout part once per layout
         #: The execute mode's families (graphmode.runner.modes), tried in order for every step.
@@ -326,7 +326,7 @@ class GraphRunner:
         inputs, so weights changed in place need no recompilation."""
         for family in self.families:
             family.reset()
-        self._rebinds = EagerRebinds()
+        self._rebinds = watched_rebinds(self)
         self._shared.release_pool()
         self._cache_fit.forget()
         module: Any = getattr(torch, self.config.device.type, None)
