@@ -153,3 +153,31 @@ def test_no_garbage_collection_runs_inside_a_capture(mode):
     gc.collect()
     assert len(seen) > 2 * len(setup.model.layers) and not any(seen), f"{sum(seen)} finalizers ran in a capture"
     assert gc.isenabled()
+
+
+def test_a_graph_the_runner_holds_for_another_bucket_is_refused_naming_the_hook():
+    """A graphmode_make_graph that keeps one graph for the whole runner: the
+    second bucket's capture would recapture the first's graph (the runtime
+    refuses it naming no hook, or the first bucket replays the second's)."""
+    from graphmode import CaptureError, hookimpl
+    from graphmode.emulator import EmulatedGraph
+    from graphmode.plugins.info import VendorInfo
+
+    class OneGraph:
+        @staticmethod
+        @hookimpl
+        def graphmode_vendor_info():
+            return VendorInfo(name="onegraph", device_types=("cpu",), runtime="none", runtime_version=None,
+                              detected=False, reason="test plugin")
+
+        @staticmethod
+        @hookimpl
+        def graphmode_make_graph(meta):
+            return meta.vendor_state.setdefault("graph", EmulatedGraph())
+
+    setup = tiny_setup("onegraph", plugin=OneGraph(), capture_batch_sizes=[2, 4])
+    seqs = setup.prefill(3)
+    setup.decode(seqs)  # bucket 4: the first capture
+    with pytest.raises(CaptureError, match=r"decode graph of bucket 2: graphmode_make_graph \(plugin onegraph\) "
+                                           r"returned the graph object it returned for bucket 4"):
+        setup.decode(seqs[:2])
