@@ -759,6 +759,66 @@ def _acme_info_with_host_staging():
     info = acme.graphmode_vendor_info()
     return dataclasses.replace(info, capabilities=info.capabilities | {"host_staging"})
 
+
+# -- Classes the suite missed or misnamed before the fourth probe of 2026-11-26 --
+
+
+# 52. The three length buffers made as columns of one (max_batchs, 3) tensor
+#     (lmdeploy's (3, max_batchs) transposed): each is strided, and a device
+#     kernel reading one by its pointer reads the others' values in between.
+@hookimpl(wrapper=True)
+def _length_columns(meta):
+    made = yield
+    names = ("q_start_loc", "q_seqlens", "kv_seqlens")
+    columns = torch.stack([made[name] for name in names], dim=1)
+    for index, name in enumerate(names):
+        made[name] = columns[:, index]
+    return made
+
+
+# 53. One graph object for the whole runner, kept in meta.vendor_state ("the
+#     runner's graph"): the second bucket's capture recaptures the first's.
+@hookimpl
+def _one_graph_per_runner(meta):
+    return meta.vendor_state.setdefault("graph", make_device_graph(meta.device))
+
+
+# 54. kv lengths padded into a new tensor each step, stored back into
+#     meta.input_buffers: graphs keep reading the tensor they were captured
+#     with, which later steps never write.
+@hookimpl(wrapper=True)
+def _lengths_replaced(meta, inputs, batch_size, bucket):
+    result = yield
+    lengths = meta.padding_buffers["kv_seqlens"].clone()
+    lengths[:batch_size] = inputs.attn_metadata.kv_seqlens
+    meta.input_buffers["kv_seqlens"] = lengths
+    return result
+
+
+# 55. Per-token padding reset up to the bucket, not bucket x q_len: right for
+#     one-token decode; in a graph of q_len 2 the token rows past the bucket
+#     keep an earlier step's slots, which its padding tokens write.
+@hookimpl(wrapper=True)
+def _token_padding_to_the_bucket(meta, inputs, batch_size, bucket):
+    tokens = inputs.num_tokens
+    rows, start = bucket * (tokens // batch_size), max(tokens, bucket)
+    kept = {b.name: meta.input_buffers[b.name].clone() for b in meta.spec.buffers if b.per_token and b.written}
+    result = yield
+    for spec in meta.spec.buffers:
+        if spec.name in kept and rows > start:
+            meta.input_buffers[spec.name].narrow(spec.row_dim, start, rows - start).copy_(
+                kept[spec.name].narrow(spec.row_dim, start, rows - start))
+    return result
+
+
+# 56. PPU's bound as the last position of a full table, not its length
+#     (capacity - 1): a sequence filling its table reads one key too few.
+@hookimpl(wrapper=True)
+def _max_len_one_below_capacity(meta, inputs, batch_size, bucket):
+    static = yield
+    static.attn_metadata.max_kv_seq_len = meta.num_blocks * meta.block_size - 1
+    return static
+
 BROKEN = {
     "slot_zero_padding": variant(cuda, "slot_zero_padding", graphmode_make_buffers=_slot_zero),
     "stale_padding": variant(camb, "stale_padding", graphmode_fill_buffers=_live_rows_only),
@@ -826,6 +886,14 @@ BROKEN = {
     "staged_from_the_device_buffer": variant(
         acme.plugin, "staged_from_the_device_buffer", graphmode_graph_spec=_acme_spec_own_blocks,
         graphmode_fill_buffers=_blocks_from_the_slot_buffer, graphmode_vendor_info=_acme_info_with_host_staging),
+    # The fourth probe of 2026-11-26.
+    "length_columns_of_one_tensor": variant(cuda, "length_columns_of_one_tensor", graphmode_make_buffers=_length_columns),
+    "one_graph_for_every_bucket": variant(cuda, "one_graph_for_every_bucket", graphmode_make_graph=_one_graph_per_runner),
+    "lengths_buffer_replaced": variant(camb, "lengths_buffer_replaced", graphmode_fill_buffers=_lengths_replaced),
+    "token_padding_to_the_bucket": variant(
+        cuda, "token_padding_to_the_bucket", graphmode_fill_buffers=_token_padding_to_the_bucket),
+    "max_len_one_below_capacity": variant(
+        ppu, "max_len_one_below_capacity", graphmode_update_context=_max_len_one_below_capacity),
 }
 
 # Options a broken plugin runs with: a capture list that is not powers of two.
@@ -848,6 +916,7 @@ CAUGHT_LATE = {
     "cache_copied_contiguous": "memory_plan",
     "fill_of_the_vendors_own_spec": "engine_input",
     "staged_from_the_device_buffer": "host_staging",
+    "token_padding_to_the_bucket": "q_len_1_2_4_with_batch_churn",
 }
 OPTIONS = {
     "padding_to_power_of_two": ["--capture-sizes", "1,3,6,12,24,48"],

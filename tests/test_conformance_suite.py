@@ -267,6 +267,34 @@ DIAGNOSES = {
         "own, computed from device memory",
         "Hook: graphmode_fill_buffers (plugin acme) must compute what it stages from the step's tensors",
     ),
+    # The fourth probe of 2026-11-26.
+    "length_columns_of_one_tensor": (
+        "[buffers] graphmode_make_buffers made buffer q_start_loc not contiguous (shape (48,), strides (3,)",
+        "A device kernel takes a buffer by its pointer",
+        "rows of one (3, max_batchs) tensor, not columns of a (max_batchs, 3) one",
+    ),
+    "one_graph_for_every_bucket": (
+        "the runner raised CaptureError: capturing the decode graph of bucket 2: graphmode_make_graph (plugin cuda) "
+        "returned the graph object it returned for bucket",
+        "Hook: graphmode_make_graph must return a new graph at every call",
+    ),
+    "lengths_buffer_replaced": (
+        "[declared buffers] vendor camb",
+        "meta.input_buffers['kv_seqlens'] is another tensor than at the last fill: a hook replaced the buffer",
+        "the graphs captured with the old one never see this step's values. Hook: graphmode_fill_buffers must write "
+        "every buffer in place",
+    ),
+    "token_padding_to_the_bucket": (
+        "[declared buffers] vendor cuda on cpu, batch 3 x q_len 2, bucket 4",
+        "Hook: graphmode_fill_buffers did not reset them",
+        "in a graph of q_len 2 the padding token rows run to bucket x q_len (8), and a reset that stops at the "
+        "bucket (4 rows, its sequences) leaves them",
+    ),
+    "max_len_one_below_capacity": (
+        "[step context] vendor ppu: the graph context has max_kv_seq_len=127 (the capacity 128 minus one: the last "
+        "position, not the length",
+        "Hook: graphmode_update_context",
+    ),
 }
 
 

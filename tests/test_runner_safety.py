@@ -174,3 +174,31 @@ def test_weights_reloaded_into_new_tensors_between_steps_are_refused_until_reset
     setup.runner.reset()
     graph, eager = setup.decode(seqs)
     torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_a_graph_the_runner_holds_for_another_bucket_is_refused_naming_the_hook():
+    """A graphmode_make_graph that keeps one graph for the whole runner: the
+    second bucket's capture would recapture the first's graph (the runtime
+    refuses it naming no hook, or the first bucket replays the second's)."""
+    from graphmode import CaptureError, hookimpl
+    from graphmode.emulator import EmulatedGraph
+    from graphmode.plugins.info import VendorInfo
+
+    class OneGraph:
+        @staticmethod
+        @hookimpl
+        def graphmode_vendor_info():
+            return VendorInfo(name="onegraph", device_types=("cpu",), runtime="none", runtime_version=None,
+                              detected=False, reason="test plugin")
+
+        @staticmethod
+        @hookimpl
+        def graphmode_make_graph(meta):
+            return meta.vendor_state.setdefault("graph", EmulatedGraph())
+
+    setup = tiny_setup("onegraph", plugin=OneGraph(), capture_batch_sizes=[2, 4])
+    seqs = setup.prefill(3)
+    setup.decode(seqs)  # bucket 4: the first capture
+    with pytest.raises(CaptureError, match=r"decode graph of bucket 2: graphmode_make_graph \(plugin onegraph\) "
+                                           r"returned the graph object it returned for bucket 4"):
+        setup.decode(seqs[:2])

@@ -255,6 +255,14 @@ class HookContractTests(ConformanceFixtures):
                     f"{spec.padding!r}: graphmode_make_buffers must return every buffer holding its padding "
                     "(the runner resets padding rows from that snapshot at every step)"
                 )
+            if not tensor.is_contiguous():
+                raise ConformanceFailure(
+                    f"[buffers] graphmode_make_buffers made buffer {spec.name} not contiguous (shape "
+                    f"{tuple(tensor.shape)}, strides {tensor.stride()}: a column of a wider tensor). A device kernel "
+                    "takes a buffer by its pointer and reads its elements one after another, so it reads the "
+                    "neighbouring values in between. Make every buffer contiguous: rows of one (3, max_batchs) "
+                    "tensor, not columns of a (max_batchs, 3) one"
+                )
         shared = _overlapping(buffers)
         if shared:
             a, b = shared
@@ -371,12 +379,16 @@ class HookContractTests(ConformanceFixtures):
             width = step.attn_metadata.block_offsets.shape[1]
             derived = (
                 f" ({width} x {meta.block_size}: the capture step's own block-table width times the block size)"
-                if attn.max_kv_seq_len == width * meta.block_size else ""
+                if attn.max_kv_seq_len == width * meta.block_size else
+                f" (the capacity {capacity} minus one: the last position, not the length; a sequence filling its "
+                "table has one more token than that)" if attn.max_kv_seq_len == capacity - 1 else ""
             )
+            frozen = "a bound too short for a full table" if derived.startswith(" (the capacity") else \
+                "the capture step's max length"
             raise ConformanceFailure(
                 f"[step context] vendor {vendor.name}: the graph context has max_kv_seq_len="
-                f"{attn.max_kv_seq_len}{derived}. A graph freezes host values, so every replay would use the "
-                "capture step's max length; graph contexts must pass -1 where the kernel derives it on "
+                f"{attn.max_kv_seq_len}{derived}. A graph freezes host values, so every replay would use "
+                f"{frozen}; graph contexts must pass -1 where the kernel derives it on "
                 f"the device, or a bound valid at every replay: the block table's capacity, {capacity}. Hook: "
                 "graphmode_update_context (or the GraphSpec's max_kv_seq_len policy)"
             )

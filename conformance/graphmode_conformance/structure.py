@@ -84,6 +84,8 @@ class DeclaredBuffers:
             b.name: b.allocate(meta.max_batchs, meta.max_tokens, meta.num_blocks, cpu) for b in self.spec.buffers
         }
         self.last: tuple[int, int] | None = None  # (batch, bucket) of the last checked fill
+        # The buffer objects at the last checked fill, and the dict holding them (one runner's).
+        self.held: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
 
     @staticmethod
     def snapshot(meta: GraphMeta) -> dict[str, torch.Tensor]:
@@ -96,6 +98,7 @@ class DeclaredBuffers:
         """Raise :class:`ConformanceFailure` if a declared buffer does not
         hold what the declarations say after the fill of this step."""
         try:
+            self._check_same_tensors(where, meta)
             problems = []
             for spec in self.spec.buffers:
                 problem = self._check_buffer(spec, meta, step, batch, bucket, before)
@@ -113,6 +116,23 @@ class DeclaredBuffers:
                 raise ConformanceFailure(f"[declared buffers] {where}: {problems[0][1]}{more}{'.' if danger else ''}{danger}")
         finally:
             self.last = (batch, bucket)
+
+    def _check_same_tensors(self, where: str, meta: GraphMeta) -> None:
+        """A captured graph reads the tensors it was captured with: a buffer
+        replaced in ``meta.input_buffers`` between two fills never reaches it."""
+        buffers = meta.input_buffers
+        held, self.held = self.held, (buffers, dict(buffers))
+        if held is None or held[0] is not buffers:
+            return
+        replaced = [name for name in self.spec.names if name in held[1] and buffers.get(name) is not held[1][name]]
+        if replaced:
+            raise ConformanceFailure(
+                f"[declared buffers] {where}: meta.input_buffers[{replaced[0]!r}] is another tensor than at the last "
+                "fill: a hook replaced the buffer (meta.input_buffers[name] = a new tensor) rather than writing into "
+                "it, so the graphs captured with the old one never see this step's values. Hook: "
+                "graphmode_fill_buffers must write every buffer in place (buffer[:n].copy_(...)), at every step"
+                + (f" (buffers {', '.join(replaced[1:])} were replaced too)" if replaced[1:] else "")
+            )
 
     def _check_buffer(
         self, spec: BufferSpec, meta: GraphMeta, step: StepInputs, batch: int, bucket: int,
@@ -263,6 +283,13 @@ class DeclaredBuffers:
                 f"these rows still hold the live values of the previous step (batch {self.last[0]}): padding "
                 f"left stale after the batch shrank from {self.last[0]} to {batch} inside bucket {bucket}; reset "
                 "every padding row at every step"
+            )
+        elif spec.per_token and full > bucket and first >= bucket:
+            mechanism = (
+                f"these rows still hold an earlier step's values, and all lie past row {bucket - 1}: in a graph of "
+                f"q_len {full // bucket} the padding token rows run to bucket x q_len ({full}), and a reset that "
+                f"stops at the bucket ({bucket} rows, its sequences) leaves them; reset every token row up to "
+                "bucket x q_len"
             )
         else:
             mechanism = "these rows still hold an earlier step's values: padding left stale; reset every padding row at every step"

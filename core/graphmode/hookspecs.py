@@ -189,7 +189,8 @@ def graphmode_get_outputs(meta: GraphMeta, batch_size: int, num_tokens: int) -> 
 def graphmode_make_graph(meta: GraphMeta) -> DeviceGraph:
     """A new, empty :class:`graphmode.graphs.DeviceGraph` for ``meta.device``
     (the CPU emulator on "cpu"), one per call: each bucket (each piecewise
-    segment) captures into its own. Called only while capturing. Return None
+    segment) captures into its own (a decode capture refuses a graph the
+    runner holds for another bucket). Called only while capturing. Return None
     for devices this plugin does not drive so that the default answers.
 
     Stops at the first non-None result.

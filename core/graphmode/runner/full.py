@@ -25,7 +25,7 @@ import torch
 from graphmode import default
 from graphmode.buffers import plan_key
 from graphmode.context import StepInputs
-from graphmode.errors import ConfigError, InputError
+from graphmode.errors import CaptureError, ConfigError, InputError
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.native import NativeSteps, native_module
@@ -321,6 +321,18 @@ class FullGraphs:
         # over the same memory: an alias costs less host time than slicing the output.
         return view.detach()
 
+    def _check_new_graph(self, graph: DeviceGraph, name: str) -> None:
+        """A graph the runner holds for another bucket, captured again, would
+        replace that capture (or a runtime refuses it, naming no hook)."""
+        held = next((c for graphs in self.by_variant.values() for c in graphs.values() if c.graph is graph), None)
+        if held is not None:
+            raise CaptureError(
+                f"capturing the decode graph of {name}: graphmode_make_graph (plugin {self.shared.vendor.name}) "
+                f"returned the graph object it returned for {held.name}, which holds that graph's capture. Hook: "
+                "graphmode_make_graph must return a new graph at every call (one per bucket; the runner keeps "
+                "them), never one kept in meta.vendor_state or a module"
+            )
+
     def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
         shared = self.shared
         ranks, hook, staging = shared.ranks, shared.vendor.hook, self.staging
@@ -349,6 +361,7 @@ class FullGraphs:
         warm_output = shared.warm_up(lambda: forward(**seen.as_kwargs()))
         self._outputs.prepare(warm_output, tokens)
         graph = hook.graphmode_make_graph(meta=meta)
+        self._check_new_graph(graph, name)
         if shared.debug is not None:
             graph.enable_debug_mode()  # before capture, or CUDA and MLU graphs keep nothing to dump
         if ranks is not None:
