@@ -159,3 +159,17 @@ def test_an_undeclared_variant_is_one_clear_error(capsys, vendor, message):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.strip() == f"graphmode conformance: --variant: vendor {vendor}: {message}"
+
+
+def test_a_plugin_module_not_on_the_path_is_one_clear_error(capsys, monkeypatch, tmp_path):
+    """--plugin plugins.lumen:plugin run from the repository root rather than
+    tests/ (the fourth outsider's slip): a traceback of ModuleNotFoundError
+    from importlib, not the one line the other unresolvable targets get."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    assert cli.run(_args("--device", "cpu", "--plugin", "no_such_plugins.lumen:plugin")) == 2
+    err = capsys.readouterr().err
+    assert "--plugin no_such_plugins.lumen:plugin: no module 'no_such_plugins' on the import path" in err, err
+    assert f"in the current directory ({tmp_path})" in err, err
+    assert cli.run(_args("--device", "cpu", "--plugin", "graphmode_conformance:no_such_object")) == 2
+    assert "module graphmode_conformance has no object 'no_such_object'" in capsys.readouterr().err

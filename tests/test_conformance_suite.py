@@ -645,3 +645,50 @@ def test_report_header_names_vendor_device_and_versions(tmp_path):
     assert status == 0
     assert "vendor maca (plugin 0.1.0)" in header
     assert "device cpu (CPU graph emulator); torch" in header and "graphmode 0.1.0" in header
+
+
+def test_a_vendor_whose_runtime_needs_an_update_before_every_replay_passes(tmp_path):
+    """Lumen (tests/plugins/lumen.py, the fourth outsider's plugin, written
+    from docs/ alone): a runtime graph refusing any replay without an
+    explicit update of its captured decode calls, host kv lengths int64
+    (batch, 1), a -1 block-table sentinel, a heads-first KV cache, a capture
+    policy of its own and typed options choosing the update path. One
+    variant, the tests its traits reach."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.lumen:plugin", "--variant",
+                               "update_mode=per_call", "-k", "new_host_values or read_no_block")
+    assert status == 0, failures(report)
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_new_host_values_reach_every_replay[update_mode=per_call]"] == "passed", ran
+    assert "capture list at max_batches=48: [1, 2, 4, 8, 16, 24, 32, 40, 48]" in "\n".join(report["runs"][0]["header"])
+
+
+@pytest.mark.parametrize(("slip", "named"), [
+    # Its runtime refused the replay: the error came from no hook, and named none.
+    ("update_skipped_when_batch_unchanged", ("(replay): the runner raised RuntimeError in LumenGraph.replay() (the "
+                                             "graph graphmode_make_graph returned): LUMEN_ERR_TASK_NOT_UPDATED",
+                                             "an update graphmode_update_graph_params skipped")),
+    # The kernel's shape error alone, naming no hook.
+    ("pushed_for_the_largest_bucket", ("Likely cause: at this replay the graph's lumen.paged_decode.default (call 1 "
+                                       "of 2) reads kv_lens, a host list of 48 values (every row of a buffer",
+                                       "captured with 8 rows", "meta.input_buffers[name][:bucket]")),
+    ("lengths_not_on_the_host", ("(capture): the runner raised CaptureError: Tensor.tolist() inside graph capture",
+                                 "in paged_decode_attention", "a buffer declared BufferSpec(host=True)")),
+])
+def test_an_update_per_replay_slip_is_named_with_its_hook(slip, named, tmp_path):
+    """Lumen's slips whose first failure named no hook or no fix before."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", f"plugins.lumen:{slip}", "--variant",
+                               "update_mode=all_calls", "-k", "capture_step_and_replay", "--", "-x")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    for part in named:
+        assert part in message, message
+
+
+def test_a_sentinel_table_copied_from_block_offsets_is_told_how_to_derive_it():
+    """Lumen's -1-padded table copied from block_offsets as it is: refused
+    (unused columns point at block 0), and the fix was "declare padding=0",
+    wrong for a kernel that needs the sentinel; now it names the source."""
+    spec = CUDA_SPEC.with_buffers(BufferSpec("table", torch.int32, shape=(SEQUENCES, BLOCKS), padding=-1,
+                                             source="attn_metadata.block_offsets"))
+    (problem,) = _copies_padded_unlike_their_source(spec, 16)
+    assert "a kernel marking no block with -1 keeps padding -1 and derives the source" in problem, problem

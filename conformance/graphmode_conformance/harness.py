@@ -27,6 +27,7 @@ import torch
 import graphmode
 from graphmode.context import StepInputs
 from graphmode.errors import InputError
+from graphmode.graphs import DeviceGraph
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.staging import to_host
@@ -185,7 +186,12 @@ class Harness:
             except ConformanceFailure:
                 raise
             except Exception as error:
-                raise ConformanceFailure(f"[{self.check}] {where}: {self.describe_error(error)}") from error
+                cause = None
+                if graph_step and phase == "replay" and bucket is not None:
+                    from graphmode_conformance.unseen import pushed_length_cause  # unseen imports this module
+                    cause = pushed_length_cause(self, bucket)
+                described = self.describe_error(error) + (f". Likely cause: {cause}" if cause else "")
+                raise ConformanceFailure(f"[{self.check}] {where}: {described}") from error
             finally:
                 self._recording = False
             if self._captured_context is not None and bucket is not None:
@@ -253,15 +259,25 @@ class Harness:
             if name.startswith("graphmode_"):
                 for impl in getattr(self.vendor.hook, name).get_hookimpls():
                     hooks[getattr(impl.function, "__code__", None)] = (name, impl.plugin_name)
-        raised_in = None
+        raised_in, replayed = None, None
         traceback = error.__traceback__
         while traceback is not None:
             found = hooks.get(traceback.tb_frame.f_code)
             if found is not None:
                 raised_in = found
+            graph = traceback.tb_frame.f_locals.get("self")
+            if replayed is None and traceback.tb_frame.f_code.co_name == "replay" and isinstance(graph, DeviceGraph):
+                replayed = type(graph).__qualname__
             traceback = traceback.tb_next
         where = f" in {raised_in[0]} (plugin {raised_in[1]})" if raised_in else ""
+        if raised_in is None and replayed is not None:
+            where = f" in {replayed}.replay() (the graph graphmode_make_graph returned)"
         text = f"the runner raised {type(error).__name__}{where}: {error}"
+        if raised_in is None and replayed is not None and self.vendor.implements("graphmode_update_graph_params"):
+            # A runtime refusing a replay: most often an update the hook skipped.
+            text += (". The vendor pushes host values before replays: a replay its runtime refuses is most often "
+                     "an update graphmode_update_graph_params skipped or left incomplete (it runs before every "
+                     "replay, and must push into every captured call each time, changed or not)")
         if self.host_inputs and raised_in and isinstance(error, InputError) and "are a device tensor" in str(error):
             # Not the engine's: every step tensor the runner got here is a host tensor.
             text += (

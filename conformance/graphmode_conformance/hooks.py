@@ -84,7 +84,12 @@ def _copies_padded_unlike_their_source(spec, block_size: int) -> list[str]:
                             "cache (a live block, or the reserved block 0); declare padding=-1 (no KV write)")
         elif "block_offsets" in fields and pad != 0:
             problems.append(f"{what} padding {pad!r}: it holds block-table entries, and padding rows must read the "
-                            "reserved block 0, nothing else; declare padding=0")
+                            "reserved block 0, nothing else; declare padding=0"
+                            + (" (a kernel marking no block with -1 keeps padding -1 and derives the source, "
+                               "source=lambda step: torch.where(step.attn_metadata.block_offsets == 0, -1, "
+                               "step.attn_metadata.block_offsets): the engine's unused columns point at block 0, "
+                               "which a copy would hand the kernel as an owned block; docs/writing-a-plugin.md, "
+                               "'Padding must be neutral')" if pad == -1 else ""))
         elif fields & set(_LENGTHS) or any(field.endswith(("seqlens", "seqlens_cpu")) for field in fields):
             kv = bool(fields & set(_KV_LENGTHS))
             number = isinstance(pad, (int, float))

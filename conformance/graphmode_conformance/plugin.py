@@ -66,11 +66,33 @@ def pytest_addoption(parser):
     group.addoption("--graphmode-dtype", default=None, choices=sorted(DTYPES), help="model dtype (default float32)")
 
 
+def plugin_object(plugin: str) -> Any:
+    """The object ``--plugin MODULE:OBJECT`` names; a module that does not
+    import or an object it lacks is one VendorError saying where the module
+    was looked for (the current directory, as ``python -m`` looks)."""
+    module_name, _, attribute = plugin.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not module_name.startswith(error.name):
+            raise  # the plugin's own import of something else: its traceback says what
+        raise graphmode.VendorError(
+            f"--plugin {plugin}: no module {error.name!r} on the import path; a plugin module is looked for "
+            f"in the current directory ({os.getcwd()}), as `python -m` looks, and in the installed packages. "
+            f"Run from the directory holding {module_name.split('.')[0]!r}, or install the plugin"
+        ) from error
+    if not attribute or not hasattr(module, attribute):
+        raise graphmode.VendorError(
+            f"--plugin {plugin}: module {module_name} has no object {attribute!r}; give MODULE:OBJECT, the "
+            f"object a module or an instance holding the hooks (`plugin = sys.modules[__name__]` for the module)"
+        )
+    return getattr(module, attribute)
+
+
 def resolve_target(vendor: str | None, device: str | None, plugin: str | None = None) -> Target:
     """The vendor under test and its device, as the options ask."""
     if plugin:
-        module, _, attribute = plugin.partition(":")
-        obj = getattr(importlib.import_module(module), attribute)
+        obj = plugin_object(plugin)
         name = vendor or obj.graphmode_vendor_info().name
         chosen = load_vendor(name, plugin=obj)
         chosen.version = f"{plugin} ({chosen.version})"

@@ -177,6 +177,30 @@ def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[
     return None
 
 
+def pushed_length_cause(harness: Harness, bucket: int) -> str | None:
+    """Why a replay of ``bucket``'s graph raised, when a host list its
+    kernels read (what graphmode_update_graph_params pushed) has other than
+    ``bucket`` values: a list sized for another bucket (the whole buffer,
+    ``[:max_batches]``) fails inside the kernel with a shape error that
+    names no hook. None otherwise."""
+    if not harness.vendor.implements("graphmode_update_graph_params"):
+        return None
+    captured = harness.runner.graph(bucket)
+    graph = _emulated(captured.graph) if captured is not None else None
+    if graph is None:
+        return None
+    for op, argument, values in _host_lists(graph):
+        if len(values) != bucket:
+            meta = harness.runner.graph_meta()
+            whole = f" (every row of a buffer: max_batches is {meta.max_batchs})" if len(values) == meta.max_batchs \
+                else ""
+            return (f"at this replay the graph's {op} reads {argument}, a host list of {len(values)} values"
+                    f"{whole}, but the graph was captured with {bucket} rows and its kernel takes one value per "
+                    f"row. Hook: graphmode_update_graph_params must push the bucket's rows of its host buffer, "
+                    f"meta.input_buffers[name][:bucket] (padding rows included), not more nor fewer")
+    return None
+
+
 def length_bound_cause(harness: Harness, batch: int, bucket: int) -> str | None:
     """Why a replay's outputs are wrong when, on the emulator, a host integer
     a kernel of the bucket's graph reads as a length bound (an argument

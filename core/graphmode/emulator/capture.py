@@ -287,8 +287,8 @@ class CaptureSession:
             CaptureError(
                 f"{what} inside graph capture ({reason}): a device graph cannot "
                 f"capture a host read of device memory. Called at {call_site()}. "
-                "Keep host reads out of the captured forward: compute on the device, "
-                "or read a host copy prepared before the step."
+                "Keep host reads out of the captured forward: compute on the device, or read a host "
+                "copy prepared before the step (a plugin's: a buffer declared BufferSpec(host=True))."
             )
         )
 
