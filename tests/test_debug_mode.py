@@ -460,3 +460,23 @@ def test_a_draft_padding_token_past_the_sequences_blocks_passes(mode):
         eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, padded)
     live = [0, 2, 3]  # the padding token's output means nothing
     torch.testing.assert_close(graph[:, live], eager[:, live], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("writer", [0, 2])
+def test_a_write_into_another_live_sequences_cached_token_is_refused(writer):
+    # A finished sequence's row (or a shared block written without copying it) whose table still holds
+    # sequence 1's first block: its slot is its own position there, so the per-sequence checks pass, and the
+    # write replaced sequence 1's cached token silently, in graph and eager steps alike.
+    setup, seqs = _setup()
+    step = setup.engine.decode(seqs)
+    attn = step.attn_metadata
+    table, slots = attn.block_offsets.clone(), attn.kv_start_indices.clone()
+    position = int(attn.kv_seqlens[writer]) - 1
+    assert position < min(16, int(attn.kv_seqlens[1]) - 1)  # a cached token in sequence 1's first block
+    table[writer, 0] = table[1, 0]
+    slots[writer] = int(table[1, 0]) * 16 + position
+    bad = attn.replace(block_offsets=table, kv_start_indices=slots)
+    with pytest.raises(InputError, match=rf"debug mode: token {writer} \(sequence {writer}\) writes slot \d+, sequence 1's cached "
+                       rf"token {position} \(column 0 of its table\)"):
+        with torch.inference_mode():
+            setup.runner(step.input_ids, step.position_ids, setup.graph_cache, bad)

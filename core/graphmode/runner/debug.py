@@ -136,9 +136,10 @@ class StepChecker:
     def _check_slots(self, step: _Step, owned: torch.Tensor) -> None:
         block_size, slots = self.block_size, step.slots
         # Token t belongs to sequence seq[t]; it is behind[t] tokens from its sequence's end.
-        seq = torch.repeat_interleave(torch.arange(step.q_lens.shape[0]), step.q_lens)
+        seq = torch.repeat_interleave(rows := torch.arange(step.q_lens.shape[0]), step.q_lens)
         behind = (step.q_starts + step.q_lens)[seq] - torch.arange(slots.shape[0])
-        table, owned = step.table[seq], owned[seq]  # per token
+        rows_owned = owned
+        rows_owned, table, owned = owned, step.table[seq], owned[seq]  # owned per token
         writes = slots >= 0
         _first(slots < -1, lambda t: (
             f"token {t} (sequence {int(seq[t])}) has slot {int(slots[t])}; a slot is block x block_size + offset, "
@@ -169,6 +170,17 @@ class StepChecker:
                 "tokens writing one slot leave one of them lost (which one is undefined on a device). Give each "
                 "token its own slot"
             )
+        # A block in two rows' tables (a finished row's stale table) passes the above: refuse live overwrites.
+        hit = (step.table[None] == block_of[:, None, None]) & rows_owned[None] & writes[:, None, None]  # (T, B, W)
+        position = torch.arange(step.table.shape[1]) * block_size + (slots % block_size)[:, None, None]
+        hit &= (position < (step.kv_lens - step.q_lens)[None, :, None]) & (seq[:, None] != rows)[:, :, None]
+        def overwrite(t: int) -> str:
+            r, w = hit[t].nonzero()[0].tolist()
+            return (f"token {t} (sequence {int(seq[t])}) writes slot {int(slots[t])}, sequence {r}'s cached token "
+                    f"{w * block_size + int(slots[t]) % block_size} (column {w} of its table): it would overwrite a "
+                    "live sequence's cache. Only one sequence writes a block: drop finished sequences' rows, copy a "
+                    "shared block before writing into it")
+        _first(hit.flatten(1).any(1), overwrite)
 
     def _cache_blocks(self, past_key_values: Any) -> int | None:
         """The block count of the smallest KV-cache tensor, in the layout of
