@@ -617,3 +617,18 @@ def test_report_header_names_vendor_device_and_versions(tmp_path):
     assert status == 0
     assert "vendor maca (plugin 0.1.0)" in header
     assert "device cpu (CPU graph emulator); torch" in header and "graphmode 0.1.0" in header
+
+
+def test_a_vendor_pushing_int64_host_lengths_by_graph_update_passes(tmp_path):
+    """Nimbus (tests/plugins/nimbus.py, the fifth outsider's plugin, written
+    from the docs alone): int64 host kv lengths re-issued into every captured
+    decode call by its runtime graph's update(seq_lens=...), (tokens, 1)
+    int64 slots, a block table of its own padded -1, buckets 1, 2, 4 then
+    multiples of 8. The tests its traits reach, at a small max_batches."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.nimbus:plugin",
+                               "--max-batches", "12", "-k",
+                               "read_no_block or new_host_values or depend_on_the_reserved_block")
+    assert status == 0, failures(report)
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_new_host_values_reach_every_replay"] == "passed", ran
+    assert ran["test_padding_rows_read_no_block_but_the_reserved_one"] == "passed", ran

@@ -234,3 +234,61 @@ class Nimbus:
 
 
 plugin = Nimbus()  # for --plugin plugins.nimbus:plugin
+
+
+# ---------------------------------------------------------------- planted slips (each caught by the suite)
+
+class LengthsNotPushed(Nimbus):
+    """The update hook returns before pushing: every replay keeps the
+    capture step's kv lengths."""
+
+    @hookimpl
+    def graphmode_update_graph_params(self, graph, meta, batch_size, bucket) -> None:
+        return None
+
+
+class LivePushOnly(Nimbus):
+    """The update pushes the batch's live lengths only, not the bucket's rows."""
+
+    @hookimpl
+    def graphmode_update_graph_params(self, graph, meta, batch_size, bucket) -> None:
+        graph.update(seq_lens=meta.input_buffers["seq_lens_host"][:batch_size].tolist())
+
+
+class TablePaddedWithZero(Nimbus):
+    """Nimbus's own table padded 0 (CUDA's value) where its kernel's "no
+    block" is -1: padding rows read block 0 as a real block."""
+
+    spec = NIMBUS_SPEC.with_buffers(
+        BufferSpec("nimbus_table", torch.int32, shape=(SEQUENCES, BLOCKS), padding=0,
+                   source=lambda step: nimbus_table(step.attn_metadata.block_offsets)),
+    )
+
+
+class LengthsPaddedLikeSlots(Nimbus):
+    """The host lengths padded -1, the slot buffer's padding."""
+
+    spec = NIMBUS_SPEC.with_buffers(
+        BufferSpec("seq_lens_host", torch.int64, host=True, padding=-1, source="attn_metadata.kv_seqlens_cpu"),
+    )
+
+
+def _table_on_the_host(step):
+    rows = step.attn_metadata.block_offsets.tolist()  # a host read of device memory, every step
+    return torch.tensor([[block if block else -1 for block in row] for row in rows], dtype=torch.int32)
+
+
+class TableBuiltOnTheHost(Nimbus):
+    """The table's source function builds it in Python from the step's
+    device table: a host read before every replay."""
+
+    spec = NIMBUS_SPEC.with_buffers(
+        BufferSpec("nimbus_table", torch.int32, shape=(SEQUENCES, BLOCKS), padding=-1, source=_table_on_the_host),
+    )
+
+
+lengths_not_pushed = LengthsNotPushed()
+live_push_only = LivePushOnly()
+table_padded_with_zero = TablePaddedWithZero()
+lengths_padded_like_slots = LengthsPaddedLikeSlots()
+table_built_on_the_host = TableBuiltOnTheHost()
