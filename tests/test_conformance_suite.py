@@ -632,3 +632,26 @@ def test_a_vendor_pushing_int64_host_lengths_by_graph_update_passes(tmp_path):
     ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
     assert ran["test_new_host_values_reach_every_replay"] == "passed", ran
     assert ran["test_padding_rows_read_no_block_but_the_reserved_one"] == "passed", ran
+
+
+@pytest.mark.parametrize(("slip", "tests", "named"), [
+    ("lengths_not_pushed", "new_host_values", (
+        "(replay)", "nimbus.paged_decode.default (call 1 of 2) reads seq_lens",
+        "the previous step's values", "Hook: graphmode_update_graph_params must push")),
+    ("lengths_padded_like_slots", "declared_padding_is_neutral", (
+        "buffer seq_lens_host (source attn_metadata.kv_seqlens_cpu) padding -1", "declare padding=1")),
+    ("table_built_on_the_host", "new_host_values", (
+        "Tensor.tolist() of device memory", "in _table_on_the_host",
+        "source function of buffer nimbus_table", "Fix the BufferSpec 'nimbus_table' of graphmode_graph_spec")),
+])
+def test_a_nimbus_slip_is_named_by_hook_and_mechanism(slip, tests, named, tmp_path):
+    """Nimbus's planted slips: lengths not pushed at a replay, host lengths
+    padded like slots, and its table's source function reading the step's
+    table on the host (named as the default fill alone before 2026-11-26,
+    which points a vendor at graphmode's own hook)."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", f"plugins.nimbus:{slip}",
+                               "--max-batches", "12", "-k", tests)
+    assert status != 0
+    message = failures(report)[0]["message"]
+    for part in named:
+        assert part in message, message

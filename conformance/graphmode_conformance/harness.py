@@ -253,15 +253,25 @@ class Harness:
             if name.startswith("graphmode_"):
                 for impl in getattr(self.vendor.hook, name).get_hookimpls():
                     hooks[getattr(impl.function, "__code__", None)] = (name, impl.plugin_name)
-        raised_in = None
+        # A declared source function runs inside the default fill: name the buffer, not graphmode's hook.
+        sources = {getattr(spec.source, "__code__", None): spec.name
+                   for spec in self.runner.spec.buffers if callable(spec.source)}
+        raised_in, source = None, None
         traceback = error.__traceback__
         while traceback is not None:
             found = hooks.get(traceback.tb_frame.f_code)
             if found is not None:
                 raised_in = found
+            source = sources.get(traceback.tb_frame.f_code, source)
             traceback = traceback.tb_next
         where = f" in {raised_in[0]} (plugin {raised_in[1]})" if raised_in else ""
         text = f"the runner raised {type(error).__name__}{where}: {error}"
+        if source is not None:
+            text += (
+                f". It was raised in the source function of buffer {source}, which the fill calls before every "
+                f"replay: a source function computes the rows on the device (torch operations on the step's "
+                f"tensors), never reads them on the host. Fix the BufferSpec {source!r} of graphmode_graph_spec"
+            )
         if self.host_inputs and raised_in and isinstance(error, InputError) and "are a device tensor" in str(error):
             # Not the engine's: every step tensor the runner got here is a host tensor.
             text += (
