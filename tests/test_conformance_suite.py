@@ -684,6 +684,44 @@ def test_an_update_per_replay_slip_is_named_with_its_hook(slip, named, tmp_path)
         assert part in message, message
 
 
+def test_a_vendor_pushing_int64_host_lengths_by_graph_update_passes(tmp_path):
+    """Nimbus (tests/plugins/nimbus.py, the fifth outsider's plugin, written
+    from the docs alone): int64 host kv lengths re-issued into every captured
+    decode call by its runtime graph's update(seq_lens=...), (tokens, 1)
+    int64 slots, a block table of its own padded -1, buckets 1, 2, 4 then
+    multiples of 8. The tests its traits reach, at a small max_batches."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.nimbus:plugin",
+                               "--max-batches", "12", "-k",
+                               "read_no_block or new_host_values or depend_on_the_reserved_block")
+    assert status == 0, failures(report)
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_new_host_values_reach_every_replay"] == "passed", ran
+    assert ran["test_padding_rows_read_no_block_but_the_reserved_one"] == "passed", ran
+
+
+@pytest.mark.parametrize(("slip", "tests", "named"), [
+    ("lengths_not_pushed", "new_host_values", (
+        "(replay)", "nimbus.paged_decode.default (call 1 of 2) reads seq_lens",
+        "the previous step's values", "Hook: graphmode_update_graph_params must push")),
+    ("lengths_padded_like_slots", "declared_padding_is_neutral", (
+        "buffer seq_lens_host (source attn_metadata.kv_seqlens_cpu) padding -1", "declare padding=1")),
+    ("table_built_on_the_host", "new_host_values", (
+        "Tensor.tolist() of device memory", "in _table_on_the_host",
+        "source function of buffer nimbus_table", "Fix the BufferSpec 'nimbus_table' of graphmode_graph_spec")),
+])
+def test_a_nimbus_slip_is_named_by_hook_and_mechanism(slip, tests, named, tmp_path):
+    """Nimbus's planted slips: lengths not pushed at a replay, host lengths
+    padded like slots, and its table's source function reading the step's
+    table on the host (named as the default fill alone before 2026-11-26,
+    which points a vendor at graphmode's own hook)."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", f"plugins.nimbus:{slip}",
+                               "--max-batches", "12", "-k", tests)
+    assert status != 0
+    message = failures(report)[0]["message"]
+    for part in named:
+        assert part in message, message
+
+
 def test_a_sentinel_table_copied_from_block_offsets_is_told_how_to_derive_it():
     """Lumen's -1-padded table copied from block_offsets as it is: refused
     (unused columns point at block 0), and the fix was "declare padding=0",

@@ -259,7 +259,10 @@ class Harness:
             if name.startswith("graphmode_"):
                 for impl in getattr(self.vendor.hook, name).get_hookimpls():
                     hooks[getattr(impl.function, "__code__", None)] = (name, impl.plugin_name)
-        raised_in, replayed = None, None
+        # A declared source function runs inside the default fill: name the buffer, not graphmode's hook.
+        sources = {getattr(spec.source, "__code__", None): spec.name
+                   for spec in self.runner.spec.buffers if callable(spec.source)}
+        raised_in, source, replayed = None, None, None
         traceback = error.__traceback__
         while traceback is not None:
             found = hooks.get(traceback.tb_frame.f_code)
@@ -268,6 +271,7 @@ class Harness:
             graph = traceback.tb_frame.f_locals.get("self")
             if replayed is None and traceback.tb_frame.f_code.co_name == "replay" and isinstance(graph, DeviceGraph):
                 replayed = type(graph).__qualname__
+            source = sources.get(traceback.tb_frame.f_code, source)
             traceback = traceback.tb_next
         where = f" in {raised_in[0]} (plugin {raised_in[1]})" if raised_in else ""
         if raised_in is None and replayed is not None:
@@ -278,6 +282,12 @@ class Harness:
             text += (". The vendor pushes host values before replays: a replay its runtime refuses is most often "
                      "an update graphmode_update_graph_params skipped or left incomplete (it runs before every "
                      "replay, and must push into every captured call each time, changed or not)")
+        if source is not None:
+            text += (
+                f". It was raised in the source function of buffer {source}, which the fill calls before every "
+                f"replay: a source function computes the rows on the device (torch operations on the step's "
+                f"tensors), never reads them on the host. Fix the BufferSpec {source!r} of graphmode_graph_spec"
+            )
         if self.host_inputs and raised_in and isinstance(error, InputError) and "are a device tensor" in str(error):
             # Not the engine's: every step tensor the runner got here is a host tensor.
             text += (
