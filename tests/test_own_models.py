@@ -363,3 +363,27 @@ def test_an_eager_step_that_replaces_a_tensor_the_graphs_hold_refuses_graph_step
     runner.reset()
     both(step)
     both(engine.decode(seqs))
+
+
+class VllmNamed(Wrapped):
+    """A forward with vLLM's parameter names (``positions``, ``kv_caches``)."""
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata):
+        return self.inner(input_ids, positions, kv_caches, attn_metadata)
+
+
+class TakesKeywords(Wrapped):
+    """Accepted: the contract's names reach it through ``*args, **kwargs`` (a decorator's wrapper)."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_a_forward_naming_the_contract_parameters_otherwise_is_refused_when_the_runner_is_built():
+    # Before: built fine, then the first step failed inside graphmode with a bare
+    # "forward() got an unexpected keyword argument 'position_ids'" TypeError.
+    with pytest.raises(graphmode.ConfigError, match=r"takes \(input_ids, positions, kv_caches, attn_metadata\).*"
+                       r"\['position_ids', 'past_key_values'\].*wrap the model"):
+        graphmode.build_graph_runner(VllmNamed(), max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu")
+    for graph, eager in _run(TakesKeywords, "graph", steps=1):
+        torch.testing.assert_close(graph, eager)

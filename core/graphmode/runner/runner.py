@@ -39,7 +39,7 @@ from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.stats import RunnerStats
 from graphmode.runner.step_checks import StepChecks
-from graphmode.runner.validate import check_model_ops, uniform_q_len
+from graphmode.runner.validate import check_model, uniform_q_len
 from graphmode.staging import HostStaging, to_device
 
 __all__ = ["GraphRunner"]
@@ -63,7 +63,7 @@ class GraphRunner:
         self.config = config
         self.vendor = vendor
         self.spec = configure(vendor, config)
-        check_model_ops(model, vendor)
+        check_model(model, vendor)
         check_runner = getattr(model, "check_runner", None)
         if callable(check_runner):  # the model's own limits on the runner's shape (the HF adapter's sliding window)
             check_runner(config)

@@ -18,11 +18,12 @@ from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, STEP_TENSORS, AttnMe
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
 from graphmode.runner.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
+from graphmode.runner.signature import check_model_signature
 from graphmode.runner.step_sizes import batch_size, token_count
 from graphmode.spec import BLOCKS, SEQUENCES, TOKENS
 
 __all__ = [
-    "CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model_ops", "check_step",
+    "CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model", "check_model_ops", "check_step",
     "uniform_q_len",
 ]
 
@@ -345,6 +346,12 @@ def uniform_q_len(attn: AttnMetadata, batch: int, tokens: int) -> int | None:
     if q_max >= 1 and tokens == batch * q_max:
         return q_max
     return None
+
+
+def check_model(model: Any, vendor: Any) -> None:
+    """The start-up checks of a model: its forward's keywords, its attention ops' vendor."""
+    check_model_signature(model)
+    check_model_ops(model, vendor)
 
 
 def check_model_ops(model: Any, vendor: Any) -> None:
