@@ -288,7 +288,7 @@ SABOTAGES = {
     "graphmode_get_outputs": Sabotage(walkthrough, _uncut_outputs, a_padded_batch_equals_eager, "outputs not cut to the live tokens"),
     "graphmode_make_graph": Sabotage(
         walkthrough, _one_graph_per_runner, every_bucket_warms_up_and_replays,
-        "call reset\\(\\) before capturing it again"),
+        "returned the graph object it returned for bucket .* Hook: graphmode_make_graph must return a new graph"),
     "graphmode_update_graph_params": Sabotage(
         ascend, _only_when_the_batch_changes, host_values_reach_every_replay,
         "no parameter update recorded since the last replay; on the device this replay would hang"),
