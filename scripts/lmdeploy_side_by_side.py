@@ -1,0 +1,298 @@
+"""lmdeploy eager, lmdeploy's own graphs and lmdeploy with graphmode, side by side in one process.
+
+    python scripts/lmdeploy_side_by_side.py [--arch llama qwen3 mixtral] [--layers 16] [--hidden 1024]
+        [--requests 64] [--batches 1,8,32,128,256] [--rounds 3] [--json out.json]
+
+Needs a GPU and lmdeploy's PyTorch engine (0.18.0; ../shared/realclients/lmdeploy prepares it
+offline). For each architecture, a random-weight Hugging Face model with a word-level tokenizer
+is saved, then:
+
+1. tokens: the same greedy requests (``--requests`` of 1..2,000 prompt tokens, half of them
+   sharing a prefix with another, 16..256 new tokens, prefix caching on, prefill chunked at
+   1,024 tokens) through lmdeploy eager, lmdeploy's own graphs, graphmode (execute_mode
+   "graph") and graphmode in "full_and_piecewise"; compared request for request;
+2. start-up: engine construction to first token, and the graph memory each gives back on
+   ``reset_graph_runner()`` (measured, then captured again), for lmdeploy's graphs and graphmode's;
+3. decode throughput: tokens/s of the whole engine per batch size, steady state (the time of a
+   call of 144 new tokens minus that of 16, both after a warm call), the two engines taking turns;
+4. prefill-heavy steps (1x2048, 16x512, 16x2048 prompt tokens, one new token), taking turns;
+5. sleep and wake-up of the graphmode engine: graphs released and captured again, tokens equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+
+ARCHS = ("llama", "qwen3", "qwen2", "mixtral")
+
+
+def save_model(arch: str, path: str, layers: int, hidden: int) -> None:
+    """A random ``arch`` model (bf16) with a word-level tokenizer of 1,003 words."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(1000)} | {"<unk>": 1000, "<s>": 1001, "</s>": 1002}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(path)
+    common = dict(vocab_size=1003, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=1001,
+                  eos_token_id=1002, tie_word_embeddings=False)
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    }[arch]
+    extra = {"head_dim": hidden // 8} if arch == "qwen3" else {}
+    if arch == "mixtral":
+        extra = {"num_local_experts": 8, "num_experts_per_tok": 2}
+    torch.manual_seed(0)
+    model = model_class(config_class(**common, **extra))
+    # Wider logits than the default initialisation gives, so that greedy tokens do not hang on
+    # near-ties that any change of GEMM shape (a padded bucket) may flip.
+    model.lm_head.weight.data.mul_(5)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def requests(count: int, seed: int = 0) -> tuple[list[str], list[int]]:
+    """Prompts of 1..2,000 words, every other one sharing a prefix with its neighbour, and their new tokens."""
+    rng = random.Random(seed)
+    prompts: list[str] = []
+    new_tokens = []
+    for i in range(count):
+        length = rng.randint(1, 2000)
+        words = [f"t{rng.randrange(1000)}" for _ in range(length)]
+        if i % 2 and prompts:  # prefix caching: reuse the previous prompt's first words
+            shared = prompts[-1].split()[: rng.randint(1, 1024)]
+            words = shared + words[: max(1, length - len(shared))]
+        prompts.append(" ".join(words))
+        new_tokens.append(rng.randint(16, 256))
+    return prompts, new_tokens
+
+
+def engine(path: str, *, eager: bool, graphmode: str | None, max_batch: int):
+    """A pipeline; ``graphmode`` is None (lmdeploy's own) or graphmode's execute mode."""
+    from lmdeploy import PytorchEngineConfig, pipeline
+
+    import graphmode.integrations.lmdeploy as gm_lmdeploy
+
+    if graphmode is None:
+        gm_lmdeploy.disable()
+    else:
+        gm_lmdeploy.enable(execute_mode=graphmode)
+    try:
+        return pipeline(path, backend_config=PytorchEngineConfig(
+            eager_mode=eager, cache_max_entry_count=0.06, max_batch_size=max_batch, session_len=4096,
+            max_prefill_token_num=1024, enable_prefix_caching=True))
+    finally:
+        gm_lmdeploy.disable()
+
+
+def agent(pipe):
+    return pipe.async_engine.engine.executor.model_agent
+
+
+def generate(pipe, prompts: list[str], new_tokens: list[int]) -> list[list[int]]:
+    from lmdeploy import GenerationConfig
+
+    gens = [GenerationConfig(max_new_tokens=n, do_sample=False, ignore_eos=True) for n in new_tokens]
+    return [out.token_ids for out in pipe(prompts, gen_config=gens)]
+
+
+def timed(pipe, prompts: list[str], new: int) -> float:
+    import torch
+    from lmdeploy import GenerationConfig
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    pipe(prompts, gen_config=GenerationConfig(max_new_tokens=new, do_sample=False, ignore_eos=True))
+    return time.perf_counter() - start
+
+
+def graph_memory(pipe) -> int:
+    """Bytes the engine's graph runner gives back on reset (then captured again by lmdeploy's warm-up)."""
+    import torch
+
+    model_agent = agent(pipe)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.mem_get_info()[0]
+    model_agent.reset_graph_runner()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    freed = torch.cuda.mem_get_info()[0] - before
+    model_agent.warmup()
+    return freed
+
+
+def stats_of(pipe) -> str:
+    runner = agent(pipe).patched_model
+    stats = getattr(runner, "stats", None)
+    if stats is None:
+        return f"lmdeploy's own {type(runner).__name__}"
+    return (f"{type(runner).__name__} on vendor {runner.vendor.name!r}: {stats.summary()}; captures took "
+            f"{runner.capture_seconds:.2f} s, {runner.graph_bytes / 2**20:.1f} MiB")
+
+
+def compare(name: str, got: list[list[int]], want: list[list[int]]) -> int:
+    same = sum(a == b for a, b in zip(got, want))
+    firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(got, want) if a != b]
+    detail = f" (first differing token of the others at {sorted(firsts)[:8]})" if firsts else ""
+    print(f"  tokens {name}: {same} of {len(want)} requests equal{detail}")
+    return same
+
+
+def close(pipe) -> None:
+    import torch
+
+    pipe.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def sleep_wake(pipe, prompts: list[str], new_tokens: list[int]) -> str:
+    """Greedy tokens before and after lmdeploy's sleep(level=1) and wakeup()."""
+    before = generate(pipe, prompts, new_tokens)
+    runner = agent(pipe).patched_model
+    captures = runner.stats.captures if hasattr(runner, "stats") else None
+    pipe._run(coro=pipe.async_engine.sleep(1)).result()  # what lmdeploy's /sleep endpoint does
+    pipe.async_engine.wakeup()
+    after = generate(pipe, prompts, new_tokens)
+    again = f"{runner.stats.captures - captures} graphs captured again, " if captures is not None else ""
+    return f"{again}tokens after wake equal before in {sum(a == b for a, b in zip(after, before))} of {len(before)}"
+
+
+def tokens_phase(arch: str, path: str, args: argparse.Namespace, result: dict) -> None:
+    """Each engine alone: the request mix's tokens, graph memory, sleep and wake-up."""
+    prompts, new_tokens = requests(args.requests)
+    print(f"  {args.requests} requests: prompts {min(len(p.split()) for p in prompts)}.."
+          f"{max(len(p.split()) for p in prompts)} tokens, {min(new_tokens)}..{max(new_tokens)} new, prefix caching on")
+    tokens = {}
+    for name, eager, mode in (("eager", True, None), ("lmdeploy", False, None), ("graphmode", False, "graph"),
+                              ("graphmode_fp", False, "full_and_piecewise")):
+        pipe = engine(path, eager=eager, graphmode=mode, max_batch=max(args.batches))
+        tokens[name] = generate(pipe, prompts, new_tokens)
+        if name in ("lmdeploy", "graphmode"):
+            result.setdefault("graph_memory_bytes", {})[name] = memory = graph_memory(pipe)
+            print(f"  {name}: graph memory given back on reset {memory / 2**20:.1f} MiB")
+        if name in ("lmdeploy", "graphmode_fp"):
+            line = sleep_wake(pipe, prompts[:8], new_tokens[:8])
+            result.setdefault("sleep_wake", {})[name] = line
+            print(f"  {name}: sleep(level=1) + wakeup(): {line}")
+        if name.startswith("graphmode"):
+            print(f"  {name}: {stats_of(pipe)}")
+        close(pipe)
+    result["tokens"] = {
+        "graphmode_vs_lmdeploy_graphs": compare("graphmode vs lmdeploy's graphs", tokens["graphmode"],
+                                                tokens["lmdeploy"]),
+        "graphmode_vs_eager": compare("graphmode vs lmdeploy eager", tokens["graphmode"], tokens["eager"]),
+        "lmdeploy_graphs_vs_eager": compare("lmdeploy's graphs vs lmdeploy eager", tokens["lmdeploy"],
+                                            tokens["eager"]),
+        "full_and_piecewise_vs_lmdeploy_graphs": compare("graphmode full_and_piecewise vs lmdeploy's graphs",
+                                                         tokens["graphmode_fp"], tokens["lmdeploy"]),
+        "full_and_piecewise_vs_eager": compare("graphmode full_and_piecewise vs lmdeploy eager",
+                                               tokens["graphmode_fp"], tokens["eager"]),
+        "requests": len(prompts),
+    }
+
+
+PREFILL_CASES = {"1x2048": (1, 2048), "16x512": (16, 512), "16x2048": (16, 2048)}
+
+
+def perf_phase(path: str, args: argparse.Namespace, result: dict) -> None:
+    """lmdeploy's graphs and graphmode (full_and_piecewise: its decode graphs, lmdeploy's prefill) taking
+    turns, each engine alone in the process (a second live engine's loop thread skews the first's figures):
+    start-up, decode throughput per batch size, prefill-heavy steps."""
+    names = {"lmdeploy": None, "graphmode": "full_and_piecewise"}
+    startup: dict[str, list[float]] = {name: [] for name in names}
+    throughput: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in names}
+    prefill: dict[str, dict[str, list[float]]] = {name: {c: [] for c in PREFILL_CASES} for name in names}
+    for round_ in range(args.rounds):
+        for name in (list(names) if round_ % 2 == 0 else list(reversed(names))):
+            start = time.perf_counter()
+            pipe = engine(path, eager=False, graphmode=names[name], max_batch=max(args.batches))
+            timed(pipe, ["t1 t2"], 1)
+            startup[name].append(time.perf_counter() - start)
+            for batch in args.batches:
+                prompts_b = [" ".join(f"t{(7 * i + j) % 1000}" for j in range(32)) for i in range(batch)]
+                timed(pipe, prompts_b, 16)
+                short = timed(pipe, prompts_b, 16)
+                long = timed(pipe, prompts_b, 16 + args.decode_steps)
+                throughput[name][batch].append(batch * args.decode_steps / max(long - short, 1e-9))
+            for case, (batch, length) in PREFILL_CASES.items():
+                for warm in (True, False):  # fresh words each call: no prefix-cache hits
+                    prompts_c = [" ".join(f"t{(round_ * 131 + 17 * i + j + 7 * warm) % 1000}" for j in range(length))
+                                 for i in range(batch)]
+                    took = timed(pipe, prompts_c, 1)
+                if not warm:
+                    prefill[name][case].append(took)
+            if name == "graphmode":
+                print(f"  graphmode: {stats_of(pipe)}")
+            close(pipe)
+    print("  start-up, construction to first token (s, each round): " + ", ".join(
+        f"{name} {' / '.join(f'{t:.1f}' for t in times)}" for name, times in startup.items()))
+    print("  decode throughput (tokens/s of the engine, median of rounds), graphmode / lmdeploy's graphs:")
+    ratios = {}
+    for batch in args.batches:
+        own = statistics.median(throughput["lmdeploy"][batch])
+        ours = statistics.median(throughput["graphmode"][batch])
+        ratios[batch] = ours / own
+        print(f"    batch {batch:4d}: lmdeploy {own:10.0f}  graphmode {ours:10.0f}  {ratios[batch]:.3f}x   "
+              f"(rounds: {[round(x) for x in throughput['lmdeploy'][batch]]} / "
+              f"{[round(x) for x in throughput['graphmode'][batch]]})")
+    print(f"    median over batch sizes {statistics.median(ratios.values()):.3f}x, lowest {min(ratios.values()):.3f}x")
+    print("  prefill-heavy steps (ms, median of rounds), graphmode full_and_piecewise against lmdeploy's own mode:")
+    for case in PREFILL_CASES:
+        own = statistics.median(prefill["lmdeploy"][case])
+        ours = statistics.median(prefill["graphmode"][case])
+        print(f"    {case:8s}: lmdeploy {own * 1e3:8.1f}  graphmode {ours * 1e3:8.1f}  speed {own / ours:.3f}x")
+    result.update(startup_s=startup, throughput=throughput, throughput_ratio=ratios, prefill_s=prefill)
+
+
+def run_arch(arch: str, args: argparse.Namespace, report: dict, perf: bool) -> None:
+    path = os.path.join(tempfile.mkdtemp(), f"tiny-{arch}")
+    save_model(arch, path, args.layers, args.hidden)
+    result: dict = {"arch": arch}
+    print(f"\n== {arch}: {args.layers} layers, hidden {args.hidden}")
+    tokens_phase(arch, path, args, result)
+    if perf:
+        perf_phase(path, args, result)
+    report[arch] = result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", nargs="+", default=["llama", "qwen3", "mixtral"], choices=ARCHS)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--batches", default="1,8,32,128,256")
+    parser.add_argument("--perf", nargs="*", default=["llama"], help="architectures to time (start-up, "
+                        "throughput, prefill-heavy steps) besides comparing tokens")
+    parser.add_argument("--rounds", type=int, default=2, help="turns of each engine in the timing")
+    parser.add_argument("--decode-steps", type=int, default=256, help="decode steps a throughput figure times")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    report: dict = {}
+    for arch in args.arch:
+        run_arch(arch, args, report, perf=arch in args.perf)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
