@@ -64,14 +64,14 @@ class Settings:
     vendor: str | None = None
 
 
-class LmdeployGraphRunner(GraphRunner):  # type: ignore[misc]
+class LmdeployGraphRunner(GraphRunner):
     """lmdeploy's ``GraphRunner``, serving decode steps from graphmode's graphs.
 
     own: the runner lmdeploy built for the same model; the steps graphmode
     does not graph run through it, exactly as without graphmode.
     """
 
-    def __init__(self, own: Any, model: torch.nn.Module, model_config: Any, cache_config: Any,
+    def __init__(self, own: Any, model: Any, model_config: Any, cache_config: Any,
                  backend_config: Any, device: torch.device, settings: Settings) -> None:
         super().__init__(model, model_config, cache_config, backend_config, device)
         self.own = own
@@ -179,8 +179,9 @@ class LmdeployGraphRunner(GraphRunner):  # type: ignore[misc]
         try:
             output = graph.capture(kwargs, self._pool)
         except Exception as error:
-            error.add_note(f"graphmode (lmdeploy integration): capturing the decode graph of bucket {bucket}, "
-                           f"q_len {q_len}, vendor {self.vendor.name!r}")
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(f"graphmode (lmdeploy integration): capturing the decode graph of bucket {bucket}, "
+                               f"q_len {q_len}, vendor {self.vendor.name!r}")
             raise
         self.capture_seconds += time.perf_counter() - start
         if self._pool is None:
