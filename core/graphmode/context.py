@@ -39,6 +39,8 @@ class AttnMetadata:
         tokens (one in plain decode, ``T == batch``; ``1 + k`` in a
         speculative verify or MTP step). A step whose sequences all add the
         same number (``T == batch x max_q_seq_len``) can replay a graph.
+        In any step a row may add none: a padding row (``q_seqlens`` 0, no
+        slot; vLLM pads ``seq_lens`` so), which runs and writes nothing.
     block_offsets: (batch, width) the KV-cache block ids of each sequence, in
         order. Block 0 is reserved for padding: an engine never gives it to a
         sequence.
