@@ -54,13 +54,20 @@ def test_host_lengths_that_are_not_a_tensor_are_named():
         _call(setup, step, kv_seqlens_cpu=[4, 4])
 
 
-def test_a_decode_flag_with_query_lengths_that_are_not_a_decode_is_refused():
-    # q_seqlens [2, 0] sum to the batch: replayed as two one-token rows before.
-    setup = tiny_setup()
-    step = _decode(setup)
-    with pytest.raises(InputError, match=r"is_decoding=True, but 2 new tokens for 2 sequences with "
-                       r"max_q_seq_len=2 is not a decode step.*checked on the host"):
-        _call(setup, step, q_seqlens=torch.tensor([2, 0], dtype=torch.int32), max_q_seq_len=2)
+def test_a_decode_step_with_a_padding_row_runs_but_never_as_one_token_rows():
+    # q_seqlens [2, 0] sum to the batch: replayed as two one-token rows before; then refused as no
+    # decode. A row of no token is a padding row (tests/test_padding_rows.py): the step runs, eagerly
+    # in execute mode "graph" (host facts cannot prove a uniform q_len), equal to eager.
+    from graphmode.model.engine import with_padding_rows
+
+    setup = tiny_setup(max_q_len=2)
+    seqs = setup.prefill(1, [3])
+    step = with_padding_rows(setup.engine.decode(seqs, 2), [1])
+    with torch.inference_mode():
+        graph = _call(setup, step).clone()
+        eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+    torch.testing.assert_close(graph, eager)
+    assert setup.runner.stats.eager_steps["mixed_q_len"] == 1 and setup.runner.stats.replays == 0
 
 
 def test_a_decode_flag_with_more_tokens_than_the_host_maximum_allows_is_refused():
@@ -146,8 +153,9 @@ def test_a_step_of_a_layout_that_passed_before_is_still_checked_whole():
         _call(setup, step, max_q_seq_len=1.0)
     with pytest.raises(InputError, match=r"^attn_metadata.max_kv_seq_len is a bool; it must be an int"):
         _call(setup, step, max_kv_seq_len=True)
-    with pytest.raises(InputError, match=r"^is_decoding=True, but 2 new tokens for 2 sequences with max_q_seq_len=2"):
-        _call(setup, step, max_q_seq_len=2)
+    # (max_q_seq_len=2 passes since rows of zero new tokens are legal: [2, 0] has 2 tokens for 2 sequences.)
+    with pytest.raises(InputError, match=r"^is_decoding=True, but 2 new tokens for 2 sequences with max_q_seq_len=0"):
+        _call(setup, step, max_q_seq_len=0)
     host = step.attn_metadata.kv_seqlens_cpu
     with pytest.raises(InputError, match=r"kv_seqlens_cpu holds 100000 \(sequence 0\), above the"):
         _call(setup, step, max_kv_seq_len=-1, kv_seqlens_cpu=torch.full_like(host, 100000) if host is not None
@@ -158,20 +166,24 @@ def test_a_step_of_a_layout_that_passed_before_is_still_checked_whole():
 
 
 @pytest.mark.parametrize("mode", ["eager", "piecewise", "full_and_piecewise"])
-def test_a_prefill_step_with_fewer_tokens_than_sequences_is_refused(mode):
-    # Three sequences, two new tokens: one sequence adds none. A piecewise step
-    # then ran in token bucket 2, below the batch, and the per-sequence step
-    # input's fill failed with "narrow(): length must be non-negative".
+def test_a_prefill_step_with_fewer_tokens_than_sequences_runs(mode):
+    # Three sequences, two new tokens: one sequence adds none, a padding row. Refused before this
+    # commit (before that, a piecewise step ran in token bucket 2, below the batch, and the
+    # per-sequence step input's fill failed with "narrow(): length must be non-negative"). Now it
+    # runs: eagerly where a per-sequence step input cannot be mapped to tokens, equal to eager.
     setup = tiny_setup(execute_mode=mode, capture_token_sizes=[2, 4, 8], capture_batch_sizes=[1, 2, 4],
                        step_inputs=[BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)])
     seqs = [setup.engine.add() for _ in range(3)]
     step = setup.engine.prefill(seqs, [1, 1, 1])
     attn = step.attn_metadata.replace(
-        q_seqlens=torch.tensor([1, 1, 0], dtype=torch.int32), q_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32))
-    with pytest.raises(InputError, match=r"^a step of 3 sequences and 2 new tokens: at least one sequence adds "
-                       r"no token.* leave sequences without new tokens out of the step"), torch.inference_mode():
-        setup.runner(step.input_ids[:, :2], step.position_ids[:, :2], setup.graph_cache,
-                     attn.replace(kv_start_indices=attn.kv_start_indices[:2]), lora_ids=torch.zeros(3, dtype=torch.int32))
+        q_seqlens=torch.tensor([1, 1, 0], dtype=torch.int32), q_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        kv_seqlens=torch.tensor([1, 1, 0], dtype=torch.int32), kv_start_indices=step.attn_metadata.kv_start_indices[:2])
+    attn = attn.replace(kv_seqlens_cpu=mark_host(attn.kv_seqlens.clone()))
+    ids, positions = step.input_ids[:, :2], step.position_ids[:, :2]
+    with torch.inference_mode():
+        graph = setup.runner(ids, positions, setup.graph_cache, attn, lora_ids=torch.zeros(3, dtype=torch.int32)).clone()
+        eager = setup.model(ids, positions, setup.eager_cache, attn)
+    torch.testing.assert_close(graph, eager)
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])

@@ -423,8 +423,9 @@ def test_debug_mode_checks_a_piecewise_step_against_its_host_maxima(mode):
     for changes, message in (
         ({"max_q_seq_len": 4}, r"sequence 1 has q_seqlens=9, above max_q_seq_len=4"),
         ({"max_kv_seq_len": 11}, r"sequence 1 has kv_seqlens=13, above max_kv_seq_len=11"),
-        ({"q_seqlens": torch.tensor([3, 0, 9], dtype=torch.int32), "q_start_loc": torch.tensor([0, 3, 3])},
-         r"sequence 1 has q_seqlens=0, below 1"),
+        # (0 is a padding row's, legal since rows of zero new tokens are: docs/engines.md)
+        ({"q_seqlens": torch.tensor([3, -1, 10], dtype=torch.int32), "q_start_loc": torch.tensor([0, 3, 2])},
+         r"sequence 1 has q_seqlens=-1, below 0"),
     ):
         host = step.attn_metadata.kv_seqlens_cpu if "max_kv_seq_len" not in changes else None  # past the host check
         with pytest.raises(InputError, match="debug mode: " + message):

@@ -204,8 +204,8 @@ def test_a_step_without_tokens_is_refused(mode):
     setup = _setup(mode=mode)
     seqs = setup.prefill(2, [5, 9])
     step = setup.engine.prefill(seqs, [0, 0])
-    with pytest.raises(InputError, match=r"a step of 2 sequences and 0 new tokens: every scheduled sequence "
-                       r"adds at least one token"):
+    with pytest.raises(InputError, match=r"a step of 2 sequences and 0 new tokens: a step needs at least one "
+                       r"new token"):
         _run(setup, step)
 
 

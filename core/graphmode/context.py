@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCKS", "REQUIRED_TENSORS", "SEQUENCES", "STEP_PATHS", "STEP_TENSORS", "TOKENS", "AttnMetadata", "StepInputs"]
+__all__ = ["BLOCKS", "HOST_COPIES", "REQUIRED_TENSORS", "SEQUENCES", "STEP_PATHS", "STEP_TENSORS", "TOKENS", "AttnMetadata", "StepInputs"]
 
 # Symbolic dimensions of a step tensor's (and a buffer's) shape (``graphmode.spec`` re-exports them).
 TOKENS = "tokens"  # one row per new token: max_tokens rows
@@ -39,6 +39,8 @@ class AttnMetadata:
         tokens (one in plain decode, ``T == batch``; ``1 + k`` in a
         speculative verify or MTP step). A step whose sequences all add the
         same number (``T == batch x max_q_seq_len``) can replay a graph.
+        In any step a row may add none: a padding row (``q_seqlens`` 0, no
+        slot; vLLM pads ``seq_lens`` so), which runs and writes nothing.
     block_offsets: (batch, width) the KV-cache block ids of each sequence, in
         order. Block 0 is reserved for padding: an engine never gives it to a
         sequence.
@@ -55,7 +57,10 @@ class AttnMetadata:
         table's capacity).
     kv_seqlens_cpu: optional host copy of ``kv_seqlens`` for kernels that take
         lengths as host values (Ascend). Engines know the lengths on the host;
-        passing them avoids a device-to-host copy per step.
+        passing them avoids a device-to-host copy per step: when a vendor
+        reads it and a step omits it, the runner derives it from
+        ``kv_seqlens`` (``graphmode.runner.host_fields``). A host tensor by
+        contract: on the CPU emulator it counts as host memory unmarked.
     x_active_mask: (T,) bool, False for padding tokens, for MoE dispatch. Set by
         the vendors that need it; None otherwise.
     vendor_fields: further per-step tensors a vendor's own kernels read,
@@ -70,7 +75,7 @@ class AttnMetadata:
     kv_start_indices: torch.Tensor = field(metadata=_shape(TOKENS))
     max_q_seq_len: int
     max_kv_seq_len: int
-    kv_seqlens_cpu: torch.Tensor | None = field(default=None, metadata=_shape(SEQUENCES))
+    kv_seqlens_cpu: torch.Tensor | None = field(default=None, metadata={**_shape(SEQUENCES), "host_copy_of": "kv_seqlens"})
     x_active_mask: torch.Tensor | None = field(default=None, metadata=_shape(TOKENS))
     vendor_fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -92,6 +97,13 @@ STEP_TENSORS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
 REQUIRED_TENSORS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(AttnMetadata) if "shape" in f.metadata and f.default is dataclasses.MISSING
 )
+
+#: The host fields of the step context, each the host copy of a device field:
+#: host memory by contract (an engine need not mark them on the emulator), and
+#: derived from the device field when a vendor reads one a step omits.
+HOST_COPIES: dict[str, str] = {
+    f.name: f.metadata["host_copy_of"] for f in dataclasses.fields(AttnMetadata) if "host_copy_of" in f.metadata
+}
 
 #: Where a step's tensors are found in StepInputs, in order: the ones every
 #: step passes (what the runner checks per step layout).

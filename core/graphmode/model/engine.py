@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from graphmode.context import AttnMetadata, StepInputs
-from graphmode.emulator.host import mark_host
+from graphmode.emulator.host import is_host, mark_host
 from graphmode.staging import to_host
 
-__all__ = ["ReferenceEngine", "Sequence", "pad_step"]
+__all__ = ["ReferenceEngine", "Sequence", "pad_step", "with_padding_rows"]
 
 
 @dataclass
@@ -72,6 +72,20 @@ class ReferenceEngine:
         so the next sequence reuses them."""
         seq = self.sequences.pop(seq_id)
         self.free_blocks.extend(reversed(seq.blocks))
+
+    def rollback(self, seq_id: int, tokens: int) -> None:
+        """Take back a sequence's last ``tokens`` tokens (the drafts a
+        speculative verify step rejected): its cache length shrinks, and
+        blocks left holding none of its tokens go back to the free list. The
+        slots keep the rejected keys and values until a later token is
+        written there."""
+        seq = self.sequences[seq_id]
+        if not 0 <= tokens <= seq.kv_len:
+            raise ValueError(f"rollback of {tokens} tokens: sequence {seq_id} holds {seq.kv_len}")
+        seq.kv_len -= tokens
+        keep = -(-seq.kv_len // self.block_size)
+        self.free_blocks.extend(reversed(seq.blocks[keep:]))
+        del seq.blocks[keep:]
 
     def live(self) -> list[int]:
         return list(self.sequences)
@@ -166,3 +180,32 @@ def pad_step(step: StepInputs, bucket: int) -> StepInputs:
     ids = grow(step.input_ids[0], 0)[None]
     positions = grow(step.position_ids[0], 0)[None]
     return StepInputs(ids, positions, step.past_key_values, padded, step.extras)
+
+
+def with_padding_rows(step: StepInputs, rows: list[int]) -> StepInputs:
+    """The step with padding rows of no new token inserted so that they sit
+    at indices ``rows`` of the result, as vLLM pads ``seq_lens`` with 0: no
+    token, no slot, ``kv_seqlens`` 0 and a block table of the reserved block
+    0, ``q_start_loc`` where the next sequence's tokens start. Tokens, ids,
+    positions and slots are the step's own; the maxima stay valid."""
+    attn = step.attn_metadata
+    batch = attn.batch_size + len(rows)
+    padding = set(rows)
+    if not all(0 <= row < batch for row in padding) or len(padding) != len(rows):
+        raise ValueError(f"padding rows {rows} must be distinct indices in 0..{batch - 1}")
+    live = [row for row in range(batch) if row not in padding]
+    on_host = is_host(attn.q_seqlens)  # a host-built step's (on the emulator): its new rows are host memory too
+
+    def spread(tensor: torch.Tensor, host: bool = on_host) -> torch.Tensor:
+        grown = torch.zeros((batch, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        grown[torch.tensor(live, dtype=torch.long, device=tensor.device)] = tensor
+        return mark_host(grown) if host else grown
+
+    q_lens = spread(attn.q_seqlens)
+    starts = torch.cumsum(q_lens, 0, dtype=attn.q_start_loc.dtype) - q_lens  # exclusive: a padding row starts where the next does
+    host = attn.kv_seqlens_cpu
+    padded = attn.replace(
+        block_offsets=spread(attn.block_offsets), q_start_loc=mark_host(starts) if on_host else starts, q_seqlens=q_lens,
+        kv_seqlens=spread(attn.kv_seqlens), kv_seqlens_cpu=spread(host, True) if host is not None else None,
+    )
+    return StepInputs(step.input_ids, step.position_ids, step.past_key_values, padded, step.extras)

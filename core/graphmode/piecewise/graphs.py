@@ -100,17 +100,19 @@ class PiecewiseGraphs:
         return None
 
     def _per_sequence_refusal(self, tokens: int, batch: int) -> str:
-        """A step of more tokens than sequences with a per-sequence step
-        input runs eagerly: its segments would see the input's rows as the
-        first tokens' (ids [1, 2, 3] for 6 + 1 + 1 tokens: adapters 1, 2, 3
-        on the first sequence's first tokens), a silently wrong result."""
+        """A step of other than one token per sequence with a per-sequence
+        step input runs eagerly: its segments would see the input's rows as
+        the first tokens' (ids [1, 2, 3] for 6 + 1 + 1 tokens: adapters 1, 2,
+        3 on the first sequence's first tokens), a silently wrong result; and
+        with padding rows of no token, the bucket may hold fewer rows than
+        the batch."""
         if not self._warned:
             self._warned = True
             names = ", ".join(repr(name) for name in self._per_sequence)
             warnings.warn(
                 f"graphmode: step inputs {names} are declared per sequence, but a piecewise graph's segments see "
                 f"a step as rows of tokens: a step of {tokens} tokens for {batch} sequences (prefill, mixed, "
-                "verify) runs eagerly instead (runner.stats.eager_steps['per_sequence_input']). Declare them "
+                "verify, padding rows) runs eagerly instead (runner.stats.eager_steps['per_sequence_input']). Declare them "
                 "per token, BufferSpec(name, dtype, shape=(TOKENS,)), and pass values.repeat_interleave(q_seqlens)",
                 stacklevel=4,
             )

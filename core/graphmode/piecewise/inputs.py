@@ -9,8 +9,9 @@ Where the KV writes are captured in the segments, the step's
 A step of ``n`` tokens and ``s`` sequences in token bucket ``b`` writes the
 live rows (``n`` per token, ``s`` per sequence) and resets the rows up to
 ``b`` to the declared padding (ids and positions: 0); the model sees the
-first ``b`` rows. A sequence has at least one token, so ``b`` rows hold
-every live sequence too.
+first ``b`` rows. A step with a per-sequence input runs here only with one
+token per sequence (``PiecewiseGraphs.refusal``), so ``b`` rows hold every
+live sequence too.
 """
 
 from __future__ import annotations

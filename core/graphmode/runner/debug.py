@@ -276,7 +276,7 @@ def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q
                         kv_lens: torch.Tensor, prefix: str = "", writes: list[bool] | None = None) -> None:
     """Refuse host copies of a step's lengths that a piecewise step (prefill,
     mixed, decode: each sequence's tokens from its ``q_seqlens``) cannot
-    have: a sequence without new tokens, lengths not summing to the step's
+    have: a negative query length, lengths not summing to the step's
     tokens, ``q_start_loc`` other than their exclusive cumulative sum, fewer
     KV than new tokens, and lengths above the step's maxima (unless -1): the
     break points hand the kernels the step's own maxima, and one sizing its
@@ -292,10 +292,10 @@ def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q
         )
     q_max, kv_max, start = attn.max_q_seq_len, attn.max_kv_seq_len, 0
     for row, (count, first, length) in enumerate(zip(q, starts, kv)):
-        if count < 1:
+        if count < 0:  # 0 is a padding row's (docs/engines.md, "Rows of zero new tokens")
             raise InputError(
-                f"{prefix}sequence {row} has q_seqlens={count}, below 1: every scheduled sequence adds at least "
-                "one token; leave sequences without new tokens out of the step"
+                f"{prefix}sequence {row} has q_seqlens={count}, below 0: pass each sequence's new token count "
+                "(0 for a padding row)"
             )
         for value, name, bound in ((count, "q_seqlens", q_max), (length, "kv_seqlens", kv_max)):
             if 0 <= bound < value:
@@ -325,7 +325,7 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
     tokens, ``q_start_loc`` is their exclusive cumulative sum, the lengths
     stay within its maxima (CUDA's Triton prefill sizes its grid by
     ``max_q_seq_len``), and ``kv_seqlens_cpu`` (which Ascend's kernels read)
-    equals ``kv_seqlens``. Sequences without new tokens and KV lengths below
+    equals ``kv_seqlens``. Negative query lengths and KV lengths below
     the query lengths are debug mode's (two more reductions a step). Host tensors cost no synchronisation: a few
     reductions, whatever the batch; rows are walked only when one fails, to
     name the first bad one."""

@@ -29,6 +29,7 @@ from graphmode.plugins import Vendor
 from graphmode.runner.cache_checks import CacheFit, check_warmup_cache
 from graphmode.runner.compile import compiled_forward
 from graphmode.runner.debug import StepChecker
+from graphmode.runner.host_fields import HostFields
 from graphmode.runner.stats import RunnerStats
 from graphmode.spec import GraphSpec
 from graphmode.staging import staging_refusal
@@ -157,6 +158,8 @@ class Shared:
         self.compiled = config.compile and config.execute_mode != "eager"
         self._compiled_forward = compiled_forward(model, vendor, config, capture_sizes) if self.compiled else None
         self.stats = RunnerStats()
+        #: The step context's host fields, marked on the emulator and derived where the vendor reads them.
+        self.host_fields = HostFields(spec, config.device, self.stats, vendor.name)
         self.lock: Any = None  # the runner's one-step lock (the native step takes it too)
         self.pool_share = PoolShare()
         self.pool_share.members.add(self)

@@ -187,6 +187,7 @@ class GraphRunner:
             inputs = dataclasses.replace(inputs, extras=extras)
             self._shared.use_variant(key)
         batch, on_host = self._check_inputs(inputs)
+        inputs = self._shared.host_fields.complete(inputs, on_host)
         self._cache_fit(inputs.past_key_values)
         q_len = uniform_q_len(inputs.attn_metadata, batch, inputs.num_tokens)
         reason: str | None = "eager_mode"

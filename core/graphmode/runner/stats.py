@@ -17,8 +17,8 @@ EAGER_REASONS = {
                    "max_q_seq_len does not prove them equal: tokens != batch x max_q_seq_len)",
     "no_bucket": "the batch is larger than the largest capture size",
     "no_token_bucket": "the step has more tokens than the largest piecewise token bucket (capture_token_sizes)",
-    "per_sequence_input": "a piecewise step of more tokens than sequences with a step input declared per "
-                          "sequence, which its segments cannot map to tokens (declare it per token)",
+    "per_sequence_input": "a piecewise step of other than one token per sequence with a step input declared "
+                          "per sequence, which its segments cannot map to tokens (declare it per token)",
 }
 
 
@@ -36,6 +36,10 @@ class RunnerStats:
     replays_by_variant: replays of either family by graph variant
         (``graph_variants``): "plain" for steps with every variant keyword at
         its default (all of them when none is declared), "lora=True" for others.
+    derived_host_copies: steps whose host field (``kv_seqlens_cpu``) a
+        vendor reads but the engine omitted, so that graphmode copied its
+        device field to the host (one device-to-host copy each: pass the
+        field to save it; ``graphmode.runner.host_fields``).
     compile_seconds: with compile=True, host seconds spent in the compiled
         forward's warm-up calls before captures: Dynamo tracing, Inductor
         compilation and autotuning (on the first call of each shape it
@@ -52,6 +56,7 @@ class RunnerStats:
     piecewise_replays: int = 0
     replays_by_q_len: Counter = field(default_factory=Counter)
     replays_by_variant: Counter = field(default_factory=Counter)
+    derived_host_copies: int = 0
 
     @property
     def padding_fraction(self) -> float:
@@ -71,8 +76,14 @@ class RunnerStats:
         return (
             f"{self.captures} captures ({self.warmup_captures} in warm-up), {replays}, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
-            f"({self.padding_fraction:.1%}){compiled}{self._by_variant()}"
+            f"({self.padding_fraction:.1%}){compiled}{self._by_variant()}{self._derived()}"
         )
+
+    def _derived(self) -> str:
+        """"; 3 host copies derived (kv_seqlens_cpu not passed)", when any was."""
+        if not self.derived_host_copies:
+            return ""
+        return f"; {self.derived_host_copies} host copies derived (kv_seqlens_cpu not passed)"
 
     def _by_variant(self) -> str:
         """"; graph replays by variant: 3 plain, 2 lora=True", when any is not plain."""

@@ -104,8 +104,9 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
     tokens = token_count(inputs)
     if tokens == 0:
         raise InputError(
-            f"a step of {batch} sequences and 0 new tokens: every scheduled sequence adds at least one token. "
-            "Leave sequences without new tokens out of the step, and do not call the runner for an empty one"
+            f"a step of {batch} sequences and 0 new tokens: a step needs at least one new token (rows of zero "
+            "new tokens are padding rows, legal beside others, but a step of padding alone computes nothing). "
+            "Do not call the runner for an empty step"
         )
     _check_lengths(attn, batch, tokens)
     device = config.device
@@ -287,34 +288,29 @@ def _described(value: object) -> str:
 
 def _check_decode(attn: AttnMetadata, batch: int, tokens: int) -> None:
     """Refuse an ``is_decoding`` step whose host facts cannot be a decode:
-    every sequence adds at least one token and at most ``max_q_seq_len``, and
-    a step of one token per sequence has ``max_q_seq_len == 1``. Only host
-    values are compared (the token count, the batch, the host maximum); the
-    device ``q_seqlens`` are read in debug mode only (graphmode.runner.debug)."""
+    every sequence adds at most ``max_q_seq_len`` tokens (a row adding none
+    is a padding row, legal in every step: docs/engines.md, "Rows of zero
+    new tokens"). Only host values are compared (the token count, the batch,
+    the host maximum); the device ``q_seqlens`` are read in debug mode only
+    (graphmode.runner.debug)."""
     q_max = attn.max_q_seq_len
-    if tokens < batch or (q_max >= 1 and tokens > batch * q_max) or (tokens == batch and q_max != 1):
+    if q_max >= 0 and tokens > batch * q_max:
         raise InputError(
             f"is_decoding=True, but {tokens} new tokens for {batch} sequences with max_q_seq_len={q_max} "
-            f"is not a decode step: a decode adds 1 to max_q_seq_len tokens per sequence, so it needs "
-            f"{batch} <= tokens <= {batch} x max_q_seq_len, and max_q_seq_len=1 when tokens == batch "
-            "(checked on the host: input_ids' length, the batch and max_q_seq_len; the device q_seqlens "
-            "are read only in debug mode, GRAPHMODE_DEBUG=1). Pass is_decoding=False for a prefill "
-            "or mixed step, or the step's real max_q_seq_len"
+            f"is not a decode step: a decode adds at most max_q_seq_len tokens per sequence (0 in a padding "
+            f"row), so it needs tokens <= {batch} x max_q_seq_len (checked on the host: input_ids' length, "
+            "the batch and max_q_seq_len; the device q_seqlens are read only in debug mode, GRAPHMODE_DEBUG=1). "
+            "Pass is_decoding=False for a prefill or mixed step, or the step's real max_q_seq_len (or -1)"
         )
 
 
 def _check_maxima(attn: AttnMetadata, batch: int, tokens: int) -> None:
-    """Refuse fewer tokens than sequences (one would add none), and host
-    maxima that cannot hold (a varlen kernel sizes its work by
-    them: one too small reads part of the step): ``tokens`` new tokens in
+    """Refuse host maxima that cannot hold (a varlen kernel sizes its work
+    by them: one too small reads part of the step): ``tokens`` new tokens in
     ``batch`` sequences need a longest query of at least ``ceil(tokens /
-    batch)``, and a sequence's KV length includes its new tokens."""
-    if tokens < batch:  # a piecewise step's token bucket would be below the batch
-        raise InputError(
-            f"a step of {batch} sequences and {tokens} new tokens: at least one sequence adds no token, but "
-            "every scheduled sequence adds at least one (q_seqlens >= 1); leave sequences without new tokens "
-            "out of the step"
-        )
+    batch)``, and a sequence's KV length includes its new tokens. Fewer
+    tokens than sequences is legal: the others are padding rows of no new
+    token (docs/engines.md, "Rows of zero new tokens")."""
     q_max, kv_max = attn.max_q_seq_len, attn.max_kv_seq_len
     if q_max >= 0 and tokens > batch * q_max:
         raise InputError(
@@ -336,12 +332,10 @@ def uniform_q_len(attn: AttnMetadata, batch: int, tokens: int) -> int | None:
     No device value is read. ``max_q_seq_len`` bounds every ``q_seqlens``
     entry (the AttnMetadata contract, checked by :func:`_check_decode`
     against the token count), so ``tokens == batch x max_q_seq_len`` means
-    every entry equals it: entries of at most ``q`` summing to ``batch x q``.
-    ``tokens == batch`` is one token each (a decode adds at least one). A
-    step with ``max_q_seq_len`` -1 (unknown) and more tokens than sequences
-    cannot be proved uniform."""
-    if tokens == batch:
-        return 1
+    every entry equals it: entries of 0 to ``q`` summing to ``batch x q``.
+    Anything else may hold a padding row of no new token (``[2, 0]`` has as
+    many tokens as sequences), so a step with ``max_q_seq_len`` -1 (unknown)
+    cannot be proved uniform, one token per sequence included."""
     q_max = attn.max_q_seq_len
     if q_max >= 1 and tokens == batch * q_max:
         return q_max
