@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from typing import Any
+from weakref import WeakSet
 
 import acme_vendor as acme
 import torch
@@ -33,7 +34,7 @@ from graphmode.model.ops import attend, owned_positions, token_rows
 from graphmode.plugins.info import probe_runtime
 from graphmode.spec import BLOCKS, CUDA_VENDOR_SPEC, SEQUENCES
 from graphmode_ascend.advice import capture_advice
-from graphmode_ascend.graph import AscendGraph
+from graphmode_ascend.graph import AscendGraph, resolve_update_path
 from graphmode_camb.ops import CambAttentionOps
 
 __all__ = ["BROKEN", "OPTIONS", "ORIGINALS", "variant"]
@@ -939,3 +940,102 @@ ORIGINALS = {
 
 globals().update(BROKEN)
 globals().update(ORIGINALS)
+
+
+# -- Issue 40's classes (the suite's checks of declarations against what runs;
+#    each caught by a check that runs after every other, so run alone: -k) --
+
+
+class _GraphChoosingItsUpdatePath(AscendGraph):
+    """Ascend's graph taking the update path the installed torch_npu supports
+    ("auto"), not the one the runner resolved from the options: every
+    declared variant runs the same path, and the other is never what runs."""
+
+    def __init__(self, device: torch.device, update_path: str, captured: Any = None) -> None:
+        super().__init__(device, resolve_update_path("auto", ascend.torch_npu_version()[0]), captured)
+
+
+# 57. A graph class choosing its own update path instead of the declared option.
+@hookimpl
+def _graph_choosing_its_update_path(meta):
+    if meta.device.type not in ("npu", "cpu"):
+        return None
+    graph = _GraphChoosingItsUpdatePath(
+        meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
+    graph.piece = not meta.is_decoding
+    return graph
+
+
+# 58. The vendor's collective library named for every accelerator ("cpu is
+#     gloo, anything else is ours"): Camb drives CUDA devices too, where a
+#     tensor-parallel run fails at start-up in init_process_group("cncl").
+@hookimpl
+def _cncl_for_every_accelerator(device):
+    return None if torch.device(device).type == "cpu" else "cncl"
+
+
+# 59. Odd batch sizes dropped from the capture list ("odd batches are slow on
+#     our kernels"): the list still ends at max_batches where that is even,
+#     so batches of 3, 5, 7 pad into the next graph, and at an odd
+#     max_batches the largest batches run eagerly, unreported.
+@hookimpl
+def _capture_sizes_without_odd_ones(config, spec):
+    sizes = spec.capture_list(config.max_batches, config.capture_batch_sizes)
+    return [size for size in sizes if size == 1 or size % 2 == 0]
+
+
+class _WaitsOnTheHost(AscendGraph):
+    """Ascend's graph making sure the last replay is done before an update
+    by waiting for its event on the host (vllm-ascend's synchronise before
+    every update) rather than ordering the update stream after it: right
+    results, a host stall every step."""
+
+    def _after_last_replay(self, update_stream: Any) -> None:
+        if self._replayed is not None:
+            self._replayed.synchronize()
+
+
+# 60. A parameter update that waits on the host where it should wait on an event.
+@hookimpl
+def _graph_waiting_on_the_host(meta):
+    if meta.device.type not in ("npu", "cpu"):
+        return None
+    graph = _WaitsOnTheHost(
+        meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
+    graph.piece = not meta.is_decoding
+    return graph
+
+
+# 61. FIA's limit of 16 query tokens per sequence checked against the draft
+#     tokens ("16 speculative tokens"), max_q_len - 1: a runner of 17 tokens
+#     per sequence (16 drafts and the bonus token) is accepted, and FIA
+#     refuses its verify steps.
+@hookimpl
+def _limit_on_the_draft_tokens(config):
+    drafts = dataclasses.replace(config, max_q_len=max(1, config.max_q_len - 1))
+    ascend.graphmode_check_config(drafts)
+    config.vendor_options = drafts.vendor_options
+
+
+ISSUE_40 = {
+    "update_path_chosen_by_the_graph": variant(
+        ascend, "update_path_chosen_by_the_graph", graphmode_make_graph=_graph_choosing_its_update_path),
+    "cncl_for_every_accelerator": variant(camb, "cncl_for_every_accelerator",
+                                          graphmode_dist_backend=_cncl_for_every_accelerator),
+    "capture_list_drops_odd_sizes": variant(cuda, "capture_list_drops_odd_sizes",
+                                            graphmode_capture_sizes=_capture_sizes_without_odd_ones),
+    "update_waits_on_the_host": variant(ascend, "update_waits_on_the_host", graphmode_make_graph=_graph_waiting_on_the_host),
+    "token_limit_counts_draft_tokens": variant(
+        ascend, "token_limit_counts_draft_tokens", graphmode_check_config=_limit_on_the_draft_tokens),
+}
+ISSUE_40_CAUGHT_LATE = {
+    "update_path_chosen_by_the_graph": "each_option_variant_changes",
+    "cncl_for_every_accelerator": "distributed_backend_per_device_type",
+    "capture_list_drops_odd_sizes": "capture_list_keeps_what",
+    "update_waits_on_the_host": "never_wait_on_the_host",
+    "token_limit_counts_draft_tokens": "verify_steps_at_the_token_limit",
+}
+BROKEN.update(ISSUE_40)
+CAUGHT_LATE.update(ISSUE_40_CAUGHT_LATE)
+OPTIONS.update({name: ["-k", keyword] for name, keyword in ISSUE_40_CAUGHT_LATE.items()})
+globals().update(ISSUE_40)

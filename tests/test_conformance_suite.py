@@ -295,6 +295,43 @@ DIAGNOSES = {
         "position, not the length",
         "Hook: graphmode_update_context",
     ),
+    # Issue 40's classes.
+    "update_path_chosen_by_the_graph": (
+        "[option variants] vendor ascend on cpu: under vendor_options {'update_path': 'graph_update'} and "
+        "{'update_path': 'task_group'} (GraphSpec.option_variants) a capture and two replays of batch 3 in bucket 4 "
+        "ran the same code",
+        "So the option reaches nothing that runs, and one of the declared configurations is never what runs",
+        "a graph class choosing its own path",
+        "Hooks: graphmode_make_graph (read meta.vendor_options)",
+    ),
+    "cncl_for_every_accelerator": (
+        "[distributed backend] vendor camb: graphmode_dist_backend answers 'cncl' for cuda, one of the vendor's "
+        "device types, whose torch.distributed backend is 'nccl'",
+        "fails at start-up, in init_process_group('cncl')",
+        "Hook: graphmode_dist_backend must answer from device.type: the vendor's library for its own device types only",
+    ),
+    "capture_list_drops_odd_sizes": (
+        "[capture list] vendor cuda: at max_batches=48 with no capture list given, graphmode_capture_sizes returned "
+        "[1, 2, 4, 6, 8, 10,",
+        "it drops [3, 5, 7]. So batches of [3, 5, 7] pad into the next graph kept, unreported",
+        "Hook: graphmode_capture_sizes must return the declared list",
+    ),
+    "update_waits_on_the_host": (
+        "[host waits] vendor ascend on cpu, vendor_options {'update_path': 'graph_update'}, batch 3, bucket 4 "
+        "(replay): graphmode_update_graph_params (plugin ascend) waited on the host for the device: "
+        "Event.synchronize() called at broken_plugins.py:",
+        "in _after_last_replay",
+        "the host stalls there at every step until the previous replay has finished",
+        "update_stream.wait_event(event)",
+    ),
+    "token_limit_counts_draft_tokens": (
+        "[token limit] vendor ascend on cpu, vendor_options {'update_path': 'graph_update'}: a runner of "
+        "max_q_len=17, the most tokens per sequence the vendor accepts (graphmode_check_config refuses max_q_len=18",
+        "fails a verify step of batch 1 with 17 tokens per sequence (16 draft tokens and the bonus token)",
+        "a sequence of 17 query tokens (the layout takes at most 16 per sequence)",
+        "Hook: graphmode_check_config (or GraphSpec.max_q_len) must refuse every max_q_len above what the kernels "
+        "take, counting the bonus token",
+    ),
 }
 
 

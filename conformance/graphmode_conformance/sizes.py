@@ -130,17 +130,21 @@ def sizes_from_options(config: Any) -> Sizes:
     return Sizes(**given)
 
 
-def vendor_capture_sizes(vendor: Any, sizes: Sizes, max_batches: int | None = None) -> tuple[int, ...]:
+def vendor_capture_sizes(
+    vendor: Any, sizes: Sizes, max_batches: int | None = None, vendor_options: Any = None,
+) -> tuple[int, ...]:
     """The capture list a runner of ``vendor`` takes at ``sizes`` (its
-    max_batches, or ``max_batches``): the user's list as the vendor keeps
-    it, or the vendor's policy. Checked as a runner checks it."""
+    max_batches, or ``max_batches``) under ``vendor_options``: the user's
+    list as the vendor keeps it, or the vendor's policy. Checked as a
+    runner checks it."""
     from graphmode.config import RunnerConfig
     from graphmode.runner.setup import capture_sizes, configure
 
     resolved = sizes.resolved(vendor)
     top = max_batches or resolved.max_batches
     given = resolved.capture_sizes if max_batches is None else None
-    config = RunnerConfig(top, resolved.table_width, resolved.block, torch.device("cpu"), capture_batch_sizes=given)
+    config = RunnerConfig(top, resolved.table_width, resolved.block, torch.device("cpu"), capture_batch_sizes=given,
+                          vendor_options=dict(vendor_options) if vendor_options is not None else None)
     return capture_sizes(vendor, config, configure(vendor, config))
 
 

@@ -101,4 +101,10 @@ def graphmode_attention_ops() -> Any:
 
 @hookimpl
 def graphmode_dist_backend(device: torch.device) -> str:
-    return {"cuda": "nccl", "cpu": "gloo"}.get(torch.device(device).type, "gloo")
+    # torch.distributed's own backend for the device type (what
+    # init_process_group picks when given none: xccl on xpu, and what
+    # runtimes such as torch_npu register), gloo where it names none.
+    import torch.distributed
+
+    known = getattr(torch.distributed.Backend, "default_device_backend_map", {})
+    return {"cuda": "nccl", "cpu": "gloo", **known}.get(torch.device(device).type, "gloo")

@@ -94,6 +94,13 @@ def _reference(query, key, value, block_table, actual_seq_lengths_kv, num_heads,
         visible = (positions[None, :] < lengths[:, None]) & owned
         out = attend(query.view(batch, num_heads, head_dim), keys, values, visible, scale)
         return out.reshape(batch, 1, num_heads * head_dim)
+    longest = max(end - start for start, end in zip([0, *actual_seq_lengths], actual_seq_lengths))
+    if longest > TND_MAX_Q_LEN:
+        # As FIA does on the device: the stand-in keeps the real kernel's limit.
+        raise RuntimeError(
+            f"npu_fused_infer_attention_score in TND layout: a sequence of {longest} query tokens (the layout "
+            f"takes at most {TND_MAX_Q_LEN} per sequence)"
+        )
     ends = torch.tensor(actual_seq_lengths, dtype=torch.long, device=query.device)
     token = torch.arange(query.shape[0], device=query.device)
     row = torch.searchsorted(ends, token, right=True)
