@@ -1,22 +1,22 @@
 """lmdeploy eager, lmdeploy's own graphs and lmdeploy with graphmode, side by side in one process.
 
-    python scripts/lmdeploy_side_by_side.py [--arch llama qwen3 mixtral] [--layers 16] [--hidden 1024]
-        [--requests 64] [--batches 1,8,32,128,256] [--rounds 3] [--json out.json]
+    python scripts/lmdeploy_side_by_side.py [--arch llama qwen3 mixtral] [--perf llama] [--layers 16]
+        [--hidden 1024] [--requests 64] [--batches 1,8,32,128,256] [--rounds 2] [--json out.json]
 
 Needs a GPU and lmdeploy's PyTorch engine (0.18.0; ../shared/realclients/lmdeploy prepares it
 offline). For each architecture, a random-weight Hugging Face model with a word-level tokenizer
-is saved, then:
+is saved, then, each engine alone in the process:
 
-1. tokens: the same greedy requests (``--requests`` of 1..2,000 prompt tokens, half of them
-   sharing a prefix with another, 16..256 new tokens, prefix caching on, prefill chunked at
-   1,024 tokens) through lmdeploy eager, lmdeploy's own graphs, graphmode (execute_mode
-   "graph") and graphmode in "full_and_piecewise"; compared request for request;
-2. start-up: engine construction to first token, and the graph memory each gives back on
-   ``reset_graph_runner()`` (measured, then captured again), for lmdeploy's graphs and graphmode's;
-3. decode throughput: tokens/s of the whole engine per batch size, steady state (the time of a
-   call of 144 new tokens minus that of 16, both after a warm call), the two engines taking turns;
-4. prefill-heavy steps (1x2048, 16x512, 16x2048 prompt tokens, one new token), taking turns;
-5. sleep and wake-up of the graphmode engine: graphs released and captured again, tokens equal.
+1. tokens: the same greedy requests (``--requests`` of 1..2,000 prompt tokens, every other one
+   sharing a prefix with its neighbour, 16..256 new tokens, prefix caching on, prefill chunked at
+   1,024 tokens) through lmdeploy eager, lmdeploy's own graphs, graphmode (execute_mode "graph")
+   and graphmode in "full_and_piecewise", compared request for request; the graph memory lmdeploy's
+   graphs and graphmode's give back on ``reset_graph_runner()`` (then captured again); tokens
+   before and after lmdeploy's sleep(level=1) and wakeup();
+2. for the ``--perf`` architectures, lmdeploy's graphs and graphmode taking turns (``--rounds``):
+   start-up (construction to first token), decode throughput per batch size (tokens/s of the
+   whole engine: ``--decode-steps`` more decode steps of a warm batch over the time they add) and
+   prefill-heavy steps (1x2048, 16x512, 16x2048 prompt tokens, one new token).
 """
 
 from __future__ import annotations
