@@ -13,10 +13,11 @@ is saved, then, each engine alone in the process:
    and graphmode in "full_and_piecewise", compared request for request; the graph memory lmdeploy's
    graphs and graphmode's give back on ``reset_graph_runner()`` (then captured again); tokens
    before and after lmdeploy's sleep(level=1) and wakeup();
-2. for the ``--perf`` architectures, lmdeploy's graphs and graphmode taking turns (``--rounds``):
-   start-up (construction to first token), decode throughput per batch size (tokens/s of the
-   whole engine: ``--decode-steps`` more decode steps of a warm batch over the time they add) and
-   prefill-heavy steps (1x2048, 16x512, 16x2048 prompt tokens, one new token).
+2. for the ``--perf`` architectures, lmdeploy's graphs and graphmode taking turns (``--rounds``),
+   each turn in a process of its own: start-up (construction to first token), decode throughput
+   per batch size (tokens/s of the whole engine: ``--decode-steps`` more decode steps of a warm
+   batch over the time they add, median of ``--repeats``) and prefill-heavy steps (1x2048, 16x512,
+   16x2048 prompt tokens, one new token).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -211,54 +214,73 @@ def tokens_phase(arch: str, path: str, args: argparse.Namespace, result: dict) -
 PREFILL_CASES = {"1x2048": (1, 2048), "16x512": (16, 512), "16x2048": (16, 2048)}
 
 
+TURN_ENGINES = {"lmdeploy": None, "graphmode": "full_and_piecewise"}
+
+
+def one_turn(path: str, name: str, args: argparse.Namespace) -> dict:
+    """One engine's timings, in a process of its own: start-up (construction to first token), decode
+    throughput per batch size (the median of ``--repeats`` measurements of ``--decode-steps`` more
+    decode steps of a warm batch over the time they add), prefill-heavy steps (fresh words each call:
+    no prefix-cache hits; the median of ``--repeats`` after a warm call)."""
+    start = time.perf_counter()
+    pipe = engine(path, eager=False, graphmode=TURN_ENGINES[name], max_batch=max(args.batches))
+    timed(pipe, ["t1 t2"], 1)
+    turn: dict = {"startup_s": time.perf_counter() - start, "throughput": {}, "prefill_s": {}}
+    for batch in args.batches:
+        prompts_b = [" ".join(f"t{(7 * i + j) % 1000}" for j in range(32)) for i in range(batch)]
+        timed(pipe, prompts_b, 16)
+        rates = []
+        for _ in range(args.repeats):
+            short = timed(pipe, prompts_b, 16)
+            long = timed(pipe, prompts_b, 16 + args.decode_steps)
+            rates.append(batch * args.decode_steps / max(long - short, 1e-9))
+        turn["throughput"][batch] = statistics.median(rates)
+    for case, (batch, length) in PREFILL_CASES.items():
+        took = []
+        for call in range(args.repeats + 1):
+            prompts_c = [" ".join(f"t{(args.turn_round * 977 + call * 131 + 17 * i + j) % 1000}" for j in range(length))
+                         for i in range(batch)]
+            took.append(timed(pipe, prompts_c, 1))
+        turn["prefill_s"][case] = statistics.median(took[1:])
+    turn["stats"] = stats_of(pipe)
+    close(pipe)
+    return turn
+
+
 def perf_phase(path: str, args: argparse.Namespace, result: dict) -> None:
     """lmdeploy's graphs and graphmode (full_and_piecewise: its decode graphs, lmdeploy's prefill) taking
-    turns, each engine alone in the process (a second live engine's loop thread skews the first's figures):
-    start-up, decode throughput per batch size, prefill-heavy steps."""
-    names = {"lmdeploy": None, "graphmode": "full_and_piecewise"}
-    startup: dict[str, list[float]] = {name: [] for name in names}
-    throughput: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in names}
-    prefill: dict[str, dict[str, list[float]]] = {name: {c: [] for c in PREFILL_CASES} for name in names}
+    turns, each turn a process of its own (an engine closed in the same process leaves threads that
+    skewed the next engine's figures by up to 2x): start-up, decode throughput, prefill-heavy steps."""
+    turns: dict[str, list[dict]] = {name: [] for name in TURN_ENGINES}
     for round_ in range(args.rounds):
-        for name in (list(names) if round_ % 2 == 0 else list(reversed(names))):
-            start = time.perf_counter()
-            pipe = engine(path, eager=False, graphmode=names[name], max_batch=max(args.batches))
-            timed(pipe, ["t1 t2"], 1)
-            startup[name].append(time.perf_counter() - start)
-            for batch in args.batches:
-                prompts_b = [" ".join(f"t{(7 * i + j) % 1000}" for j in range(32)) for i in range(batch)]
-                timed(pipe, prompts_b, 16)
-                short = timed(pipe, prompts_b, 16)
-                long = timed(pipe, prompts_b, 16 + args.decode_steps)
-                throughput[name][batch].append(batch * args.decode_steps / max(long - short, 1e-9))
-            for case, (batch, length) in PREFILL_CASES.items():
-                for warm in (True, False):  # fresh words each call: no prefix-cache hits
-                    prompts_c = [" ".join(f"t{(round_ * 131 + 17 * i + j + 7 * warm) % 1000}" for j in range(length))
-                                 for i in range(batch)]
-                    took = timed(pipe, prompts_c, 1)
-                if not warm:
-                    prefill[name][case].append(took)
-            if name == "graphmode":
-                print(f"  graphmode: {stats_of(pipe)}")
-            close(pipe)
-    print("  start-up, construction to first token (s, each round): " + ", ".join(
-        f"{name} {' / '.join(f'{t:.1f}' for t in times)}" for name, times in startup.items()))
+        for name in (list(TURN_ENGINES) if round_ % 2 == 0 else list(reversed(TURN_ENGINES))):
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--turn", name, "--turn-model", path,
+                                "--turn-round", str(round_), "--turn-json", out.name, "--batches",
+                                ",".join(map(str, args.batches)), "--decode-steps", str(args.decode_steps),
+                                "--repeats", str(args.repeats)], check=True)
+                with open(out.name) as written:
+                    turns[name].append(json.load(written))
+            print(f"  round {round_} {name}: start-up {turns[name][-1]['startup_s']:.1f} s; "
+                  f"{turns[name][-1]['stats']}")
+    startups = {name: " / ".join(f"{t['startup_s']:.1f}" for t in ts) for name, ts in turns.items()}
+    print("  start-up, construction to first token in a fresh process (s, each round): "
+          + ", ".join(f"{name} {times}" for name, times in startups.items()))
     print("  decode throughput (tokens/s of the engine, median of rounds), graphmode / lmdeploy's graphs:")
     ratios = {}
     for batch in args.batches:
-        own = statistics.median(throughput["lmdeploy"][batch])
-        ours = statistics.median(throughput["graphmode"][batch])
-        ratios[batch] = ours / own
-        print(f"    batch {batch:4d}: lmdeploy {own:10.0f}  graphmode {ours:10.0f}  {ratios[batch]:.3f}x   "
-              f"(rounds: {[round(x) for x in throughput['lmdeploy'][batch]]} / "
-              f"{[round(x) for x in throughput['graphmode'][batch]]})")
+        own = [t["throughput"][str(batch)] for t in turns["lmdeploy"]]
+        ours = [t["throughput"][str(batch)] for t in turns["graphmode"]]
+        ratios[batch] = statistics.median(ours) / statistics.median(own)
+        print(f"    batch {batch:4d}: lmdeploy {statistics.median(own):10.0f}  graphmode {statistics.median(ours):10.0f}"
+              f"  {ratios[batch]:.3f}x   (rounds: {[round(x) for x in own]} / {[round(x) for x in ours]})")
     print(f"    median over batch sizes {statistics.median(ratios.values()):.3f}x, lowest {min(ratios.values()):.3f}x")
     print("  prefill-heavy steps (ms, median of rounds), graphmode full_and_piecewise against lmdeploy's own mode:")
     for case in PREFILL_CASES:
-        own = statistics.median(prefill["lmdeploy"][case])
-        ours = statistics.median(prefill["graphmode"][case])
-        print(f"    {case:8s}: lmdeploy {own * 1e3:8.1f}  graphmode {ours * 1e3:8.1f}  speed {own / ours:.3f}x")
-    result.update(startup_s=startup, throughput=throughput, throughput_ratio=ratios, prefill_s=prefill)
+        own_s = statistics.median(t["prefill_s"][case] for t in turns["lmdeploy"])
+        ours_s = statistics.median(t["prefill_s"][case] for t in turns["graphmode"])
+        print(f"    {case:8s}: lmdeploy {own_s * 1e3:8.1f}  graphmode {ours_s * 1e3:8.1f}  speed {own_s / ours_s:.3f}x")
+    result.update(turns=turns, throughput_ratio=ratios)
 
 
 def run_arch(arch: str, args: argparse.Namespace, report: dict, perf: bool) -> None:
@@ -281,11 +303,20 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,128,256")
     parser.add_argument("--perf", nargs="*", default=["llama"], help="architectures to time (start-up, "
                         "throughput, prefill-heavy steps) besides comparing tokens")
-    parser.add_argument("--rounds", type=int, default=2, help="turns of each engine in the timing")
+    parser.add_argument("--rounds", type=int, default=4, help="turns of each engine in the timing")
     parser.add_argument("--decode-steps", type=int, default=256, help="decode steps a throughput figure times")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements of a figure within a turn")
+    parser.add_argument("--turn", choices=list(TURN_ENGINES), help=argparse.SUPPRESS)  # one timing turn, in a child
+    parser.add_argument("--turn-model", help=argparse.SUPPRESS)
+    parser.add_argument("--turn-round", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--turn-json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    if args.turn:
+        with open(args.turn_json, "w") as out:
+            json.dump(one_turn(args.turn_model, args.turn, args), out)
+        return
     report: dict = {}
     for arch in args.arch:
         run_arch(arch, args, report, perf=arch in args.perf)
