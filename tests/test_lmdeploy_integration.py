@@ -20,6 +20,7 @@ pytest.importorskip("lmdeploy.pytorch.backends.cuda.op_backend", reason="lmdeplo
 from lmdeploy.pytorch.backends.cuda.attention import TritonAttentionMetadata  # noqa: E402
 from lmdeploy.pytorch.backends.cuda.op_backend import CudaOpsBackend  # noqa: E402
 from lmdeploy.pytorch.backends.dlinfer.camb.op_backend import CambOpsBackend  # noqa: E402
+from lmdeploy.pytorch.engine.executor.mp_executor import ExecutorProc  # noqa: E402
 from lmdeploy.pytorch.models.utils.cudagraph import CudaGraphMixin  # noqa: E402
 
 import graphmode.integrations.lmdeploy as gm_lmdeploy  # noqa: E402
@@ -123,3 +124,32 @@ def test_debug_checks_refuse_what_a_graph_would_replay_wrongly(step, q_len, name
     with pytest.raises(InputError, match="row 1" if "q_seqlens" not in names else "row 0") as raised:
         check_decode_step(_decode_step(*step), bucket=2, q_len=q_len, num_blocks=9, block_size=16)
     assert names in str(raised.value)
+
+
+class _ReportingProc(ExecutorProc):
+    """lmdeploy's worker process, its main loop saying what the worker sees (a worker's real loop needs a GPU)."""
+
+    def _main_loop(self, queue):
+        from lmdeploy.pytorch.backends.cuda.op_backend import CudaOpsBackend as WorkerBackend
+
+        import graphmode.integrations.lmdeploy as in_worker
+
+        queue.put((in_worker.enabled(), in_worker._settings.execute_mode,
+                   WorkerBackend.__dict__["build_graph_runner"].__func__.__name__))
+
+
+def test_a_tensor_parallel_worker_process_builds_graph_runners_through_graphmode_too():
+    import multiprocessing
+
+    gm_lmdeploy.enable(execute_mode="full_and_piecewise")
+    context = multiprocessing.get_context("spawn")  # lmdeploy's mp executor's
+    queue = context.Queue()
+    worker = _ReportingProc(proc_id=0, mp_ctx=context)
+    worker.start(queue=queue)  # lmdeploy's own start, through graphmode's seam
+    try:
+        assert queue.get(timeout=120) == (True, "full_and_piecewise", "graphmode_build_graph_runner")
+    finally:
+        worker.join()
+    assert worker.mp_ctx is context  # lmdeploy's context is given back
+    gm_lmdeploy.disable()
+    assert ExecutorProc.__dict__["start"].__name__ == "start"

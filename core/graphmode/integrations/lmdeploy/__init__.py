@@ -49,7 +49,7 @@ def enable(execute_mode: str | None = None, debug: bool = False, vendor: str | N
     from graphmode.integrations.lmdeploy.runner import Settings
 
     _settings = Settings(execute_mode=execute_mode, debug=debug, vendor=vendor)
-    return install(_build_graph_runner)
+    return install(_build_graph_runner, _settings)
 
 
 def disable() -> None:

@@ -67,10 +67,16 @@ _USED: tuple[tuple[str, str, list[str] | None], ...] = (
     ("lmdeploy.pytorch.backends.cuda.graph_runner.full_graph", "build_decode_model_forward", ["model"]),
     ("lmdeploy.pytorch.model_inputs", "StepContext.global_is_decoding", []),
     ("lmdeploy.pytorch.model_inputs", "StepContext.enable_microbatch", None),
+    ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc.__init__", ["proc_id", "mp_ctx"]),
+    ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc.start", ["kwargs"]),
+    ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc._main_loop", None),
 )
 
-#: backend class -> its own build_graph_runner, while installed.
-_ORIGINALS: dict[type, Any] = {}
+#: The class whose ``start`` launches a tensor-parallel worker process (``workers.py``).
+WORKER_PROCESS = ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc")
+
+#: (class, attribute) -> lmdeploy's own, while graphmode's is installed.
+_ORIGINALS: dict[tuple[type, str], Any] = {}
 
 
 class SeamError(ConfigError):
@@ -152,11 +158,15 @@ def installed() -> bool:
     return bool(_ORIGINALS)
 
 
-def install(build: Callable[..., Any]) -> list[str]:
+def install(build: Callable[..., Any], settings: Any) -> list[str]:
     """Replace ``build_graph_runner`` of every importable lmdeploy op backend
     by one calling ``build(own_build, model, model_config, cache_config,
-    backend_config, device)``; return the device types replaced. The seam is
-    checked first; installing twice replaces nothing more."""
+    backend_config, device)``, and make lmdeploy's worker processes enable
+    graphmode with ``settings`` (``workers.py``); return the device types
+    replaced. The seam is checked first; installing twice replaces nothing
+    more (the settings are the last call's)."""
+    from graphmode.integrations.lmdeploy.workers import ContextEnablingGraphmode
+
     check_seam()
     device_types = []
     for device_type, (module_name, class_name) in BACKENDS.items():
@@ -164,7 +174,7 @@ def install(build: Callable[..., Any]) -> list[str]:
         if isinstance(backend, str):
             continue
         device_types.append(device_type)
-        if backend in _ORIGINALS:
+        if (backend, "build_graph_runner") in _ORIGINALS:
             continue
         original = backend.__dict__["build_graph_runner"]
 
@@ -173,13 +183,32 @@ def install(build: Callable[..., Any]) -> list[str]:
             return build(_own, model, model_config, cache_config, backend_config, device)
 
         graphmode_build_graph_runner.__wrapped__ = original.__func__  # type: ignore[attr-defined]
-        _ORIGINALS[backend] = original
-        backend.build_graph_runner = staticmethod(graphmode_build_graph_runner)
+        _replace(backend, "build_graph_runner", staticmethod(graphmode_build_graph_runner))
+
+    worker = _find(*WORKER_PROCESS)
+    own_start = _ORIGINALS.get((worker, "start"), worker.start)
+
+    def graphmode_start(self: Any, **kwargs: Any) -> Any:
+        """lmdeploy's own start, its process enabling graphmode first."""
+        context = self.mp_ctx
+        self.mp_ctx = ContextEnablingGraphmode(context, settings)
+        try:
+            return own_start(self, **kwargs)
+        finally:
+            self.mp_ctx = context
+
+    graphmode_start.__wrapped__ = own_start  # type: ignore[attr-defined]
+    _replace(worker, "start", graphmode_start)
     return device_types
 
 
+def _replace(owner: type, name: str, value: Any) -> None:
+    _ORIGINALS.setdefault((owner, name), owner.__dict__[name])
+    setattr(owner, name, value)
+
+
 def uninstall() -> None:
-    """Give every backend its own ``build_graph_runner`` back."""
+    """Give lmdeploy its own methods back."""
     while _ORIGINALS:
-        backend, original = _ORIGINALS.popitem()
-        setattr(backend, "build_graph_runner", original)  # noqa: B010 (the attribute of a class object)
+        (owner, name), original = _ORIGINALS.popitem()
+        setattr(owner, name, original)
