@@ -21,6 +21,7 @@ Run it with ``graphmode conformance``, or plug it into your own test tree::
 See docs/conformance.md.
 """
 
+from graphmode_conformance.back_to_back import BackToBackTests
 from graphmode_conformance.detection import DetectionTests
 from graphmode_conformance.draft import DraftModelTests
 from graphmode_conformance.equivalence import GraphEqualsEagerTests
@@ -39,11 +40,13 @@ from graphmode_conformance.outputs import MultiOutputTests
 from graphmode_conformance.piecewise import PiecewiseTests
 from graphmode_conformance.planning import PlanningStateTests
 from graphmode_conformance.pool import MemoryPoolTests
+from graphmode_conformance.served_memory import ServedMemoryTests
 from graphmode_conformance.step_inputs import StepInputsTests
 from graphmode_conformance.unseen import UnseenByOutputsTests
 from graphmode_conformance.variants import GraphVariantTests
 
 __all__ = [
+    "BackToBackTests",
     "CapabilityTests",
     "ConformanceFailure",
     "ConformanceFixtures",
@@ -63,6 +66,7 @@ __all__ = [
     "ParameterUpdateTests",
     "PiecewiseTests",
     "PlanningStateTests",
+    "ServedMemoryTests",
     "Sizes",
     "StepInputsTests",
     "UnseenByOutputsTests",
@@ -78,6 +82,8 @@ class ConformanceTests(
     GraphVariantTests,
     PlanningStateTests,
     MultiOutputTests,
+    BackToBackTests,
+    ServedMemoryTests,
     MemoryPoolTests,
     MultiTokenDecodeTests,
     PiecewiseTests,
