@@ -19,6 +19,7 @@ from typing import Any
 from weakref import WeakSet
 
 import acme_vendor as acme
+import plugins.zeta as zeta
 import torch
 
 import graphmode.default as cuda
@@ -28,6 +29,8 @@ import graphmode_maca.plugin as maca
 import graphmode_ppu.plugin as ppu
 from graphmode import buffers, hookimpl
 from graphmode.buckets import next_power_of_2, smallest_bucket
+from graphmode.emulator import stream_order
+from graphmode.emulator.capture import named_arguments
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.model import ReferenceAttentionOps
 from graphmode.model.ops import attend, owned_positions, token_rows
@@ -1039,3 +1042,170 @@ BROKEN.update(ISSUE_40)
 CAUGHT_LATE.update(ISSUE_40_CAUGHT_LATE)
 OPTIONS.update({name: ["-k", keyword] for name, keyword in ISSUE_40_CAUGHT_LATE.items()})
 globals().update(ISSUE_40)
+
+
+# -- Issue 40's classes (suite B): bugs that right outputs on the emulator hid --
+#    One block, appended, so that it merges beside other additions.
+
+
+# 57. A copy of the outputs kept per token count ("a stable tensor per size
+#     for the engine"): right results, but graph memory grows at the first
+#     step of every new size, past what plan_memory() said.
+@hookimpl
+def _outputs_copied_per_token_count(meta, batch_size, num_tokens):
+    copies = meta.vendor_state.setdefault("output_copies", {})
+    output = meta.output_buffers["output"][:, :num_tokens]
+    if num_tokens not in copies:
+        copies[num_tokens] = torch.empty_like(output)
+    return copies[num_tokens].copy_(output)
+
+
+# 58. A decode kernel built for float16 given every 16-bit cache: a bfloat16
+#     cache read through .view(torch.float16), same width, other bits.
+class _Float16KernelOps(ReferenceAttentionOps):
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        if k_cache.element_size() != 2:
+            return super().paged_decode_attention(query, k_cache, v_cache, attn, scale)
+        half = super().paged_decode_attention(
+            query.to(torch.float16), k_cache.view(torch.float16), v_cache.view(torch.float16), attn, scale)
+        return half.to(query.dtype)
+
+
+@hookimpl
+def _float16_kernel_ops():
+    return _Float16KernelOps()
+
+
+# 59. Zeta's kernel on a runtime that keeps each captured call's host kv
+#     lengths in parameter memory of its own, bucket rows, which an update
+#     writes as many rows of as it is given (as a device runtime keeps a
+#     launch's arguments); the update hook planted with graph.update(lens[:batch]):
+#     padding rows keep an earlier, larger batch's lengths. Harmless for
+#     Zeta's kernel, which masks padding rows by their table; wrong for one
+#     that reads padding rows (a split plan over every row's length).
+@torch.library.custom_op("broken_plugins::paged_decode_from_parameters", mutates_args=())
+def _decode_from_parameters(query: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                            block_offsets: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Zeta's decode kernel reading its kv lengths from parameter memory."""
+    return torch.ops.zeta.paged_decode(query, k_blocks, v_blocks, block_offsets, kv_lens.tolist(), scale)
+
+
+@_decode_from_parameters.register_fake
+def _(query, k_blocks, v_blocks, block_offsets, kv_lens, scale):
+    return torch.empty_like(query)
+
+
+class ParameterMemoryGraph(zeta.ZetaEmulatedGraph):
+    """Zeta's emulated runtime, its decode calls' host kv lengths held in
+    parameter memory of the graph (one int64 tensor of the capture's rows
+    per call); :meth:`update_kv_lens` writes the rows it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.parameters: list[torch.Tensor] = []
+
+    def record_call(self, session, func, args, kwargs):
+        if func is not torch.ops.zeta.paged_decode.default:
+            return session.record(func, args, kwargs)
+        named = named_arguments(func, args, kwargs)
+        memory = torch.tensor(named.pop("kv_lens"), dtype=torch.int64)  # the runtime's, outside the capture
+        self.parameters.append(memory)
+        return session.record(torch.ops.broken_plugins.paged_decode_from_parameters.default, (),
+                              {**named, "kv_lens": memory})
+
+    def update_kv_lens(self, lens):
+        for memory in self.parameters:
+            memory[:len(lens)] = torch.tensor(lens, dtype=torch.int64)
+
+    def reset(self):
+        self.parameters = []
+        return super().reset()
+
+
+@hookimpl
+def _parameter_memory_graph(meta):
+    return ParameterMemoryGraph() if meta.device.type == "cpu" else None
+
+
+@hookimpl
+def _update_with_the_batch_rows(graph, meta, batch_size, bucket):
+    lens = meta.input_buffers[zeta.HOST_LENS][:bucket].tolist()
+    graph.update_kv_lens(lens[:batch_size])  # "the padding rows are masked anyway"
+
+
+#: The runtime above with Zeta's own update hook (every row of the bucket pushed): it passes.
+parameter_memory_original = variant(zeta, "parameter_memory_original", graphmode_make_graph=_parameter_memory_graph)
+
+
+# 60. A graph class replaying on a stream of its own ("so that the replay
+#     overlaps the host's next step"), never made to wait for the stream
+#     the step's inputs were copied on: right while steps are synchronised;
+#     on a busy GPU the replay reads the previous step's inputs.
+class _SideStreamGraph(DeviceGraph):
+    def __init__(self, device):
+        self.inner = make_device_graph(device)
+        self.on_cuda = torch.device(device).type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.on_cuda else stream_order.Stream("the graph's replay stream")
+
+    def capture_begin(self, pool=None):
+        self.inner.capture_begin(pool)
+
+    def capture_end(self):
+        self.inner.capture_end()
+
+    def replay(self):
+        with torch.cuda.stream(self.stream) if self.on_cuda else stream_order.use(self.stream):
+            self.inner.replay()
+
+    def reset(self):
+        self.inner.reset()
+
+    def pool(self):
+        return self.inner.pool()
+
+
+@hookimpl
+def _side_stream_graph(meta):
+    return _SideStreamGraph(meta.device)
+
+
+# 61. kv lengths staged through ONE pinned host buffer, rewritten at every
+#     step while the copy from it may still be in flight ("pinned, so the
+#     copy is asynchronous"): right when steps are synchronised; steps
+#     issued back to back read a later step's lengths.
+@hookimpl(wrapper=True)
+def _lengths_through_one_pinned_buffer(meta, inputs, batch_size, bucket):
+    result = yield
+    host = inputs.attn_metadata.kv_seqlens_cpu
+    if host is None:
+        return result
+    pinned = meta.vendor_state.get("pinned_lengths")
+    if pinned is None:
+        pinned = meta.vendor_state["pinned_lengths"] = buffers.host_zeros(
+            meta, (meta.max_batchs,), meta.input_buffers["kv_seqlens"].dtype, pinned=True)
+    pinned[:batch_size].copy_(host)
+    meta.input_buffers["kv_seqlens"][:batch_size].copy_(pinned[:batch_size], non_blocking=True)
+    return result
+
+
+BROKEN_SUITE_B = {
+    "replay_on_an_unordered_stream": variant(cuda, "replay_on_an_unordered_stream",
+                                             graphmode_make_graph=_side_stream_graph),
+    "one_pinned_buffer_for_every_step": variant(
+        camb, "one_pinned_buffer_for_every_step", graphmode_fill_buffers=_lengths_through_one_pinned_buffer),
+    "pushed_rows_of_the_batch_into_parameter_memory": variant(
+        parameter_memory_original, "pushed_rows_of_the_batch_into_parameter_memory",
+        graphmode_update_graph_params=_update_with_the_batch_rows),
+    "output_copies_per_token_count": variant(
+        cuda, "output_copies_per_token_count", graphmode_get_outputs=_outputs_copied_per_token_count),
+    "bfloat16_cache_read_as_float16": variant(
+        cuda, "bfloat16_cache_read_as_float16", graphmode_attention_ops=_float16_kernel_ops),
+}
+CAUGHT_LATE_SUITE_B = {
+    "output_copies_per_token_count": "every_batch_size_is_served",
+    "one_pinned_buffer_for_every_step": "back_to_back",
+}
+BROKEN.update(BROKEN_SUITE_B)
+CAUGHT_LATE.update(CAUGHT_LATE_SUITE_B)
+OPTIONS.update({name: ["-k", keyword] for name, keyword in CAUGHT_LATE_SUITE_B.items()})
+globals().update(BROKEN_SUITE_B)

@@ -332,6 +332,37 @@ DIAGNOSES = {
         "Hook: graphmode_check_config (or GraphSpec.max_q_len) must refuse every max_q_len above what the kernels "
         "take, counting the bonus token",
     ),
+    # Issue 40's classes (suite B).
+    "output_copies_per_token_count": (
+        "[served memory] vendor cuda on cpu: plan_memory() planned",
+        "once every batch size 1..12 had been served",
+        "none more after serving every size again: memory kept per size",
+        "copies of the outputs kept per token count. Hook: graphmode_get_outputs",
+    ),
+    "pushed_rows_of_the_batch_into_parameter_memory": (
+        "[pushed host values] vendor zeta on cpu, batch 19, bucket 20 (replay): after graphmode_update_graph_params "
+        "the graph's broken_plugins.paged_decode_from_parameters.default (call 1 of 2) reads kv_lens (memory of the "
+        "graph's own, int64)",
+        "padding rows 19..19 hold [9], not what buffer zeta_kv_lens holds there ([1], its declared padding 1)",
+        "Hook: graphmode_update_graph_params must push every row up to the bucket",
+    ),
+    "replay_on_an_unordered_stream": (
+        "[graph equals eager] vendor cuda on cpu, batch 6, bucket 6, step 2 (replay): the runner raised ReplayError "
+        "in _SideStreamGraph.replay() (the graph graphmode_make_graph returned)",
+        "replayed on <the graph's replay stream>, which is not ordered after the step's input copies on <the "
+        "default stream>",
+    ),
+    "one_pinned_buffer_for_every_step": (
+        "[steps back to back] vendor camb on cpu, step 2 of 8 (batch 7, issued while the steps before it may still "
+        "run): the runner raised ReplayError in graphmode_fill_buffers (plugin camb): pinned host memory rewritten "
+        "while a copy from it is in flight",
+        "in _lengths_through_one_pinned_buffer",
+    ),
+    "bfloat16_cache_read_as_float16": (
+        "[kernels] vendor cuda: with the model and its KV cache in bfloat16",
+        "with a float16 cache the same steps agree: the bfloat16 cache is read as float16",
+        "Hook: graphmode_attention_ops must read the cache in its own dtype",
+    ),
 }
 
 
@@ -462,6 +493,17 @@ def test_a_pushed_host_list_of_the_batch_not_the_bucket_is_caught(tmp_path):
     assert "[pushed host values] vendor zeta on cpu, batch 19, bucket 20 (replay)" in message, message
     assert "19 values, this step's live rows of zeta_kv_lens, but the graph was captured with 20 rows" in message, message
     assert "(meta.input_buffers['zeta_kv_lens'][:bucket], not [:batch_size])" in message, message
+
+
+def test_a_runtime_keeping_pushed_lengths_in_parameter_memory_passes_with_every_row_pushed(tmp_path):
+    """The runtime of pushed_rows_of_the_batch_into_parameter_memory with
+    Zeta's own update (every row of the bucket): its graph-owned lengths
+    hold the declared padding, and the check passes."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "broken_plugins:parameter_memory_original",
+                               "-k", "pushed_host or new_host_values")
+    assert status == 0, failures(report)
+    ran = {r["test"]: r["outcome"] for run in report["runs"] for r in run["records"]}
+    assert ran["test_pushed_host_values_hold_padding_in_padding_rows"] == "passed", ran
 
 
 def test_a_push_into_one_kernel_call_of_several_names_the_call_left_stale(tmp_path):

@@ -21,6 +21,7 @@ Run it with ``graphmode conformance``, or plug it into your own test tree::
 See docs/conformance.md.
 """
 
+from graphmode_conformance.back_to_back import BackToBackTests
 from graphmode_conformance.capture_policy import CapturePolicyTests
 from graphmode_conformance.detection import DetectionTests
 from graphmode_conformance.dist_backend import DistributedBackendTests
@@ -43,12 +44,14 @@ from graphmode_conformance.outputs import MultiOutputTests
 from graphmode_conformance.piecewise import PiecewiseTests
 from graphmode_conformance.planning import PlanningStateTests
 from graphmode_conformance.pool import MemoryPoolTests
+from graphmode_conformance.served_memory import ServedMemoryTests
 from graphmode_conformance.step_inputs import StepInputsTests
 from graphmode_conformance.token_limits import TokenLimitTests
 from graphmode_conformance.unseen import UnseenByOutputsTests
 from graphmode_conformance.variants import GraphVariantTests
 
 __all__ = [
+    "BackToBackTests",
     "CapabilityTests",
     "CapturePolicyTests",
     "ConformanceFailure",
@@ -72,6 +75,7 @@ __all__ = [
     "ParameterUpdateTests",
     "PiecewiseTests",
     "PlanningStateTests",
+    "ServedMemoryTests",
     "Sizes",
     "StepInputsTests",
     "TokenLimitTests",
@@ -95,6 +99,8 @@ class ConformanceTests(
     GraphVariantTests,
     PlanningStateTests,
     MultiOutputTests,
+    BackToBackTests,
+    ServedMemoryTests,
     MemoryPoolTests,
     MultiTokenDecodeTests,
     PiecewiseTests,

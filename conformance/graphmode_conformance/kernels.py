@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphmode.model import ReferenceAttentionOps, build_reference_model
+from graphmode.model import ModelConfig, ReferenceAttentionOps, build_reference_model
 from graphmode.piecewise.breaks import kernels_taking_out
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
@@ -25,6 +25,9 @@ _TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 # them (split-KV); the harness's graphs hold at most table width x block size (128) tokens.
 LONG = 1024
 _LONG_CHUNKS = (400, 300, 200, 128)  # LONG + 4 tokens
+# The 16-bit cache dtypes engines serve with: same width, other bits (a kernel
+# built for one reads the other's cache as garbage, with no error).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class KernelTests(ConformanceFixtures):
@@ -76,6 +79,58 @@ class KernelTests(ConformanceFixtures):
                         f"attention ops give logits differing from graphmode's reference kernels by {difference:.3g} "
                         f"(tolerance {tolerance:g} relative to the largest logit), most at token {token}. {kernel}{hint}"
                     )
+
+    def test_the_kernels_read_each_16_bit_cache_as_its_own_dtype(self, harness, vendor):
+        """The same check in float16 and in bfloat16, whatever the suite's
+        ``--dtype``: model, weights and KV cache in that dtype, a prefill and
+        two decode steps on the vendor's ops and on the reference kernels.
+        float16 and bfloat16 have the same width, so a kernel that takes one
+        for the other (a ``.view(torch.float16)`` of a bfloat16 cache, a
+        kernel built for half only given the cache's pointer) reads every
+        cached value as another number, with no error."""
+        right, wrong = [], {}
+        for dtype in HALF_DTYPES:
+            config = ModelConfig.tiny(dtype)
+            options = getattr(harness.runner.config, "vendor_options", None)
+            ours = build_reference_model(config, vendor, harness.device, seed=3, vendor_options=options)
+            theirs = build_reference_model(config, ops=ReferenceAttentionOps(), device=harness.device, seed=3)
+            engine = type(harness.engine)(harness.sizes.cache_blocks, harness.sizes.block, harness.device,
+                                          vocab_size=config.vocab_size, table_width=None, seed=5)
+            caches = [model.make_kv_cache(harness.sizes.cache_blocks, harness.sizes.block) for model in (ours, theirs)]
+            seqs = [engine.add() for _ in range(3)]
+            steps = [("prefill", engine.prefill(seqs, [5, 17, 30]))]
+            steps += [(f"decode {i + 1}", engine.decode(seqs)) for i in range(2)]
+            tolerance = _TOLERANCE[dtype]
+            with torch.inference_mode():
+                for name, step in steps:
+                    args = (step.input_ids, step.position_ids)
+                    got = ours(*args, caches[0], step.attn_metadata).float()
+                    want = theirs(*args, caches[1], step.attn_metadata).float()
+                    difference = (got - want).abs().max().item()
+                    if not difference <= tolerance * max(1.0, want.abs().max().item()):
+                        wrong[dtype] = (name, difference, tolerance)
+                        break
+                else:
+                    right.append(dtype)
+        if not wrong:
+            return
+        dtype, (name, difference, tolerance) = next(iter(wrong.items()))
+        named = str(dtype).removeprefix("torch.")
+        if right:
+            other = str(right[0]).removeprefix("torch.")
+            how = (f"with a {other} cache the same steps agree: the {named} cache is read as {other} (same width, "
+                   f"other bits: a .view(torch.{other}) of the cache, or a kernel built for {other} only given the "
+                   f"cache's pointer). Hook: graphmode_attention_ops must read the cache in its own dtype "
+                   f"(k_cache.dtype), or refuse a dtype its kernels do not take with an error naming it")
+        else:
+            how = ("with either 16-bit cache the steps differ: the kernels compute another result in 16 bits than in "
+                   "their reference (an accumulation in the cache's dtype, a cast of the cache to another 16-bit "
+                   "type). Hook: graphmode_attention_ops")
+        raise ConformanceFailure(
+            f"[kernels] vendor {vendor.name}{harness.variant}: with the model and its KV cache in {named}, the "
+            f"{name} step (eager) gives logits differing from graphmode's reference kernels by {difference:.3g} "
+            f"(tolerance {tolerance:g} relative to the largest logit); {how}"
+        )
 
     def test_a_kernel_taking_out_writes_what_it_returns_without_it(self, harness, vendor):
         """``prefill_attention`` and ``paged_decode_attention`` may take

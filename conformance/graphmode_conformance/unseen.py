@@ -64,6 +64,25 @@ def _host_lists(graph: EmulatedGraph) -> list[tuple[str, str, list]]:
     return _numbered(graph.host_arguments())
 
 
+def _pushed_values(graph: EmulatedGraph, meta: Any, bucket: int) -> list[tuple[str, str, list]]:
+    """What ``graphmode_update_graph_params`` may have pushed into the graph,
+    as (operator, argument, values): the host lists its kernels read, and the
+    integer tensors of ``bucket`` values they read from memory of the graph's
+    (or its runtime's) own, no declared buffer's: a runtime that keeps a
+    launch's host arguments in parameter memory, where an update writes as
+    many rows as it is given and the rest keep what an earlier update wrote."""
+    declared = {tensor.untyped_storage().data_ptr() for tensor in meta.input_buffers.values()}
+    owned = []
+    for op, argument, tensor in graph.held_arguments():
+        if tensor.dtype.is_floating_point or tensor.dtype == torch.bool or tensor.numel() != bucket:
+            continue
+        if tensor.untyped_storage().data_ptr() in declared:
+            continue  # a declared buffer: the declared-buffer checks hold it to its padding
+        owned.append((op, f"{argument} (memory of the graph's own, {str(tensor.dtype).removeprefix('torch.')})",
+                      tensor.detach().cpu().reshape(-1).tolist()))
+    return _host_lists(graph) + _numbered(owned)
+
+
 def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
     """After a replay of ``batch`` sequences: every host list of the bucket's
     graph whose live rows are a declared per-sequence buffer's live rows holds
@@ -96,7 +115,7 @@ def check_pushed_host_values(harness: Harness, batch: int, state: dict) -> None:
         if not spec.per_token and meta.input_buffers[spec.name].dim() == 1
     }
     host = {spec.name for spec in declared if spec.host}
-    for op, argument, values in _host_lists(graph):
+    for op, argument, values in _pushed_values(graph, meta, bucket):
         if len(values) == batch < bucket:
             short_list(harness, batch, bucket, op, argument, values, rows, host)
         if len(values) != bucket:

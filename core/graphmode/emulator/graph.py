@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from graphmode.emulator import in_flight
 from graphmode.emulator.capture import CaptureSession, named_arguments
 from graphmode.emulator.recording import OpRecord, compile_steps
 from graphmode.emulator.stream import launch, synchronize
+from graphmode.emulator.stream_order import check_replay_ordered
 from graphmode.errors import CaptureError, ReplayError
 from graphmode.graphs.base import DeviceGraph
 
@@ -115,6 +117,8 @@ class EmulatedGraph(DeviceGraph):
     def replay(self) -> None:
         if self._state != "captured":
             raise ReplayError(f"replay of a graph that is {self._state}; capture it first")
+        check_replay_ordered(self)  # on a stream that waited for the step's inputs
+        in_flight.check()  # no copy it may read from pinned memory rewritten while in flight
         launch(functools.partial(_run, self._compiled))  # at once, or on the device thread (emulator.stream)
         self.replays += 1
 
@@ -156,6 +160,24 @@ class EmulatedGraph(DeviceGraph):
             for name, value in named_arguments(step.func, step.args, step.kwargs).items():
                 if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
                     found.append((str(step.func), name, list(value)))
+        return found
+
+    def held_arguments(self) -> list[tuple[str, str, torch.Tensor]]:
+        """The tensors this graph's kernels (every recorded call of an
+        operator outside ``aten``) read at replay that its capture did not
+        allocate, as (operator, argument, tensor), each a view of the memory
+        the call reads: memory that existed before the capture or beside it
+        (declared buffers, the KV cache, weights, a runtime's own parameter
+        memory that its updates write, as a device runtime keeps a launch's
+        arguments). Read live: what the last update wrote shows here."""
+        allocated = {storage.data_ptr() for storage in self.allocated_storages()}
+        found = []
+        for step in _walk(self._steps):
+            if not isinstance(step, OpRecord) or getattr(step.func, "namespace", "aten") in ("aten", "prims"):
+                continue
+            for name, value in named_arguments(step.func, step.args, step.kwargs).items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in allocated:
+                    found.append((str(step.func), name, value))
         return found
 
     def host_scalars(self) -> list[tuple[str, str, int]]:

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from graphmode.emulator import in_flight
 from graphmode.emulator.capture import HostReadGuard, call_site
-from graphmode.emulator.host import is_host
+from graphmode.emulator.host import is_host, is_pinned_host
+from graphmode.emulator.stream_order import note_inputs_written
 from graphmode.errors import ReplayError
 
 __all__ = ["ReplayHostReadGuard", "copies_to_host", "host_read_error"]
@@ -50,11 +52,18 @@ class ReplayHostReadGuard:
 
     def __init__(self) -> None:
         self.hook = "the replay step"
-        self._mode = _ReplayMode(self._refuse)
+        self._mode = _ReplayMode(self._refuse, self._where)
 
     def running(self, hook: str) -> None:
-        """Name what runs from now on in this step (a hook's name)."""
+        """Name what runs from now on in this step (a hook's name). The end
+        of ``graphmode_fill_buffers`` is where the step's inputs have been
+        written, on the current stream (``stream_order``)."""
+        if self.hook == "graphmode_fill_buffers" and hook != self.hook:
+            note_inputs_written()
         self.hook = hook
+
+    def _where(self) -> str:
+        return f"{self.hook}, called at {call_site()}"
 
     def __enter__(self) -> ReplayHostReadGuard:
         self.hook = "the replay step"
@@ -73,13 +82,24 @@ class ReplayHostReadGuard:
 
 
 class _ReplayMode(HostReadGuard):
-    """:class:`HostReadGuard`, plus copies of device memory into host memory."""
+    """:class:`HostReadGuard`, plus copies of device memory into host memory;
+    non-blocking copies from pinned host memory are noted as in flight
+    (``in_flight``, while tracked)."""
+
+    def __init__(self, refuse: Any, where: Any) -> None:
+        super().__init__(refuse)
+        self.where = where
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         copied = copies_to_host(func, args, kwargs)
         if copied is not None:
             raise self.refuse(copied)
+        if in_flight.tracking() and getattr(func, "__name__", "") == "copy_" and len(args) >= 2:
+            destination, source = args[0], args[1]
+            if (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) and isinstance(source, torch.Tensor) \
+                    and is_pinned_host(source) and not is_host(destination):
+                in_flight.issued(source, self.where())
         return super().__torch_function__(func, types, args, kwargs)
 
 

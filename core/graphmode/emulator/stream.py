@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from graphmode.emulator import in_flight as pinned_copies
+
 __all__ = ["Event", "asynchronous", "in_flight", "launch", "synchronize"]
 
 
@@ -121,14 +123,17 @@ class Event:
 
     def __init__(self) -> None:
         self._reached: threading.Event | None = None
+        self._copies = 0  # the copies in flight it orders (emulator.in_flight)
 
     def record(self) -> Event:
         self._reached = _active[-1].marker() if _active else None
+        self._copies = pinned_copies.mark()
         return self
 
     def synchronize(self) -> None:
         if self._reached is not None:
             self._reached.wait()
+        pinned_copies.complete(self._copies)
         _raise_device_error()
 
     def query(self) -> bool:
