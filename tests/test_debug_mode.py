@@ -89,7 +89,8 @@ CASES = {
         r"sequence 1 has kv_seqlens_cpu=23 on the host but kv_seqlens=22 on the device"),
     "query lengths not one": (
         lambda step: {"q_seqlens": torch.tensor([1, 2, 0], dtype=torch.int32)},
-        r"sequence 1 \(row 1\) has q_seqlens=2, but this graph decode step has 1 new token\(s\) per sequence"),
+        # A maximum below a length is named first (issue 40): it is what let the step pass as uniform.
+        r"max_q_seq_len=1, but sequence 1 has q_seqlens=2: the maximum understates the step's query lengths"),
 }
 
 

@@ -147,8 +147,10 @@ def test_a_host_built_verify_step_whose_lengths_are_not_its_graphs_is_refused(mo
     if wrong == "q_seqlens":
         step = setup.engine.decode(seqs, [1, 3, 2])
         changes = {"max_q_seq_len": 2}
-        message = (r"^sequence 0 \(row 0\) has q_seqlens=1, but this graph decode step has 2 new token\(s\) per "
-                   r"sequence \(6 tokens for 3 sequences, max_q_seq_len=2\); pass the step's real q_seqlens")
+        # The understated maximum is named first (issue 40): it is what let the step pass as uniform.
+        message = (r"^max_q_seq_len=2, but sequence 1 has q_seqlens=3: the maximum understates the step's query "
+                   r"lengths, so its 6 tokens for 3 sequences \(batch x max_q_seq_len\) passed as a decode step of 2 "
+                   r"token\(s\) per sequence.*Pass the step's real max_q_seq_len \(the largest q_seqlens, 3\)")
     else:
         step = setup.engine.decode(seqs, 2)
         changes = {"q_start_loc": mark_host(torch.tensor([2, 4, 6], dtype=torch.int32))}

@@ -10,7 +10,9 @@ launch themselves. :class:`NativeSteps` remembers each replay step the
 Python path took and, for a later step of the same layout, does the same
 in C++: it checks what can differ from step to step (every tensor's sizes,
 dtype and device; the usual decode's host maxima; the KV cache's tensors
-and addresses; on the emulator, which tensors are host memory), then runs
+and addresses; the addresses of the model's parameters and buffers the
+graphs captured, ``Addresses``; on the emulator, which tensors are host
+memory), then runs
 the same copies, the same replay and returns the same output view. Any
 difference, and it returns None without an effect: the Python path takes
 the step, with its checks and errors. So errors exist once, in Python.
@@ -120,12 +122,15 @@ class NativeSteps:
     ``step(...)`` is the memo's: the output of a remembered step, or None;
     it counts its replays in ``stats`` as the Python path does. :meth:`learn`
     is called by the Python path after each replay step it took;
-    :meth:`clear` on every capture and reset."""
+    :meth:`clear` on every capture and reset. ``addresses``: the module's
+    ``Addresses`` of the captured parameters and buffers
+    (``graphmode.runner.weight_memory.WeightMemory.addresses``), or None:
+    a step where one moved goes to the Python path, which refuses it."""
 
     def __init__(self, module: Any, lock: Any, staging: Any, emulated: bool, limits: tuple[int, int],
-                 stats: Any, variant: str) -> None:
+                 stats: Any, variant: str, addresses: Any = None) -> None:
         marks = (lambda tensors: tuple(map(is_host, tensors))) if emulated else None
-        self.memo = module.Memo(AttnMetadata, list(REQUIRED_TENSORS), lock, staging, marks, stats, variant)
+        self.memo = module.Memo(AttnMetadata, list(REQUIRED_TENSORS), lock, staging, marks, stats, variant, addresses)
         self.step = self.memo.step
         self._marks = marks
         self._staging = staging

@@ -131,12 +131,55 @@ class Ring {
   std::vector<bool> pending_;
 };
 
+// The model's parameters and buffers that the graphs captured, and their
+// addresses then (graphmode.runner.weight_memory.WeightMemory holds it). A
+// graph keeps reading the memory it captured, so a tensor given new memory
+// since (param.data = new, tensor.set_(...)) leaves every replay reading the
+// old: moved() finds it, in a loop of a few nanoseconds per tensor (the
+// tensors are held, so the address is read from the same TensorImpl the
+// model's Parameter object wraps; no Python object is touched).
+class Addresses {
+ public:
+  void hold(std::vector<at::Tensor> tensors) {
+    tensors_ = std::move(tensors);
+    pointers_.clear();
+    pointers_.reserve(tensors_.size());
+    for (const auto& tensor : tensors_) pointers_.push_back(address(tensor));
+  }
+
+  void clear() {
+    tensors_.clear();
+    pointers_.clear();
+  }
+
+  // The index of the first held tensor whose memory moved since hold(), or -1.
+  int64_t moved() const {
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      if (address(tensors_[i]) != pointers_[i]) return static_cast<int64_t>(i);
+    }
+    return -1;
+  }
+
+  size_t size() const { return tensors_.size(); }
+
+ private:
+  // const_data_ptr (no copy-on-write materialisation); a tensor that lost its
+  // storage reads as null, a move like any other (never an exception mid-step).
+  static const void* address(const at::Tensor& tensor) {
+    return tensor.unsafeGetTensorImpl()->has_storage() ? tensor.const_data_ptr() : nullptr;
+  }
+
+  std::vector<at::Tensor> tensors_;
+  std::vector<const void*> pointers_;
+};
+
 class Memo {
  public:
   Memo(py::object attn_type, std::vector<std::string> names, py::object lock, py::object staging,
-       py::object host_marks, py::object stats, py::object variant)
+       py::object host_marks, py::object stats, py::object variant, py::object addresses)
       : attn_type_(attn_type), lock_(lock), staging_(staging), host_marks_(host_marks), stats_(stats),
-        variant_(variant) {
+        variant_(variant), addresses_object_(addresses) {
+    if (!addresses_object_.is_none()) addresses_ = addresses_object_.cast<Addresses*>();
     for (const auto& name : names) names_.emplace_back(py::str(name));
     acquire_ = lock_.attr("acquire");
     release_ = lock_.attr("release");
@@ -205,6 +248,8 @@ class Memo {
     std::shared_ptr<Entry> owned = found->second;  // alive through a reset() while the replay runs without the GIL
     Entry& entry = *owned;
     if (!scalars_pass(attn, entry) || !same_cache(past_key_values, entry)) return py::none();
+    // A captured weight given new memory: the Python path refuses the step, naming it.
+    if (addresses_ != nullptr && addresses_->moved() >= 0) return py::none();
     if (!host_marks_.is_none()) {  // the emulator: which tensors are host memory is part of the layout
       py::tuple tensors(kTensors);
       for (int i = 0; i < kTensors; ++i) tensors[i] = held[i];
@@ -373,6 +418,8 @@ class Memo {
   int slots_ = 1;
   py::object host_marks_;
   py::object stats_, variant_;
+  py::object addresses_object_;  // keeps addresses_ alive
+  Addresses* addresses_ = nullptr;
   py::str replays_name_{"replays"}, real_name_{"real_tokens"}, padded_name_{"padded_tokens"};
   py::str by_q_len_name_{"replays_by_q_len"}, by_variant_name_{"replays_by_variant"};
   py::int_ one_{1};
@@ -390,8 +437,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("wait", &Ring::wait, py::call_guard<py::gil_scoped_release>())
       .def("ready", &Ring::ready)
       .def_property_readonly("slot", &Ring::slot);
+  py::class_<Addresses>(module, "Addresses")
+      .def(py::init<>())
+      .def("hold", &Addresses::hold)
+      .def("clear", &Addresses::clear)
+      .def("moved", &Addresses::moved)
+      .def("__len__", &Addresses::size);
   py::class_<Memo>(module, "Memo")
-      .def(py::init<py::object, std::vector<std::string>, py::object, py::object, py::object, py::object, py::object>())
+      .def(py::init<py::object, std::vector<std::string>, py::object, py::object, py::object, py::object, py::object,
+                    py::object>())
       .def("learn", &Memo::learn)
       .def("step", &Memo::step)
       .def_property_readonly("replays", &Memo::replays)

@@ -240,6 +240,7 @@ class PiecewiseGraphs:
                 what += f", {shared.variant_label}"
             capture_failed(error, shared, meta, bucket, what, self.setting)
         shared.adopt_pool(capture.pool)  # one pool for every graph of the runner, full and piecewise
+        shared.weights.hold(shared.model)  # the first capture's addresses, which every graph step checks
         flatten = cache_flattener(static.past_key_values)
         frozen = shared.frozen_extras(inputs.extras)
         graph = self._current()[bucket] = PiecewiseGraph(

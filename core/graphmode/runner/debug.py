@@ -258,9 +258,21 @@ def check_uniform_step(attn: AttnMetadata, batch: int, tokens: int, q_lens: torc
     engine's other values ran silently, and eager steps of the same inputs
     gave other results. Debug mode checks every graph step; without it, a
     host-built step of several tokens per sequence is checked
-    (``FullGraphs.run``: host tensors, no synchronisation)."""
+    (``FullGraphs.run``: host tensors, no synchronisation). A length above
+    ``max_q_seq_len`` is named first: a maximum that understates the step's
+    query lengths is how an unequal step (``[3, 1]`` under 2) passes as
+    uniform."""
     q_len = tokens // batch
     rows = torch.arange(batch)
+    q_max = attn.max_q_seq_len
+    if q_max >= 0:
+        _first(q_lens > q_max, lambda r: (
+            f"max_q_seq_len={q_max}, but sequence {r} has q_seqlens={int(q_lens[r])}: the maximum understates the "
+            f"step's query lengths, so its {tokens} tokens for {batch} sequences (batch x max_q_seq_len) passed as "
+            f"a decode step of {q_len} token(s) per sequence, whose graph replays {q_len} for every sequence "
+            "while eager steps read the real lengths. Pass the step's real max_q_seq_len (the largest q_seqlens, "
+            f"{int(q_lens.max())}): a step of unequal query lengths then runs eagerly (piecewise in "
+            "execute_mode='full_and_piecewise')"), prefix)
     _first(q_lens != q_len, lambda r: (
         f"sequence {r} (row {r}) has q_seqlens={int(q_lens[r])}, but this graph decode step has "
         f"{q_len} new token(s) per sequence ({tokens} tokens for {batch} sequences, "

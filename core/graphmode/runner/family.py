@@ -31,6 +31,7 @@ from graphmode.runner.compile import compiled_forward
 from graphmode.runner.debug import StepChecker
 from graphmode.runner.host_fields import HostFields
 from graphmode.runner.stats import RunnerStats
+from graphmode.runner.weight_memory import WeightMemory
 from graphmode.spec import GraphSpec
 from graphmode.staging import staging_refusal
 from graphmode.variants import PLAIN, GraphVariants
@@ -132,6 +133,8 @@ class Shared:
         of every batch size (``bucket_of[batch]``). pool: the one memory pool
         of every graph of the runner (and of the runners sharing it:
         ``pool_share``), set by the first capture. debug: the step checker in debug mode.
+    weights: the addresses of the model's parameters and buffers at the
+        first capture (``graphmode.runner.weight_memory``).
     ranks: the :class:`graphmode.distributed.RankSync` of a tensor-parallel
         runner. declared_extras: the engine's declared step inputs (model
         keywords with a buffer, copied in every step rather than frozen).
@@ -167,6 +170,9 @@ class Shared:
         self.families: Sequence[GraphFamily] = ()
         self.meta: GraphMeta | None = None
         self.debug = StepChecker(model, config.block_size) if config.debug else None
+        #: The model's parameters and buffers the graphs captured, and their addresses: every family's
+        #: captures hold them, every graph step checks them (the native step too), reset() forgets them.
+        self.weights = WeightMemory()
         #: Where the KV cache first meets the runner: every step, warmup() and every capture.
         self.cache_fit = CacheFit(model, config.block_size)
         #: Why the vendor cannot stage this runner's inputs on the host, or None.

@@ -303,7 +303,8 @@ class FullGraphs:
             return
         config = shared.config
         self.native = NativeSteps(module, shared.lock, self.staging, config.device.type == "cpu",
-                                  (config.max_blocks_per_seq, config.block_size), shared.stats, PLAIN)
+                                  (config.max_blocks_per_seq, config.block_size), shared.stats, PLAIN,
+                                  shared.weights.addresses)
         self.native_step = self.native.step
 
     def result(self, captured: CapturedGraph, batch: int) -> Any:
@@ -374,6 +375,7 @@ class FullGraphs:
         except Exception as error:
             capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting)
         shared.adopt_pool(graph.pool())
+        shared.weights.hold(shared.model)  # the first capture's addresses, which every graph step checks
         if self.native is not None:  # a new graph: steps learn again
             self.native.clear()
         flatten = cache_flattener(static.past_key_values)

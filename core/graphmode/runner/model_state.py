@@ -190,8 +190,9 @@ class EagerRebinds:
     step is refused until ``runner.reset()``. Tensor identities only, around
     eager steps that run while graphs are captured, and PyTorch's global
     parameter and buffer registration hooks for the model's modules, which
-    cost nothing per step (debug mode checks the addresses at every replay:
-    ``param.data = new`` registers nothing). ``graphs_exist()`` says whether
+    cost nothing per step (``param.data = new`` registers nothing: new memory
+    under the same objects is ``graphmode.runner.weight_memory``'s, checked
+    at every graph step). ``graphs_exist()`` says whether
     graphs are captured; ``on_change()`` runs when a registration is noted
     (the runner forgets its native replays, which skip :meth:`check`)."""
 

@@ -194,7 +194,9 @@ class GraphRunner:
         for family in self.families:
             reason = family.refusal(inputs, batch, q_len)
             if reason is None:
-                self._rebinds.check()
+                self._rebinds.check()  # new tensor objects (registration hooks)
+                if self._shared.debug is None:  # debug mode checks every captured address itself, naming the graph
+                    self._shared.weights.check()  # new memory under the same objects (param.data = new)
                 return family.run(inputs, batch, q_len, on_host)
         ranks = self._shared.ranks
         if ranks is not None and ranks.check_replays and self.families:
@@ -328,6 +330,7 @@ class GraphRunner:
         for family in self.families:
             family.reset()
         self._rebinds = watched_rebinds(self)
+        self._shared.weights.forget()
         self._shared.release_pool()
         self._cache_fit.forget()
         module: Any = getattr(torch, self.config.device.type, None)
