@@ -19,6 +19,7 @@ import torch
 from graphmode.bench.cases import parse_cases
 from graphmode.bench.common import add_arguments
 from graphmode.bench.report import print_costs
+from graphmode.bench.startup import startup_modes
 from graphmode.cli.main import main
 
 CASES = "1x8,4x8,mix16+4,decode4"
@@ -196,3 +197,28 @@ def test_a_host_cost_that_noise_made_negative_is_printed_as_not_measurable(capsy
     assert ("    1 not measurable (noise: came out -1039.1 us, timings scatter by 812.5 us) "
             "(call 100.0, launch 1139.1)") in out
     assert "    2    50.0 us (call 150.0, launch 100.0)" in out
+
+
+def test_startup_prints_its_own_table_per_execute_mode_on_the_cpu(capsys, tmp_path):
+    """The start-up table (graphmode.bench.startup): plan, warm-up, first
+    step, wake and graph memory by family, per execute mode; on the CPU
+    the graph mode by default, and its figures in the JSON."""
+    out, results = run_bench(capsys, tmp_path, "--modes", "eager", "--batches", "1", "--steps", "1", "--warmup", "1")
+    assert "start-up per execute mode" in out and "graph memory by family" in out
+    row = results["startup"]["graph"]
+    assert row["graphs"] > 0 and row["plan_s"] > 0 and row["warmup_s"] > 0 and row["wake_s"] > 0
+    assert row["first_step_ms"] > 0 and set(row["families_bytes"]) == {"full"}
+    assert row["graph_memory_bytes"] == row["planned_bytes"] > 0  # the emulator's record: the plan is exact
+    assert re.search(r"^graph +\d+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+  full [\d.]+", out, re.M)
+
+
+@pytest.mark.parametrize(("text", "modes"), [(None, ["graph"]), ("none", []), ("piecewise,graph", ["piecewise", "graph"])])
+def test_startup_modes_default_to_graph_on_the_cpu(text, modes):
+    assert startup_modes(text, torch.device("cpu")) == modes
+    assert startup_modes(None, torch.device("cuda")) == ["graph", "piecewise", "full_and_piecewise"]
+
+
+def test_a_startup_mode_without_graphs_is_refused_naming_the_choices():
+    with pytest.raises(SystemExit, match=r"--startup-modes 'eager': \['eager'\] is not an execute mode with graphs; "
+                                         r"pass some of graph,piecewise,full_and_piecewise, or none"):
+        startup_modes("eager", torch.device("cpu"))

@@ -5,8 +5,9 @@ with new inputs, the device synchronised before and after (warm-up, capture
 and compilation excluded). Every mode is built once and keeps its graphs for
 the whole run; at each batch size the modes take turns, five runs of the
 timed steps each. Also: graphmode's host-side cost per step, the time
-and device memory to capture every bucket, compile times, and each vendor's
-padding waste.
+and device memory to capture every bucket, start-up per execute mode
+(``graphmode.bench.startup``: plan, warm-up, first step, wake, graph memory
+by family), compile times, and each vendor's padding waste.
 Prints a table, and writes a JSON file and a plot when asked.
 """
 
@@ -29,6 +30,7 @@ from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, Graphm
 from graphmode.bench.offload import run_offload
 from graphmode.bench.prefill import run_prefill
 from graphmode.bench.report import WASTE_UP_TO, plot, print_table
+from graphmode.bench.startup import measure_startup, startup_modes
 from graphmode.bench.tp import run_tp
 from graphmode.bench.workload import Workload
 from graphmode.buckets import padding_waste, parse_sizes
@@ -214,6 +216,10 @@ def run(args: argparse.Namespace) -> int:
         results["capture"] = {"first_in_process": first, "all_buckets": capture_cost(workload, None),
                               "largest_alone": capture_cost(workload, [workload.max_batches])}
         print(f"capture: {results['capture']}", flush=True)
+    # After the capture figures: the first mode here is not the process's first capture on a device.
+    results["startup_batch"] = batches[0]
+    results["startup"] = measure_startup(workload, startup_modes(args.startup_modes, device), batches[0])
+    print(f"start-up: {results['startup']}", flush=True)
 
     modes: list[Any] = [Eager(workload.model)] if "eager" in wanted else []
     vendors: list[str] = []

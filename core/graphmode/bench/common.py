@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HBM bandwidth for the floor, TB/s (default: the datasheet figure of a known "
                              "device, else a measured device copy)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (see docs/tensor-parallel.md)")
+    parser.add_argument("--startup-modes", default=None,
+                        help="decode workload: the execute modes of the start-up table (plan_memory, warm-up, "
+                             "first step, wake, graph memory by family), some of graph,piecewise,full_and_piecewise, "
+                             "or none (default all three; graph on the CPU)")
     parser.add_argument("--json", help="write all figures here")
     parser.add_argument("--plot", help="write a PNG plot of latency against batch size here")
 

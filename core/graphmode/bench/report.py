@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphmode.bench.measure import difference_text
+from graphmode.bench.startup import print_startup
 
 WASTE_UP_TO = 256  # the padding-waste summary's batch sizes: 1..256
 
@@ -31,6 +32,7 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"\nno HBM floor off CUDA (give --hbm-tbps); attention {results['attention']}")
     print_ratios(results, modes)
     print_costs(results)
+    print_startup(results.get("startup", {}), results.get("startup_batch", 1))
 
 
 def print_floor(results: dict[str, Any], modes: list[str], short: dict[str, str]) -> None:

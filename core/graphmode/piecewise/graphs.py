@@ -35,6 +35,7 @@ from graphmode.runner.debug import check_piecewise_step
 from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.model_state import ModelState
 from graphmode.runner.outputs import SharedOutputs
+from graphmode.runner.sleep import SleptGraph
 from graphmode.staging import to_device
 from graphmode.variants import PLAIN, file_suffix
 
@@ -80,15 +81,22 @@ class PiecewiseGraphs:
         self._split = SplitForward(shared.forward, self.ops) if shared.compiled else None
         # By graph variant (graphmode.variants; one key when none are declared), then token bucket.
         self._by_variant: dict[tuple[Any, ...], dict[int, PiecewiseGraph]] = {}
+        self._new_buffers()
+        declared = [spec for spec in shared.spec.buffers if spec.name in shared.declared_extras]
+        # Step inputs of one row per sequence: a segment sees them as the bucket's rows of tokens.
+        self._per_sequence = [spec.name for spec in declared if not spec.per_token]
+        self._warned = False
+
+    def _new_buffers(self) -> None:
+        """The buffers every token bucket's graph shares, empty (each is
+        allocated at the first capture that needs it)."""
+        config, shared = self.shared.config, self.shared
         self._buffers = BreakBuffers(self.sizes[-1])
         self._outputs = SharedOutputs(self.sizes[-1])
         declared = [spec for spec in shared.spec.buffers if spec.name in shared.declared_extras]
         # KV writes the ops let segments capture read the step's slots from a static buffer.
         in_graph = any(writes_kv_in_graph(ops) for ops in self.ops)
         self._inputs = TokenInputs(self.sizes[-1], declared, config.max_blocks_per_seq, config.device, in_graph)
-        # Step inputs of one row per sequence: a segment sees them as the bucket's rows of tokens.
-        self._per_sequence = [spec.name for spec in declared if not spec.per_token]
-        self._warned = False
 
     # -- the protocol ----------------------------------------------------------
 
@@ -159,12 +167,19 @@ class PiecewiseGraphs:
     def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report) -> None:
         """Every token bucket not captured yet, largest first, from inert
         steps of one token per sequence (query lengths do not matter here)."""
-        todo, variant = self._todo(), self.shared.variant_label
-        suffix = f", {variant}" if variant != PLAIN else ""
+        todo = self._todo()
         for index, bucket in enumerate(todo):
-            report(f"capturing piecewise token bucket {bucket}{suffix} ({index + 1}/{len(todo)})", index + 1 == len(todo))
-            step = inert_step(self.shared, bucket, past_key_values, extras)
-            self._capture(step, LiveStep(step.attn_metadata, bucket, bucket), warmup=True)
+            self._capture_inert(past_key_values, extras, bucket, f"({index + 1}/{len(todo)})", report,
+                                index + 1 == len(todo))
+
+    def _capture_inert(self, past_key_values: Any, extras: dict[str, Any], bucket: int, count: str,
+                       report: Report, last: bool) -> None:
+        """Capture token bucket ``bucket`` from an inert step of one token per sequence (warm-up, wake)."""
+        variant = self.shared.variant_label
+        suffix = f", {variant}" if variant != PLAIN else ""
+        report(f"capturing piecewise token bucket {bucket}{suffix} {count}", last)
+        step = inert_step(self.shared, bucket, past_key_values, extras)
+        self._capture(step, LiveStep(step.attn_metadata, bucket, bucket), warmup=True)
 
     def reset(self) -> None:
         for graphs in self._by_variant.values():
@@ -175,6 +190,21 @@ class PiecewiseGraphs:
 
     def captured(self) -> list[Captured]:
         return [graph for graphs in self._by_variant.values() for graph in graphs.values()]
+
+    def release(self) -> list[SleptGraph]:
+        slept = [
+            SleptGraph(variant, bucket, graph.extras)
+            for variant, graphs in self._by_variant.items() for bucket, graph in graphs.items()
+        ]
+        self.reset()
+        self._new_buffers()  # the break-point, step-input and output buffers reset() keeps
+        return slept
+
+    def recapture(self, past_key_values: Any, graphs: Sequence[SleptGraph], report: Report) -> None:
+        todo = sorted(graphs, key=lambda graph: -graph.key)  # largest first, as warmup()
+        for index, graph in enumerate(todo):
+            self._capture_inert(past_key_values, graph.extras, graph.key, f"again ({index + 1}/{len(todo)})",
+                                report, index + 1 == len(todo))
 
     # -- queries --------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from graphmode.variants import PLAIN, GraphVariants
 if TYPE_CHECKING:
     from graphmode.distributed import RankSync
     from graphmode.runner.cache_checks import CacheMemory
+    from graphmode.runner.sleep import Asleep, SleptGraph
 
 __all__ = ["Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
 
@@ -102,6 +103,18 @@ class GraphFamily(Protocol):
 
     def reset(self) -> None:
         """Drop every graph (the runner drops the pool)."""
+        ...
+
+    def release(self) -> list[SleptGraph]:
+        """Sleep (``graphmode.runner.sleep``): drop every graph and every
+        buffer the family allocated for its graphs (outputs, break points,
+        staging), keeping no device memory, and name the graphs dropped, in
+        capture order, for :meth:`recapture`."""
+        ...
+
+    def recapture(self, past_key_values: Any, graphs: Sequence[SleptGraph], report: Report) -> None:
+        """Wake: capture ``graphs`` (of the variant in progress) again,
+        largest first, from inert steps, as :meth:`warmup` does."""
         ...
 
     def captured(self) -> list[Captured]:
@@ -186,6 +199,8 @@ class Shared:
         self.declared_extras = frozenset(
             path.split(".", 1)[1] for spec in spec.buffers for path in spec.contexts if path.startswith("extras.")
         )
+        #: While the runner sleeps (``runner.sleep()``): the graphs its wake captures again; None when awake.
+        self.asleep: Asleep | None = None
 
     def use_variant(self, key: tuple[Any, ...]) -> None:
         """The variant of the step or warm-up about to run."""

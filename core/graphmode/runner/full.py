@@ -37,6 +37,7 @@ from graphmode.runner.family import Captured, Report, Shared
 from graphmode.runner.host_reads import replay_guard
 from graphmode.runner.model_state import ModelState
 from graphmode.runner.outputs import SharedOutputs
+from graphmode.runner.sleep import SleptGraph
 from graphmode.runner.validate import check_cache_layout
 from graphmode.staging import HostStaging, emulator_host_hint, to_device, to_host
 from graphmode.variants import PLAIN, file_suffix
@@ -142,6 +143,7 @@ class FullGraphs:
         self.native: NativeSteps | None = None
         self.native_step: Callable[..., Any] | None = None
         self._native_decided = False
+        self._staged_before_sleep = False  # whether host staging was on when the runner last slept
 
     @property
     def graphs(self) -> dict[tuple[int, int], CapturedGraph]:
@@ -192,15 +194,21 @@ class FullGraphs:
         todo = self._todo(q_lens)
         if todo and not self._staging_decided:
             self._decide_staging(on_host=False)  # no step seen: host_staging=None means off
-        many, variant = self.shared.config.max_q_len > 1, self.shared.variant_label
         for index, (bucket, q_len) in enumerate(todo):
-            name = f"bucket {bucket}" + (f", q_len {q_len}" if many else "") + (f", {variant}" if variant != PLAIN else "")
-            report(f"capturing {name} ({index + 1}/{len(todo)})", index + 1 == len(todo))
-            step = inert_step(self.shared, bucket, past_key_values, extras, q_len)
-            # With host staging the step comes from the host, as an engine's steps do.
-            if self.staging is not None:  # declared step inputs too: their padding was made on the device
-                step = to_host(step, self.shared.config.device, self.shared.declared_extras)
-            self._capture(step, bucket, bucket, warmup=True)
+            self._capture_inert(past_key_values, extras, bucket, q_len, f"({index + 1}/{len(todo)})", report,
+                                index + 1 == len(todo))
+
+    def _capture_inert(self, past_key_values: Any, extras: dict[str, Any], bucket: int, q_len: int, count: str,
+                       report: Report, last: bool) -> None:
+        """Capture the graph of (bucket, q_len) from an inert step (warm-up, wake)."""
+        many, variant = self.shared.config.max_q_len > 1, self.shared.variant_label
+        name = f"bucket {bucket}" + (f", q_len {q_len}" if many else "") + (f", {variant}" if variant != PLAIN else "")
+        report(f"capturing {name} {count}", last)
+        step = inert_step(self.shared, bucket, past_key_values, extras, q_len)
+        # With host staging the step comes from the host, as an engine's steps do.
+        if self.staging is not None:  # declared step inputs too: their padding was made on the device
+            step = to_host(step, self.shared.config.device, self.shared.declared_extras)
+        self._capture(step, bucket, bucket, warmup=True)
 
     def reset(self) -> None:
         if self.native is not None:
@@ -213,6 +221,29 @@ class FullGraphs:
 
     def captured(self) -> list[Captured]:
         return [captured for graphs in self.by_variant.values() for captured in graphs.values()]
+
+    def release(self) -> list[SleptGraph]:
+        slept = [
+            SleptGraph(variant, key, captured.extras)
+            for variant, graphs in self.by_variant.items() for key, captured in graphs.items()
+        ]
+        self.reset()  # the graphs and the shared output buffers
+        # Host staging's arena and mirror go too, made again at the first capture after wake as
+        # decided before sleep (host_staging=None decided it from the first step's inputs).
+        self._staged_before_sleep = self.staging is not None
+        self.staging, self._staging_decided = None, False
+        # The native step's memo holds the graphs' buffers and views: decided again at the next replay.
+        self.native, self.native_step, self._native_decided = None, None, False
+        return slept
+
+    def recapture(self, past_key_values: Any, graphs: Sequence[SleptGraph], report: Report) -> None:
+        if not self._staging_decided:
+            self._decide_staging(on_host=self._staged_before_sleep)
+        todo = sorted(graphs, key=lambda graph: (-graph.key[1], -graph.key[0]))  # as warmup(): by q_len, largest first
+        for index, graph in enumerate(todo):
+            bucket, q_len = graph.key
+            self._capture_inert(past_key_values, graph.extras, bucket, q_len, f"again ({index + 1}/{len(todo)})",
+                                report, index + 1 == len(todo))
 
     # -- steps ----------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from graphmode.runner.model_state import watched_rebinds
 from graphmode.runner.modes import build_families
 from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
+from graphmode.runner.sleep import asleep_error, recapture, release
 from graphmode.runner.stats import RunnerStats
 from graphmode.runner.step_checks import StepChecks
 from graphmode.runner.validate import check_model, uniform_q_len
@@ -181,6 +182,8 @@ class GraphRunner:
             self._busy.release()
 
     def _step(self, inputs: StepInputs) -> Any:
+        if self._shared.asleep is not None:  # the native step has no memo while asleep: every step comes here
+            raise asleep_error("a step")
         variants = self._shared.variants
         if variants:  # before any check: an undeclared variant is named first
             extras, key = variants.of_step(inputs.extras)
@@ -216,6 +219,8 @@ class GraphRunner:
         """The GraphMeta holding the input buffers every graph shares, made
         (with its padding snapshot) on first use, in inference mode like every
         step that writes them."""
+        if self._shared.asleep is not None:
+            raise asleep_error("runner.graph_meta()")
         return self._shared.graph_meta()
 
     # -- whole-runner operations ------------------------------------------
@@ -240,6 +245,8 @@ class GraphRunner:
         memory it takes (:attr:`graph_memory`), synchronising and emptying
         the caching allocator's unused blocks before and after each family;
         on the CPU emulator, after :meth:`plan_memory` only."""
+        if self._shared.asleep is not None:
+            raise asleep_error("runner.warmup()")
         if not self.families:
             return
         limit = self.config.max_q_len
@@ -284,6 +291,8 @@ class GraphRunner:
         resets. Call it before any capture; the next warm-up reports against
         it (:meth:`memory_report`). See docs/engines.md, "Graph memory before
         the KV cache"."""
+        if self._shared.asleep is not None:
+            raise asleep_error("runner.plan_memory()")
         self._planning = True
         try:
             self._memory_plan = plan(self, past_key_values, q_lens, extras)
@@ -329,13 +338,84 @@ class GraphRunner:
         inputs, so weights changed in place need no recompilation."""
         for family in self.families:
             family.reset()
+        self._shared.asleep = None  # asleep: what wake() would capture again is forgotten too
         self._rebinds = watched_rebinds(self)
         self._shared.weights.forget()
         self._shared.release_pool()
         self._cache_fit.forget()
+        self._empty_cache()
+
+    def _empty_cache(self) -> None:
+        """Give the caching allocator's unused blocks back to the driver."""
         module: Any = getattr(torch, self.config.device.type, None)
         if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
             module.empty_cache()
+
+    # -- sleep and wake (graphmode.runner.sleep) -----------------------------
+
+    @one_at_a_time("runner.sleep()")
+    def sleep(self) -> None:
+        """Give every byte of graph memory back: drop every graph of every
+        family, their output, input, break-point and staging buffers and the
+        memory pool, of this runner and of every runner sharing its pool (a
+        draft model's runner and its target's: the pool is one), then
+        ``empty_cache()``; on a GPU the driver's free memory is then what it
+        was before the first capture (the engine may go on to offload its
+        weights and KV cache). Results of earlier steps are views of graph
+        memory: drop them first, or the memory they are in stays.
+
+        Until :meth:`wake` every step, :meth:`warmup`, :meth:`plan_memory`
+        and :meth:`graph_meta` of a sleeping runner is refused (ReplayError,
+        naming wake()); :meth:`reset` forgets the sleep instead (the runner
+        is then awake with no graph, and captures at each bucket's next
+        step). Sleeping while asleep does nothing. See docs/engines.md,
+        "Sleep and wake"."""
+        members = [self._shared, *(m for m in self._shared.pool_share.members if m is not self._shared)]
+        held = []
+        try:
+            for member in members:  # every runner of the pool, each between its steps
+                if not member.lock.acquire(blocking=False):
+                    raise busy("runner.sleep() (of a runner sharing this runner's memory pool)")
+                held.append(member)
+            for member in members:
+                if member.asleep is None:
+                    member.asleep = release(member)
+                    member.stats.sleeps += 1
+        finally:
+            for member in held:
+                member.lock.release()
+        gc.collect()  # graphs in reference cycles hold pool memory until collected
+        self._empty_cache()
+
+    @one_at_a_time("runner.wake()")
+    def wake(self, past_key_values: Any, *, progress: bool = True) -> None:
+        """Capture again, now, every graph :meth:`sleep` released of this
+        runner (each runner sharing its pool wakes with its own cache), on
+        ``past_key_values``, the KV cache as the engine has it after wake
+        (the same tensors, or reallocated): as :meth:`warmup` captures, from
+        inert steps (no live cache block changes), largest first, into one
+        new pool; the graphs read the weights the model holds now. Steps
+        after wake equal steps before sleep for the same weights and cache
+        contents. Waking an awake runner does nothing. The capture costs what
+        the warm-up of those graphs costs (docs/engines.md, "Sleep and wake",
+        gives the command that measures it)."""
+        asleep = self._shared.asleep
+        if asleep is None:
+            return
+        self._cache_fit(past_key_values)
+        self._shared.asleep = None
+        # Every graph is captured afresh from the model's tensors now: replacements seen before sleep are healed.
+        self._rebinds = watched_rebinds(self)
+        with _frozen_gc(), torch.inference_mode(), \
+                CaptureProgress(asleep.count, self.config.device, bar=progress) as report:
+            recapture(self._shared, asleep, past_key_values, report)
+        self.stats.wakes += 1
+        self.stats.recaptures += asleep.count
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the runner is asleep (between :meth:`sleep` and :meth:`wake`)."""
+        return self._shared.asleep is not None
 
     # -- queries ------------------------------------------------------------
 

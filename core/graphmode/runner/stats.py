@@ -43,7 +43,13 @@ class RunnerStats:
     compile_seconds: with compile=True, host seconds spent in the compiled
         forward's warm-up calls before captures: Dynamo tracing, Inductor
         compilation and autotuning (on the first call of each shape it
-        compiles for), plus the launch of each warm-up step."""
+        compiles for), plus the launch of each warm-up step.
+    sleeps / wakes: ``runner.sleep()`` calls that released graphs (a
+        runner asleep through a runner sharing its pool counts its own), and
+        ``runner.wake()`` calls that captured them again.
+        recaptures: graphs (full and piecewise) captured again by wakes,
+        counted as warm-up's inert captures are too (full graphs in
+        ``captures`` and ``warmup_captures``, piecewise in ``piecewise_captures``)."""
 
     captures: int = 0
     warmup_captures: int = 0
@@ -57,6 +63,9 @@ class RunnerStats:
     replays_by_q_len: Counter = field(default_factory=Counter)
     replays_by_variant: Counter = field(default_factory=Counter)
     derived_host_copies: int = 0
+    sleeps: int = 0
+    wakes: int = 0
+    recaptures: int = 0
 
     @property
     def padding_fraction(self) -> float:
@@ -76,8 +85,14 @@ class RunnerStats:
         return (
             f"{self.captures} captures ({self.warmup_captures} in warm-up), {replays}, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
-            f"({self.padding_fraction:.1%}){compiled}{self._by_variant()}{self._derived()}"
+            f"({self.padding_fraction:.1%}){compiled}{self._by_variant()}{self._derived()}{self._slept()}"
         )
+
+    def _slept(self) -> str:
+        """"; 2 sleeps, 2 wakes (18 graphs captured again)", once the runner slept."""
+        if not self.sleeps:
+            return ""
+        return f"; {self.sleeps} sleeps, {self.wakes} wakes ({self.recaptures} graphs captured again)"
 
     def _derived(self) -> str:
         """"; 3 host copies derived (kv_seqlens_cpu not passed)", when any was."""
