@@ -96,7 +96,7 @@ def test_size_flags_reach_the_suite_and_its_header(tmp_path, capfd):
     assert "sizes: block size 32 (given), max_batches 24, block-table width 10, model dtype bfloat16" in out
     assert "capture list at max_batches=24: [1, 3, 6, 12, 24] (given)" in out
     records = json.loads(report.read_text())["runs"][0]["records"]
-    # the two capture-list tests (issue 40 added the declared-policy one) and the buffers test
+    # issue 40 added a capture-list test (the declared policy) that -k capture_list selects too
     assert {r["outcome"] for r in records} == {"passed"} and len(records) == 4
 
 
