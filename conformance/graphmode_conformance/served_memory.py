@@ -44,10 +44,11 @@ def _live_storages(device: torch.device) -> dict[int, tuple[int, tuple[int, ...]
             continue
         try:
             storage = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+            address = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no memory of its own: a fake or functional tensor (compile)
             continue
         if storage.nbytes():
-            found.setdefault(storage.data_ptr(), (storage.nbytes(), tuple(obj.shape)))
+            found.setdefault(address, (storage.nbytes(), tuple(obj.shape)))
     return found
 
 
