@@ -16,6 +16,7 @@ import dataclasses
 import gc
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
@@ -41,6 +42,8 @@ def _live_storages(device: torch.device) -> dict[int, tuple[int, tuple[int, ...]
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance asks some objects' __class__ (deprecated module proxies warn)
         if not issubclass(type(obj), torch.Tensor) or obj.device != device or obj.layout != torch.strided:
+            continue
+        if is_fake(obj):  # torch.compile's stand-ins (left by an earlier compile in the process) own no memory
             continue
         try:
             storage = obj.untyped_storage()
