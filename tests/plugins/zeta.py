@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import List  # noqa: UP035 (torch 2.5 infers custom-op schemas from typing.List only)
 
 import torch
 
@@ -37,7 +38,7 @@ HOST_LENS = "zeta_kv_lens"  # the host buffer of kv lengths the decode kernel ta
 @torch.library.custom_op("zeta::paged_decode", mutates_args=())
 def zeta_paged_decode(
     query: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-    block_offsets: torch.Tensor, kv_lens: list[int], scale: float,
+    block_offsets: torch.Tensor, kv_lens: List[int], scale: float,  # noqa: UP006 (torch 2.5's custom_op takes typing.List only)
 ) -> torch.Tensor:
     """query (B, H, D); k/v_blocks (num_blocks, block_size, K, D); kv_lens a host list of B ints."""
     B = query.shape[0]
