@@ -147,6 +147,8 @@ class LmdeployGraphRunner(GraphRunner):
         graph = self._graphs.get(key)
         if graph is None:
             output = self._capture(key, kwargs, batch, num_tokens)
+            if context.is_dummy:  # lmdeploy's warm-up (and a data-parallel rank's dummy step): no tokens served
+                self.stats.warmup_captures += 1
         else:
             output = graph.replay(kwargs)
             self.stats.replays += 1

@@ -67,6 +67,7 @@ _USED: tuple[tuple[str, str, list[str] | None], ...] = (
     ("lmdeploy.pytorch.backends.cuda.graph_runner.full_graph", "build_decode_model_forward", ["model"]),
     ("lmdeploy.pytorch.model_inputs", "StepContext.global_is_decoding", []),
     ("lmdeploy.pytorch.model_inputs", "StepContext.enable_microbatch", None),
+    ("lmdeploy.pytorch.model_inputs", "StepContext.is_dummy", None),
     ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc.__init__", ["proc_id", "mp_ctx"]),
     ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc.start", ["kwargs"]),
     ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc._main_loop", None),
