@@ -25,7 +25,6 @@ are its design and not counted. On a device the same calls are watched.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from graphmode.graphs import DeviceGraph
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.sizes import MIN_MAX_BATCHES
 from graphmode_conformance.structure import ConformanceFailure
-from graphmode_conformance.watched import WatchedHarness
+from graphmode_conformance.watched import ProfileWatch, WatchedHarness
 
 __all__ = ["HOST_WAITS", "HostWaitTests"]
 
@@ -65,7 +64,7 @@ class HostWait:
     inside: str
 
 
-class _WatchedWaits:
+class _WatchedWaits(ProfileWatch):
     """``with watched:`` (reusable, one runner step per entry) records every
     host wait (and repeated poll) made inside the code objects of ``hooks``
     (name per code object) or inside a ``DeviceGraph.replay`` that is not
@@ -116,15 +115,8 @@ class _WatchedWaits:
 
     def __enter__(self) -> _WatchedWaits:
         self._polls.clear()  # one runner step per entry
-        self._collecting = gc.isenabled()
-        gc.disable()  # no finalizer of an earlier test's objects inside the watch
-        sys.setprofile(self._profile)
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(None)
-        if self._collecting:
-            gc.enable()
 
 
 

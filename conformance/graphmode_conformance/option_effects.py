@@ -20,9 +20,7 @@ variants alike in all of it fail, naming the options.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
-import sys
 import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ import graphmode_conformance
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure, Harness
 from graphmode_conformance.sizes import MIN_MAX_BATCHES, Sizes
-from graphmode_conformance.watched import WatchedHarness
+from graphmode_conformance.watched import ProfileWatch, WatchedHarness
 
 __all__ = ["OptionVariantEffectTests", "what_runs"]
 
@@ -71,7 +69,7 @@ class WhatRuns:
         return len(self.functions ^ other.functions) + (self.graph != other.graph)
 
 
-class _CalledFunctions:
+class _CalledFunctions(ProfileWatch):
     """``with called:`` (reusable) records every Python function called in
     the block outside the shared code, on this thread."""
 
@@ -85,18 +83,6 @@ class _CalledFunctions:
                 self.functions.add((code.co_filename, code.co_firstlineno, code.co_qualname
                                     if hasattr(code, "co_qualname") else code.co_name))
 
-    def __enter__(self) -> _CalledFunctions:
-        # No collection mid-step: finalizers of earlier tests' objects would
-        # call code in one variant's record and not the other's.
-        self._collecting = gc.isenabled()
-        gc.disable()
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(None)
-        if self._collecting:
-            gc.enable()
 
 
 def _graph_records(harness: Harness) -> tuple[Any, ...] | None:
