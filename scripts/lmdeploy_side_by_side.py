@@ -1,7 +1,8 @@
 """lmdeploy eager, lmdeploy's own graphs and lmdeploy with graphmode, side by side in one process.
 
     python scripts/lmdeploy_side_by_side.py [--arch llama qwen3 mixtral] [--perf llama] [--layers 16]
-        [--hidden 1024] [--requests 64] [--batches 1,8,32,128,256] [--rounds 2] [--json out.json]
+        [--hidden 1024] [--requests 64] [--batches 1,8,32,128,256] [--rounds 2] [--skip-tokens]
+        [--json out.json]
 
 Needs a GPU and lmdeploy's PyTorch engine (0.18.0; ../shared/realclients/lmdeploy prepares it
 offline). For each architecture, a random-weight Hugging Face model with a word-level tokenizer
@@ -288,7 +289,8 @@ def run_arch(arch: str, args: argparse.Namespace, report: dict, perf: bool) -> N
     save_model(arch, path, args.layers, args.hidden)
     result: dict = {"arch": arch}
     print(f"\n== {arch}: {args.layers} layers, hidden {args.hidden}")
-    tokens_phase(arch, path, args, result)
+    if not args.skip_tokens:
+        tokens_phase(arch, path, args, result)
     if perf:
         perf_phase(path, args, result)
     report[arch] = result
@@ -306,6 +308,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="turns of each engine in the timing")
     parser.add_argument("--decode-steps", type=int, default=256, help="decode steps a throughput figure times")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--skip-tokens", action="store_true", help="time only: leave out the token comparison")
     parser.add_argument("--repeats", type=int, default=3, help="measurements of a figure within a turn")
     parser.add_argument("--turn", choices=list(TURN_ENGINES), help=argparse.SUPPRESS)  # one timing turn, in a child
     parser.add_argument("--turn-model", help=argparse.SUPPRESS)
