@@ -1,7 +1,7 @@
 """lmdeploy eager, lmdeploy's own graphs and lmdeploy with graphmode, side by side in one process.
 
     python scripts/lmdeploy_side_by_side.py [--arch llama qwen3 mixtral] [--perf llama] [--layers 16]
-        [--hidden 1024] [--requests 64] [--batches 1,8,32,128,256] [--rounds 2] [--skip-tokens]
+        [--hidden 1024] [--requests 64] [--batches 1,8,32,128,256] [--rounds 8] [--skip-tokens]
         [--json out.json]
 
 Needs a GPU and lmdeploy's PyTorch engine (0.18.0; ../shared/realclients/lmdeploy prepares it
@@ -14,11 +14,12 @@ is saved, then, each engine alone in the process:
    and graphmode in "full_and_piecewise", compared request for request; the graph memory lmdeploy's
    graphs and graphmode's give back on ``reset_graph_runner()`` (then captured again); tokens
    before and after lmdeploy's sleep(level=1) and wakeup();
-2. for the ``--perf`` architectures, lmdeploy's graphs and graphmode taking turns (``--rounds``),
-   each turn in a process of its own: start-up (construction to first token), decode throughput
-   per batch size (tokens/s of the whole engine: ``--decode-steps`` more decode steps of a warm
-   batch over the time they add, median of ``--repeats``) and prefill-heavy steps (1x2048, 16x512,
-   16x2048 prompt tokens, one new token).
+2. for the ``--perf`` architectures, lmdeploy's graphs and graphmode (full_and_piecewise), each warm
+   in a process of its own, taking turns figure by figure for ``--rounds`` rounds: start-up
+   (construction to first token; graphmode's engine starts first, so it pays the cold compile
+   caches), decode throughput per batch size (tokens/s of the whole engine: ``--decode-steps`` more
+   decode steps of a warm batch over the time they add) and prefill-heavy steps (1x2048, 16x512,
+   16x2048 prompt tokens, one new token), each the median of the rounds.
 """
 
 from __future__ import annotations
@@ -215,73 +216,122 @@ def tokens_phase(arch: str, path: str, args: argparse.Namespace, result: dict) -
 PREFILL_CASES = {"1x2048": (1, 2048), "16x512": (16, 512), "16x2048": (16, 2048)}
 
 
-TURN_ENGINES = {"lmdeploy": None, "graphmode": "full_and_piecewise"}
+TURN_ENGINES = {"graphmode": "full_and_piecewise", "lmdeploy": None}
+ANSWER = "@answer "  # marks a timing child's answers among what its engine prints
 
 
-def one_turn(path: str, name: str, args: argparse.Namespace) -> dict:
-    """One engine's timings, in a process of its own: start-up (construction to first token), decode
-    throughput per batch size (the median of ``--repeats`` measurements of ``--decode-steps`` more
-    decode steps of a warm batch over the time they add), prefill-heavy steps (fresh words each call:
-    no prefix-cache hits; the median of ``--repeats`` after a warm call)."""
+def decode_rate(pipe, batch: int, steps: int) -> float:
+    """Tokens/s of ``steps`` more decode steps of a warm batch: the time they add to a short request."""
+    prompts_b = [" ".join(f"t{(7 * i + j) % 1000}" for j in range(32)) for i in range(batch)]
+    short = timed(pipe, prompts_b, 16)
+    long = timed(pipe, prompts_b, 16 + steps)
+    return batch * steps / max(long - short, 1e-9)
+
+
+def prefill_seconds(pipe, case: str, round_: int) -> float:
+    """One prefill-heavy step (fresh words: no prefix-cache hits, one new token)."""
+    batch, length = PREFILL_CASES[case]
+    prompts_c = [" ".join(f"t{(round_ * 977 + 17 * i + j) % 1000}" for j in range(length)) for i in range(batch)]
+    return timed(pipe, prompts_c, 1)
+
+
+def serve(path: str, name: str, args: argparse.Namespace) -> None:
+    """A timing child: builds one engine (start-up: construction to first token), then answers the
+    parent's requests, one JSON line each, until stdin closes."""
     start = time.perf_counter()
     pipe = engine(path, eager=False, graphmode=TURN_ENGINES[name], max_batch=max(args.batches))
     timed(pipe, ["t1 t2"], 1)
-    turn: dict = {"startup_s": time.perf_counter() - start, "throughput": {}, "prefill_s": {}}
-    for batch in args.batches:
-        prompts_b = [" ".join(f"t{(7 * i + j) % 1000}" for j in range(32)) for i in range(batch)]
-        timed(pipe, prompts_b, 16)
-        rates = []
-        for _ in range(args.repeats):
-            short = timed(pipe, prompts_b, 16)
-            long = timed(pipe, prompts_b, 16 + args.decode_steps)
-            rates.append(batch * args.decode_steps / max(long - short, 1e-9))
-        turn["throughput"][batch] = statistics.median(rates)
-    for case, (batch, length) in PREFILL_CASES.items():
-        took = []
-        for call in range(args.repeats + 1):
-            prompts_c = [" ".join(f"t{(args.turn_round * 977 + call * 131 + 17 * i + j) % 1000}" for j in range(length))
-                         for i in range(batch)]
-            took.append(timed(pipe, prompts_c, 1))
-        turn["prefill_s"][case] = statistics.median(took[1:])
-    turn["stats"] = stats_of(pipe)
+    startup = time.perf_counter() - start
+    for batch in args.batches:  # first calls of each size (allocator, lazy captures) stay out of the figures
+        decode_rate(pipe, batch, 16)
+    for case in PREFILL_CASES:
+        prefill_seconds(pipe, case, -1)
+    print(ANSWER + json.dumps({"startup_s": startup}), flush=True)
+    for line in sys.stdin:
+        what, arg, round_ = line.split()
+        if what == "decode":
+            value: object = decode_rate(pipe, int(arg), args.decode_steps)
+        elif what == "prefill":
+            value = prefill_seconds(pipe, arg, int(round_))
+        else:
+            value = stats_of(pipe)
+        print(ANSWER + json.dumps(value), flush=True)
     close(pipe)
-    return turn
+
+
+class Child:
+    """One engine in a process of its own (an engine closed in the same process leaves threads that skewed
+    the next engine's figures by up to 2x), asked for one figure at a time."""
+
+    def __init__(self, path: str, name: str, args: argparse.Namespace) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve", name, "--serve-model", path, "--batches",
+             ",".join(map(str, args.batches)), "--decode-steps", str(args.decode_steps)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.startup_s = self.read()["startup_s"]
+
+    def read(self):
+        while True:  # the engine's own prints pass through
+            line = self.proc.stdout.readline()
+            if not line:
+                raise SystemExit(f"a timing child exited with {self.proc.wait()} (its output above)")
+            if line.startswith(ANSWER):
+                return json.loads(line[len(ANSWER):])
+            print(line, end="")
+
+    def ask(self, what: str, arg: object = "-", round_: int = 0):
+        self.proc.stdin.write(f"{what} {arg} {round_}\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise SystemExit("a timing child did not exit within 300 s of its stdin closing (killed): a hang") from None
 
 
 def perf_phase(path: str, args: argparse.Namespace, result: dict) -> None:
-    """lmdeploy's graphs and graphmode (full_and_piecewise: its decode graphs, lmdeploy's prefill) taking
-    turns, each turn a process of its own (an engine closed in the same process leaves threads that
-    skewed the next engine's figures by up to 2x): start-up, decode throughput, prefill-heavy steps."""
-    turns: dict[str, list[dict]] = {name: [] for name in TURN_ENGINES}
+    """lmdeploy's graphs and graphmode (full_and_piecewise: its decode graphs, lmdeploy's prefill), both
+    warm in processes of their own, taking turns figure by figure (the order swapped every round), so
+    that drift of the machine over the run falls on both alike: start-up, decode throughput per batch
+    size, prefill-heavy steps; each figure the median of ``--rounds``."""
+    children = {}
+    for name in TURN_ENGINES:  # one at a time: start-up is timed alone
+        children[name] = Child(path, name, args)
+        print(f"  {name}: start-up {children[name].startup_s:.1f} s (construction to first token, fresh process)",
+              flush=True)
+    rates: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in children}
+    prefill: dict[str, dict[str, list[float]]] = {name: {c: [] for c in PREFILL_CASES} for name in children}
     for round_ in range(args.rounds):
-        for name in (list(TURN_ENGINES) if round_ % 2 == 0 else list(reversed(TURN_ENGINES))):
-            with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                subprocess.run([sys.executable, os.path.abspath(__file__), "--turn", name, "--turn-model", path,
-                                "--turn-round", str(round_), "--turn-json", out.name, "--batches",
-                                ",".join(map(str, args.batches)), "--decode-steps", str(args.decode_steps),
-                                "--repeats", str(args.repeats)], check=True)
-                with open(out.name) as written:
-                    turns[name].append(json.load(written))
-            print(f"  round {round_} {name}: start-up {turns[name][-1]['startup_s']:.1f} s; "
-                  f"{turns[name][-1]['stats']}")
-    startups = {name: " / ".join(f"{t['startup_s']:.1f}" for t in ts) for name, ts in turns.items()}
-    print("  start-up, construction to first token in a fresh process (s, each round): "
-          + ", ".join(f"{name} {times}" for name, times in startups.items()))
-    print("  decode throughput (tokens/s of the engine, median of rounds), graphmode / lmdeploy's graphs:")
+        order = list(children) if round_ % 2 == 0 else list(reversed(children))
+        for batch in args.batches:
+            for name in order:
+                rates[name][batch].append(children[name].ask("decode", batch, round_))
+        for case in PREFILL_CASES:
+            for name in order:
+                prefill[name][case].append(children[name].ask("prefill", case, round_))
+    for name, child in children.items():
+        print(f"  {name}: {child.ask('stats')}")
+        child.close()
+    print(f"  decode throughput (tokens/s of the engine, {args.decode_steps} steps, median of {args.rounds} rounds "
+          "taking turns), graphmode / lmdeploy's graphs:")
     ratios = {}
     for batch in args.batches:
-        own = [t["throughput"][str(batch)] for t in turns["lmdeploy"]]
-        ours = [t["throughput"][str(batch)] for t in turns["graphmode"]]
-        ratios[batch] = statistics.median(ours) / statistics.median(own)
-        print(f"    batch {batch:4d}: lmdeploy {statistics.median(own):10.0f}  graphmode {statistics.median(ours):10.0f}"
-              f"  {ratios[batch]:.3f}x   (rounds: {[round(x) for x in own]} / {[round(x) for x in ours]})")
+        own, ours = statistics.median(rates["lmdeploy"][batch]), statistics.median(rates["graphmode"][batch])
+        ratios[batch] = ours / own
+        spread = " / ".join(f"{min(rates[n][batch]):.0f}-{max(rates[n][batch]):.0f}" for n in ("lmdeploy", "graphmode"))
+        print(f"    batch {batch:4d}: lmdeploy {own:10.0f}  graphmode {ours:10.0f}  {ratios[batch]:.3f}x   "
+              f"(range over rounds {spread})")
     print(f"    median over batch sizes {statistics.median(ratios.values()):.3f}x, lowest {min(ratios.values()):.3f}x")
     print("  prefill-heavy steps (ms, median of rounds), graphmode full_and_piecewise against lmdeploy's own mode:")
     for case in PREFILL_CASES:
-        own_s = statistics.median(t["prefill_s"][case] for t in turns["lmdeploy"])
-        ours_s = statistics.median(t["prefill_s"][case] for t in turns["graphmode"])
+        own_s, ours_s = statistics.median(prefill["lmdeploy"][case]), statistics.median(prefill["graphmode"][case])
         print(f"    {case:8s}: lmdeploy {own_s * 1e3:8.1f}  graphmode {ours_s * 1e3:8.1f}  speed {own_s / ours_s:.3f}x")
-    result.update(turns=turns, throughput_ratio=ratios)
+    result.update(startup_s={name: c.startup_s for name, c in children.items()}, decode_rates=rates,
+                  prefill_s=prefill, throughput_ratio=ratios)
 
 
 def run_arch(arch: str, args: argparse.Namespace, report: dict, perf: bool) -> None:
@@ -305,20 +355,16 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,128,256")
     parser.add_argument("--perf", nargs="*", default=["llama"], help="architectures to time (start-up, "
                         "throughput, prefill-heavy steps) besides comparing tokens")
-    parser.add_argument("--rounds", type=int, default=4, help="turns of each engine in the timing")
-    parser.add_argument("--decode-steps", type=int, default=256, help="decode steps a throughput figure times")
+    parser.add_argument("--rounds", type=int, default=8, help="turns of each engine at each figure")
+    parser.add_argument("--decode-steps", type=int, default=128, help="decode steps a throughput figure times")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--skip-tokens", action="store_true", help="time only: leave out the token comparison")
-    parser.add_argument("--repeats", type=int, default=3, help="measurements of a figure within a turn")
-    parser.add_argument("--turn", choices=list(TURN_ENGINES), help=argparse.SUPPRESS)  # one timing turn, in a child
-    parser.add_argument("--turn-model", help=argparse.SUPPRESS)
-    parser.add_argument("--turn-round", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--turn-json", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=list(TURN_ENGINES), help=argparse.SUPPRESS)  # a timing child
+    parser.add_argument("--serve-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
-    if args.turn:
-        with open(args.turn_json, "w") as out:
-            json.dump(one_turn(args.turn_model, args.turn, args), out)
+    if args.serve:
+        serve(args.serve_model, args.serve, args)
         return
     report: dict = {}
     for arch in args.arch:
