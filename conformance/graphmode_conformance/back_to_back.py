@@ -20,6 +20,7 @@ always on): each bug is refused where it happens, naming the hook.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ class _PinnedSources(TorchFunctionMode):
             last = self.sources.get(key)
             if last is not None and last[0] == self.step - 1 and self.reused is None:
                 self.reused = last[1]
-            self.sources[key] = (self.step, call_site())
+            self.sources[key] = (self.step, call_site(os.path.abspath(__file__)))  # the vendor's line, not this mode's
         return func(*args, **kwargs)
 
 
