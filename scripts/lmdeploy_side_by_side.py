@@ -16,7 +16,7 @@ is saved, then, each engine alone in the process:
    before and after lmdeploy's sleep(level=1) and wakeup();
 2. for the ``--perf`` architectures, lmdeploy's graphs and graphmode (full_and_piecewise), each warm
    in a process of its own, taking turns figure by figure for ``--rounds`` rounds: start-up
-   (construction to first token, after an untimed engine has filled the compile caches), decode throughput per batch size (tokens/s of the whole engine: ``--decode-steps`` more
+   (construction to first token, after an untimed run of each engine has filled the compile caches), decode throughput per batch size (tokens/s of the whole engine: ``--decode-steps`` more
    decode steps of a warm batch over the time they add) and prefill-heavy steps (1x2048, 16x512,
    16x2048 prompt tokens, one new token), each the median of the rounds.
 """
@@ -301,9 +301,11 @@ def perf_phase(path: str, args: argparse.Namespace, result: dict) -> None:
     warm in processes of their own, taking turns figure by figure (the order swapped every round), so
     that drift of the machine over the run falls on both alike: start-up, decode throughput per batch
     size, prefill-heavy steps; each figure the median of ``--rounds``."""
-    # A first engine, not timed, fills the machine's compile caches (Triton's kernels, Inductor's), so
-    # that neither timed start-up pays them.
-    Child(path, "lmdeploy", args).close()
+    # Each engine once, not timed, fills the machine's compile caches (Triton's kernels, Inductor's),
+    # so that neither timed start-up pays them: on 2026-12-02 graphmode's first captures after an
+    # untimed lmdeploy engine still took 12.7 s (0.5-0.8 s once its own run had filled them).
+    for name in TURN_ENGINES:
+        Child(path, name, args).close()
     children = {}
     for name in TURN_ENGINES:  # one at a time: start-up is timed alone
         children[name] = Child(path, name, args)
