@@ -186,8 +186,8 @@ def in_place(workload: Workload, runners: dict[str, Any], batches: list[int], de
     with the native step set aside, so that it is the path the parts are
     of: the path a step takes when the native step declines it."""
     from graphmode.context import StepInputs
-    from graphmode.runner.cache_checks import check_same_objects
-    from graphmode.runner.validate import uniform_q_len
+    from graphmode.checks.cache_checks import check_same_objects
+    from graphmode.checks.validate import uniform_q_len
 
     print(f"\nPart 3: the replay path in place, host microseconds, median of {repeats} "
           "(idle / busy as in part 1)")

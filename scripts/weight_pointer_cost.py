@@ -1,5 +1,5 @@
 """Host cost per graph step of the always-on check of the captured weights'
-memory (graphmode.runner.weight_memory.WeightMemory: the data pointers of
+memory (graphmode.checks.weight_memory.WeightMemory: the data pointers of
 the model's parameters and buffers against those at capture, which
 ``param.data = new`` changes), on the 24-layer bench model
 (ModelConfig.bench()), beside the KV-cache pointer check that
@@ -35,7 +35,7 @@ import torch
 import graphmode
 from graphmode.bench.workload import Workload
 from graphmode.model import ModelConfig
-from graphmode.runner.weight_memory import WeightMemory
+from graphmode.checks.weight_memory import WeightMemory
 
 
 def median_us(function: Callable[[], Any], repeats: int) -> float:

@@ -11,7 +11,8 @@ import torch
 from setups import tiny_setup
 
 from graphmode.errors import ReplayError
-from graphmode.runner import full, weight_memory
+from graphmode.checks import weight_memory
+from graphmode.runner import full
 
 VENDORS = ["cuda", "ascend", "camb", "maca", "ppu"]
 

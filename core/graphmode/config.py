@@ -114,7 +114,7 @@ class RunnerConfig:
     debug: before every graph step, read the step's device values (one
         synchronisation) and refuse slots, block ids and lengths that would
         give wrong results, and tensors the graph captured that moved
-        (``graphmode.runner.debug``); ``$GRAPHMODE_DEBUG`` overrides. Off by
+        (``graphmode.checks.debug``); ``$GRAPHMODE_DEBUG`` overrides. Off by
         default: it costs a device-to-host read per step.
     capture_token_sizes: the token buckets of piecewise graphs (piecewise
         modes only); None takes vLLM's default list up to

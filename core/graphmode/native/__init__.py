@@ -20,7 +20,7 @@ the step, with its checks and errors. So errors exist once, in Python.
 It takes the steps of full graphs that the built-in buffer hooks fill, with
 no graph variants, debug mode, per-step rank agreement, extras, or host
 lengths beside an unknown maximum: the usual decode step. Everything else
-keeps the Python path. (The host-read guard, ``graphmode.runner.host_reads``,
+keeps the Python path. (The host-read guard, ``graphmode.checks.host_reads``,
 watches vendor hooks, which a native step never calls.)
 
 Built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
@@ -124,7 +124,7 @@ class NativeSteps:
     is called by the Python path after each replay step it took;
     :meth:`clear` on every capture and reset. ``addresses``: the module's
     ``Addresses`` of the captured parameters and buffers
-    (``graphmode.runner.weight_memory.WeightMemory.addresses``), or None:
+    (``graphmode.checks.weight_memory.WeightMemory.addresses``), or None:
     a step where one moved goes to the Python path, which refuses it."""
 
     def __init__(self, module: Any, lock: Any, staging: Any, emulated: bool, limits: tuple[int, int],

@@ -29,11 +29,11 @@ from graphmode.piecewise.ghosts import OPS_AT_OPS, READ_INSIDE_OPS, GhostReads, 
 from graphmode.piecewise.inputs import TokenInputs
 from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
 from graphmode.piecewise.sizes import default_token_sizes, token_bucket
-from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
+from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
 from graphmode.runner.common import capture_failed, inert_step, live_columns, note_replay_failure
-from graphmode.runner.debug import check_piecewise_step
+from graphmode.checks.debug import check_piecewise_step
 from graphmode.runner.family import Captured, Report, Shared
-from graphmode.runner.model_state import ModelState
+from graphmode.checks.model_state import ModelState
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.sleep import SleptGraph
 from graphmode.staging import to_device
@@ -141,7 +141,7 @@ class PiecewiseGraphs:
             # Before any collective: a rank in another token bucket would hang the rest.
             ranks.agree_on_step(tokens, bucket, "run", unit="tokens", variant=self.shared.variant_index)
         graph, debug = self._current().get(bucket), shared.debug
-        if debug is not None:  # the same checks as a full graph's steps (graphmode.runner.debug)
+        if debug is not None:  # the same checks as a full graph's steps (graphmode.checks.debug)
             debug.check_step(inputs, batch, uniform=False)
         if graph is None:
             output = self._capture(inputs, live)

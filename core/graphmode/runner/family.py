@@ -26,19 +26,19 @@ from graphmode.context import StepInputs
 from graphmode.errors import ConfigError
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
-from graphmode.runner.cache_checks import CacheFit, check_warmup_cache
+from graphmode.checks.cache_checks import CacheFit, check_warmup_cache
 from graphmode.runner.compile import compiled_forward
-from graphmode.runner.debug import StepChecker
+from graphmode.checks.debug import StepChecker
 from graphmode.runner.host_fields import HostFields
 from graphmode.runner.stats import RunnerStats
-from graphmode.runner.weight_memory import WeightMemory
+from graphmode.checks.weight_memory import WeightMemory
 from graphmode.spec import GraphSpec
 from graphmode.staging import staging_refusal
 from graphmode.variants import PLAIN, GraphVariants
 
 if TYPE_CHECKING:
     from graphmode.distributed import RankSync
-    from graphmode.runner.cache_checks import CacheMemory
+    from graphmode.checks.cache_checks import CacheMemory
     from graphmode.runner.sleep import Asleep, SleptGraph
 
 __all__ = ["Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
@@ -49,7 +49,7 @@ Report = Callable[[str, bool], None]
 
 class Captured(Protocol):
     """What a captured graph holds by reference, as the identity checks
-    (``graphmode.runner.cache_checks.check_same_objects``), debug mode and
+    (``graphmode.checks.cache_checks.check_same_objects``), debug mode and
     the warm-up cache check read it."""
 
     meta: GraphMeta  # its declarations (meta.spec.names: the inputs with a buffer)
@@ -147,7 +147,7 @@ class Shared:
         of every graph of the runner (and of the runners sharing it:
         ``pool_share``), set by the first capture. debug: the step checker in debug mode.
     weights: the addresses of the model's parameters and buffers at the
-        first capture (``graphmode.runner.weight_memory``).
+        first capture (``graphmode.checks.weight_memory``).
     ranks: the :class:`graphmode.distributed.RankSync` of a tensor-parallel
         runner. declared_extras: the engine's declared step inputs (model
         keywords with a buffer, copied in every step rather than frozen).

@@ -9,7 +9,7 @@ forward; every later step of that key fills the buffers and replays.
 
 It never reads device values on the host (no synchronisation per step; on
 the emulator, and on CUDA when asked, a hook that does is refused: see
-``graphmode.runner.host_reads``) and never copies the output: a replay
+``graphmode.checks.host_reads``) and never copies the output: a replay
 result is a view of the graph's output, valid until the next step.
 """
 
@@ -30,15 +30,15 @@ from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.native import NativeSteps, native_module
 from graphmode.plugins import Vendor
-from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
+from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
 from graphmode.runner.common import capture_failed, guard_dropped_fields, inert_step, note_replay_failure
-from graphmode.runner.debug import check_uniform_step
+from graphmode.checks.debug import check_uniform_step
 from graphmode.runner.family import Captured, Report, Shared
-from graphmode.runner.host_reads import replay_guard
-from graphmode.runner.model_state import ModelState
+from graphmode.checks.host_reads import replay_guard
+from graphmode.checks.model_state import ModelState
 from graphmode.runner.outputs import SharedOutputs
 from graphmode.runner.sleep import SleptGraph
-from graphmode.runner.validate import check_cache_layout
+from graphmode.checks.validate import check_cache_layout
 from graphmode.staging import HostStaging, emulator_host_hint, to_device, to_host
 from graphmode.variants import PLAIN, file_suffix
 

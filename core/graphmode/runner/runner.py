@@ -28,19 +28,19 @@ from graphmode.memory.plan import GraphMemory, MemoryPlan, WarmupMemory, plan
 from graphmode.meta import GraphMeta
 from graphmode.piecewise.graphs import PiecewiseGraphs
 from graphmode.plugins import Vendor
-from graphmode.runner.cache_checks import check_warmup_cache
+from graphmode.checks.cache_checks import check_warmup_cache
 from graphmode.runner.common import note_replay_failure
 from graphmode.runner.family import Shared
 from graphmode.runner.full import CapturedGraph, FullGraphs, bucket_table
 from graphmode.runner.guard import busy, one_at_a_time
-from graphmode.runner.model_state import watched_rebinds
+from graphmode.checks.model_state import watched_rebinds
 from graphmode.runner.modes import build_families
 from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.runner.sleep import asleep_error, recapture, release
 from graphmode.runner.stats import RunnerStats
-from graphmode.runner.step_checks import StepChecks
-from graphmode.runner.validate import check_model, uniform_q_len
+from graphmode.checks.step_checks import StepChecks
+from graphmode.checks.validate import check_model, uniform_q_len
 from graphmode.staging import HostStaging, to_device
 
 __all__ = ["GraphRunner"]

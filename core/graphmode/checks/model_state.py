@@ -191,7 +191,7 @@ class EagerRebinds:
     eager steps that run while graphs are captured, and PyTorch's global
     parameter and buffer registration hooks for the model's modules, which
     cost nothing per step (``param.data = new`` registers nothing: new memory
-    under the same objects is ``graphmode.runner.weight_memory``'s, checked
+    under the same objects is ``graphmode.checks.weight_memory``'s, checked
     at every graph step). ``graphs_exist()`` says whether
     graphs are captured; ``on_change()`` runs when a registration is noted
     (the runner forgets its native replays, which skip :meth:`check`)."""

@@ -1,6 +1,6 @@
 """Debug mode: checks that need the step's device values.
 
-The runner's normal checks (``graphmode.runner.validate``) read host facts
+The runner's normal checks (``graphmode.checks.validate``) read host facts
 only, so that a step costs no synchronisation. Some engine mistakes show
 only in the values: a slot in another sequence's block, two tokens writing
 one slot, a block id past the cache, a length the table cannot hold, host
@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import InputError
-from graphmode.runner.validate import cache_geometry
+from graphmode.checks.validate import cache_geometry
 
 __all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_piecewise_step", "check_query_lengths", "check_uniform_step"]
 
