@@ -554,7 +554,7 @@ def _check_the_host_value_is_refused(mode, how, device, **options):
 
 
 def test_a_context_dropping_nothing_is_the_vendors_own():
-    from graphmode.runner.common import guard_dropped_fields
+    from graphmode.families.common import guard_dropped_fields
 
     setup = _setup(mode="graph")
     step = setup.engine.decode([setup.engine.add()])

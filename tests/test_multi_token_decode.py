@@ -116,7 +116,7 @@ def test_mixed_and_unprovable_query_lengths_run_eagerly_with_their_reason():
     stats = setup.runner.stats
     assert stats.eager_steps["mixed_q_len"] == 2
     assert stats.captures == 1 and setup.runner.captured_graphs == [(4, 4)]
-    assert "mixed_q_len" in graphmode.runner.stats.EAGER_REASONS
+    assert "mixed_q_len" in graphmode.families.stats.EAGER_REASONS
 
 
 def test_q_len_above_max_q_len_runs_eagerly():

@@ -17,8 +17,8 @@ from graphmode import CaptureError, ConfigError, InputError
 from graphmode.emulator import EmulatedPool
 from graphmode.graphs.torch_graph import stream_capturing
 from graphmode.model.ops import ReferenceAttentionOps
-from graphmode.piecewise import default_token_sizes, host_break
-from graphmode.piecewise.breaks import writes_kv_in_graph
+from graphmode.families.piecewise import default_token_sizes, host_break
+from graphmode.families.piecewise.breaks import writes_kv_in_graph
 from graphmode.plugins import installed_vendor_names
 
 VENDORS = installed_vendor_names()
@@ -529,7 +529,7 @@ def test_a_narrower_block_wide_step_input_pads_the_columns_past_its_width():
     # columns past this step's width hold the padding, not the last step's values.
     from graphmode.context import StepInputs
     from graphmode.model.engine import ReferenceEngine
-    from graphmode.piecewise.inputs import TokenInputs
+    from graphmode.families.piecewise.inputs import TokenInputs
     from graphmode.spec import BLOCKS, SEQUENCES, BufferSpec
 
     spec = BufferSpec("adapter_blocks", torch.int32, shape=(SEQUENCES, BLOCKS), padding=0)

@@ -12,7 +12,7 @@ from setups import tiny_setup
 
 from graphmode.errors import ReplayError
 from graphmode.checks import weight_memory
-from graphmode.runner import full
+from graphmode.families import full
 
 VENDORS = ["cuda", "ascend", "camb", "maca", "ppu"]
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphmode.piecewise.breaks import kernels_taking_out
+from graphmode.families.piecewise.breaks import kernels_taking_out
 from graphmode_conformance.structure import ConformanceFailure
 
 __all__ = ["check_padding_finite", "compare_outputs", "tolerance"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphmode.model import ModelConfig, ReferenceAttentionOps, build_reference_model
-from graphmode.piecewise.breaks import kernels_taking_out
+from graphmode.families.piecewise.breaks import kernels_taking_out
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
 

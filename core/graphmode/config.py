@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # "graph": full graphs for decode steps (the rest eager); "piecewise": every
-# step in piecewise graphs (graphmode.piecewise); "full_and_piecewise": full
+# step in piecewise graphs (graphmode.families.piecewise); "full_and_piecewise": full
 # graphs for uniform decode, piecewise for the rest (vLLM's FULL_AND_PIECEWISE).
 EXECUTE_MODES = ("graph", "piecewise", "full_and_piecewise", "eager")
 ENV_EXECUTE_MODE = "GRAPHMODE_EXECUTE_MODE"
@@ -101,7 +101,7 @@ class RunnerConfig:
     compile: run the graphs over ``torch.compile(model)`` (Inductor
         kernels captured inside graphmode's graphs; piecewise graphs over
         the compiled forward split at the attention calls, see
-        ``graphmode.piecewise.compiled``); eager steps run the model
+        ``graphmode.families.piecewise.compiled``); eager steps run the model
         uncompiled. Ignored in eager mode; only for vendors declaring the
         ``inductor_graphs`` capability, never on the CPU emulator.
     compile_options: keyword arguments for ``torch.compile``, over
@@ -118,7 +118,7 @@ class RunnerConfig:
         default: it costs a device-to-host read per step.
     capture_token_sizes: the token buckets of piecewise graphs (piecewise
         modes only); None takes vLLM's default list up to
-        ``min(2 * max_batches, 512)`` (graphmode.piecewise.default_token_sizes).
+        ``min(2 * max_batches, 512)`` (graphmode.families.piecewise.default_token_sizes).
     max_q_len: the most new tokens per sequence a decode graph takes
         (speculative verify and MTP steps carry ``1 + k``): a decode step
         whose sequences all carry the same ``q_len <= max_q_len`` replays the
@@ -169,7 +169,7 @@ class RunnerConfig:
         self.debug = resolve_debug(self.debug)
         self.host_bookkeeping = _clean_names(self.host_bookkeeping)
         if self.capture_token_sizes is not None:
-            from graphmode.piecewise.sizes import clean_token_sizes
+            from graphmode.token_buckets import clean_token_sizes
 
             self.capture_token_sizes = clean_token_sizes(self.capture_token_sizes)
 

@@ -4,7 +4,7 @@ nano-vllm's offloaded decode (seed 004): the decoder layers' weights live in
 (pinned) host memory, and the layers run from a ring of ``num_buffers``
 device layers: before layer ``i`` runs, its weights are copied into ring slot
 ``i % num_buffers``. The copy is host work that must happen at every step,
-so it is placed in :func:`graphmode.piecewise.host_break`: under a piecewise
+so it is placed in :func:`graphmode.families.piecewise.host_break`: under a piecewise
 runner each layer replays as graphs with the loads between them.
 """
 
@@ -22,7 +22,7 @@ from graphmode.emulator.host import mark_host
 from graphmode.errors import ConfigError
 from graphmode.model.llama import LlamaModel, embed
 from graphmode.model.ops import KVCache
-from graphmode.piecewise import host_break
+from graphmode.families.piecewise import host_break
 
 __all__ = ["OffloadedLlama"]
 

@@ -1,10 +1,10 @@
 """The runner: GraphRunner (``runner.py``) and its graph families
 (``family.py``, ``full.py``, ``modes.py``; piecewise graphs live in
-``graphmode.piecewise``).
+``graphmode.families.piecewise``).
 
 Its names are imported on first use (PEP 562, as the top-level package's), so
 that importing a module of this package (the piecewise family imports
-``graphmode.runner.family`` and ``cache_checks``) does not import the runner,
+``graphmode.families.family`` and ``cache_checks``) does not import the runner,
 which imports the families: no import cycle.
 """
 
@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["EAGER_REASONS", "CapturedGraph", "GraphRunner", "RunnerStats"]
 
 _EXPORTS = {
-    "CapturedGraph": "graphmode.runner.full",
+    "CapturedGraph": "graphmode.families.full",
     "GraphRunner": "graphmode.runner.runner",
-    "EAGER_REASONS": "graphmode.runner.stats",
-    "RunnerStats": "graphmode.runner.stats",
+    "EAGER_REASONS": "graphmode.families.stats",
+    "RunnerStats": "graphmode.families.stats",
 }
 
 if TYPE_CHECKING:
-    from graphmode.runner.full import CapturedGraph
+    from graphmode.families.full import CapturedGraph
     from graphmode.runner.runner import GraphRunner
-    from graphmode.runner.stats import EAGER_REASONS, RunnerStats
+    from graphmode.families.stats import EAGER_REASONS, RunnerStats
 else:
 
     def __getattr__(name: str) -> Any:

@@ -1,10 +1,10 @@
 """GraphRunner: what an engine calls instead of its model.
 
 The runner checks each step's inputs, then hands the step to the first graph
-family of its execute mode that takes it (``graphmode.runner.modes``: full
-decode graphs, ``graphmode.runner.full``; piecewise token graphs,
-``graphmode.piecewise.graphs``), or runs it eagerly, counting why. It owns
-what the families share (``graphmode.runner.family.Shared``: the vendor, the
+family of its execute mode that takes it (``graphmode.families.modes``: full
+decode graphs, ``graphmode.families.full``; piecewise token graphs,
+``graphmode.families.piecewise.graphs``), or runs it eagerly, counting why. It owns
+what the families share (``graphmode.families.family.Shared``: the vendor, the
 memory pool, the statistics, debug mode, the ranks), the one-step lock, and
 the KV cache's first check; warm-up and reset go to every family.
 """
@@ -26,19 +26,19 @@ from graphmode.errors import ConfigError, InputError
 from graphmode.memory.meter import device_module
 from graphmode.memory.plan import GraphMemory, MemoryPlan, WarmupMemory, plan
 from graphmode.meta import GraphMeta
-from graphmode.piecewise.graphs import PiecewiseGraphs
+from graphmode.families.piecewise.graphs import PiecewiseGraphs
 from graphmode.plugins import Vendor
 from graphmode.checks.cache_checks import check_warmup_cache
-from graphmode.runner.common import note_replay_failure
-from graphmode.runner.family import Shared
-from graphmode.runner.full import CapturedGraph, FullGraphs, bucket_table
+from graphmode.families.common import note_replay_failure
+from graphmode.families.family import Shared
+from graphmode.families.full import CapturedGraph, FullGraphs, bucket_table
 from graphmode.runner.guard import busy, one_at_a_time
 from graphmode.checks.model_state import watched_rebinds
-from graphmode.runner.modes import build_families
+from graphmode.families.modes import build_families
 from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
-from graphmode.runner.sleep import asleep_error, recapture, release
-from graphmode.runner.stats import RunnerStats
+from graphmode.families.sleep import asleep_error, recapture, release
+from graphmode.families.stats import RunnerStats
 from graphmode.checks.step_checks import StepChecks
 from graphmode.checks.validate import check_model, uniform_q_len
 from graphmode.staging import HostStaging, to_device
@@ -76,7 +76,7 @@ class GraphRunner:
         self._rebinds = watched_rebinds(self)  # the model given other tensors than the graphs hold
         self._busy = self._shared.lock = threading.RLock()  # one step at a time (graphmode.runner.guard)
         self._check_inputs = StepChecks(config)  # check_inputs, its per-layout part once per layout
-        #: The execute mode's families (graphmode.runner.modes), tried in order for every step.
+        #: The execute mode's families (graphmode.families.modes), tried in order for every step.
         self.families = build_families(self._shared)
         self._shared.families = self.families
         if share_pool_with is not None:
@@ -351,7 +351,7 @@ class GraphRunner:
         if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
             module.empty_cache()
 
-    # -- sleep and wake (graphmode.runner.sleep) -----------------------------
+    # -- sleep and wake (graphmode.families.sleep) -----------------------------
 
     @one_at_a_time("runner.sleep()")
     def sleep(self) -> None:

@@ -28,9 +28,9 @@ from graphmode.integrations.lmdeploy.decode_graph import DecodeGraph
 from graphmode.integrations.lmdeploy.step_checks import check_decode_step
 from graphmode.meta import GraphMeta
 from graphmode.plugins import select_vendor
-from graphmode.runner.full import bucket_table
+from graphmode.families.full import bucket_table
 from graphmode.runner.setup import capture_sizes, configure
-from graphmode.runner.stats import RunnerStats
+from graphmode.families.stats import RunnerStats
 
 __all__ = ["LmdeployGraphRunner", "Settings"]
 

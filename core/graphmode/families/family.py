@@ -4,7 +4,7 @@ A family takes some steps (full decode graphs: uniform decode steps, per
 batch bucket and query length; piecewise graphs: any step, per token
 bucket), captures a graph for a step on first use and replays it after.
 Every family implements :class:`GraphFamily`; an execute mode is an ordered
-tuple of families (``graphmode.runner.modes``), and the runner hands a step
+tuple of families (``graphmode.families.modes``), and the runner hands a step
 to the first family that takes it, or runs it eagerly.
 
 The runner owns what the families share (:class:`Shared`: the model, the
@@ -27,10 +27,10 @@ from graphmode.errors import ConfigError
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
 from graphmode.checks.cache_checks import CacheFit, check_warmup_cache
-from graphmode.runner.compile import compiled_forward
+from graphmode.families.compile import compiled_forward
 from graphmode.checks.debug import StepChecker
-from graphmode.runner.host_fields import HostFields
-from graphmode.runner.stats import RunnerStats
+from graphmode.families.host_fields import HostFields
+from graphmode.families.stats import RunnerStats
 from graphmode.checks.weight_memory import WeightMemory
 from graphmode.spec import GraphSpec
 from graphmode.staging import staging_refusal
@@ -39,7 +39,7 @@ from graphmode.variants import PLAIN, GraphVariants
 if TYPE_CHECKING:
     from graphmode.distributed import RankSync
     from graphmode.checks.cache_checks import CacheMemory
-    from graphmode.runner.sleep import Asleep, SleptGraph
+    from graphmode.families.sleep import Asleep, SleptGraph
 
 __all__ = ["Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
 
@@ -82,7 +82,7 @@ class GraphFamily(Protocol):
 
     def refusal(self, inputs: StepInputs, batch: int, q_len: int | None) -> str | None:
         """Why this family does not take the step (a key of
-        ``graphmode.runner.stats.EAGER_REASONS``), or None when it does.
+        ``graphmode.families.stats.EAGER_REASONS``), or None when it does.
         ``q_len``: the tokens of every sequence, or None when they differ."""
         ...
 
@@ -106,7 +106,7 @@ class GraphFamily(Protocol):
         ...
 
     def release(self) -> list[SleptGraph]:
-        """Sleep (``graphmode.runner.sleep``): drop every graph and every
+        """Sleep (``graphmode.families.sleep``): drop every graph and every
         buffer the family allocated for its graphs (outputs, break points,
         staging), keeping no device memory, and name the graphs dropped, in
         capture order, for :meth:`recapture`."""

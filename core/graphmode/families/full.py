@@ -31,13 +31,13 @@ from graphmode.meta import GraphMeta
 from graphmode.native import NativeSteps, native_module
 from graphmode.plugins import Vendor
 from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.runner.common import capture_failed, guard_dropped_fields, inert_step, note_replay_failure
+from graphmode.families.common import capture_failed, guard_dropped_fields, inert_step, note_replay_failure
 from graphmode.checks.debug import check_uniform_step
-from graphmode.runner.family import Captured, Report, Shared
+from graphmode.families.family import Captured, Report, Shared
 from graphmode.checks.host_reads import replay_guard
 from graphmode.checks.model_state import ModelState
-from graphmode.runner.outputs import SharedOutputs
-from graphmode.runner.sleep import SleptGraph
+from graphmode.families.outputs import SharedOutputs
+from graphmode.families.sleep import SleptGraph
 from graphmode.checks.validate import check_cache_layout
 from graphmode.staging import HostStaging, emulator_host_hint, to_device, to_host
 from graphmode.variants import PLAIN, file_suffix
