@@ -33,8 +33,8 @@ from graphmode.emulator import stream_order
 from graphmode.emulator.capture import named_arguments
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.model import ReferenceAttentionOps
-from graphmode.model.ops import attend, owned_positions, token_rows
-from graphmode.plugins.info import probe_runtime
+from graphmode.attention import attend, owned_positions, token_rows
+from graphmode.vendor_info import probe_runtime
 from graphmode.spec import BLOCKS, CUDA_VENDOR_SPEC, SEQUENCES
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import AscendGraph, resolve_update_path

@@ -11,7 +11,7 @@ from setups import tiny_setup
 from graphmode import ConfigError, InputError, hookimpl
 from graphmode.emulator import EmulatedGraph
 from graphmode.graphs import DeviceGraph, TorchGraph
-from graphmode.plugins.info import VendorInfo
+from graphmode.vendor_info import VendorInfo
 
 
 def _setup(**options):

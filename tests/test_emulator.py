@@ -12,7 +12,7 @@ from setups import tiny_setup
 import graphmode
 from graphmode import CaptureError, ReplayError
 from graphmode.emulator import EmulatedGraph, mark_host
-from graphmode.model.ops import ReferenceAttentionOps
+from graphmode.attention import ReferenceAttentionOps
 
 # -- host reads inside capture are refused -----------------------------------
 

@@ -174,7 +174,7 @@ KNOWN_CYCLES = [
     ["graphmode.emulator", "graphmode.emulator.graph", "graphmode.graphs", "graphmode.graphs.torch_graph"],
     # plugins.manager imports graphmode.default (the built-in plugin) and model/__init__ imports
     # graphmode.plugins (build_reference_model loads the vendor) inside functions; default imports
-    # the kernels, which import graphmode.model.ops; buffers imports buffers_deprecated on first use.
+    # the kernels, which import graphmode.attention; buffers imports buffers_deprecated on first use.
     ["graphmode.buffers", "graphmode.buffers_deprecated", "graphmode.default", "graphmode.kernels",
      "graphmode.kernels.triton_decode", "graphmode.model", "graphmode.plugins", "graphmode.plugins.manager",
      "graphmode.plugins.selection", "graphmode.staging"],

@@ -17,7 +17,7 @@ from graphmode import ConfigError, hookimpl
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.plugins import installed_vendor_names
-from graphmode.plugins.info import VendorInfo
+from graphmode.vendor_info import VendorInfo
 from graphmode.spec import CUDA_SPEC
 
 VENDORS = installed_vendor_names()

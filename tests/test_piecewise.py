@@ -16,7 +16,7 @@ import graphmode
 from graphmode import CaptureError, ConfigError, InputError
 from graphmode.emulator import EmulatedPool
 from graphmode.graphs.torch_graph import stream_capturing
-from graphmode.model.ops import ReferenceAttentionOps
+from graphmode.attention import ReferenceAttentionOps
 from graphmode.families.piecewise import default_token_sizes, host_break
 from graphmode.families.piecewise.breaks import writes_kv_in_graph
 from graphmode.plugins import installed_vendor_names

@@ -182,7 +182,7 @@ def test_a_graph_the_runner_holds_for_another_bucket_is_refused_naming_the_hook(
     refuses it naming no hook, or the first bucket replays the second's)."""
     from graphmode import CaptureError, hookimpl
     from graphmode.emulator import EmulatedGraph
-    from graphmode.plugins.info import VendorInfo
+    from graphmode.vendor_info import VendorInfo
 
     class OneGraph:
         @staticmethod

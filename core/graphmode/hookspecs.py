@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from graphmode.context import StepInputs
     from graphmode.graphs import DeviceGraph
     from graphmode.meta import GraphMeta
-    from graphmode.model.ops import AttentionOps
+    from graphmode.attention import AttentionOps
     from graphmode.plugins import VendorInfo
     from graphmode.spec import GraphSpec
 
@@ -236,7 +236,7 @@ def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int) 
 @hookspec(firstresult=True)
 def graphmode_attention_ops(options: Any) -> AttentionOps:
     """The vendor's attention kernels behind graphmode's :class:`AttentionOps`
-    protocol (``graphmode.model.ops``): ``layout``, ``contract``,
+    protocol (``graphmode.attention``): ``layout``, ``contract``,
     ``cache_shape``, ``make_kv_cache``, ``block_view``, ``fill_kv_cache``,
     ``paged_decode_attention``, ``prefill_attention``. Called when a model is
     built for the vendor (``build_reference_model``, the Hugging Face

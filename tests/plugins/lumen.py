@@ -33,7 +33,7 @@ from graphmode.emulator import EmulatedGraph
 from graphmode.emulator.capture import named_arguments
 from graphmode.emulator.recording import OpRecord
 from graphmode.graphs import DeviceGraph
-from graphmode.model.ops import attend, write_slots
+from graphmode.attention import attend, write_slots
 from graphmode.spec import BLOCKS, CUDA_SPEC, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ import torch
 
 from graphmode import ConfigError, VendorInfo, hookimpl
 from graphmode.buffers import stage
-from graphmode.model.ops import attend, owned_positions, write_slots
+from graphmode.attention import attend, owned_positions, write_slots
 from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec, GraphSpec
 
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ from graphmode.emulator.capture import named_arguments
 from graphmode.emulator.recording import OpRecord
 from graphmode.graphs import DeviceGraph
 from graphmode.model import ReferenceAttentionOps
-from graphmode.model.ops import attend, owned_positions
+from graphmode.attention import attend, owned_positions
 from graphmode.spec import CUDA_SPEC, BufferSpec
 
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from graphmode.emulator.recording import OpRecord, compile_steps
 from graphmode.emulator.stream import launch, synchronize
 from graphmode.emulator.stream_order import check_replay_ordered
 from graphmode.errors import CaptureError, ReplayError
-from graphmode.graphs.base import DeviceGraph
+from graphmode.device_graph import DeviceGraph
 
 __all__ = ["EmulatedGraph", "EmulatedPool"]
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from graphmode.errors import CaptureError
-from graphmode.graphs.base import DeviceGraph
+from graphmode.device_graph import DeviceGraph
 
 __all__ = [
     "AcceleratorGraph",

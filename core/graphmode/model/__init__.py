@@ -9,7 +9,7 @@ import torch
 from graphmode.errors import ConfigError
 from graphmode.model.config import ModelConfig
 from graphmode.model.llama import LlamaModel
-from graphmode.model.ops import AttentionOps, ReferenceAttentionOps, attend, write_slots
+from graphmode.attention import AttentionOps, ReferenceAttentionOps, attend, write_slots
 
 __all__ = [
     "AttentionOps",
@@ -31,7 +31,7 @@ def build_reference_model(
     Its attention comes from one of two places:
 
     - ``ops=``: an object implementing :class:`AttentionOps` (the protocol in
-      ``graphmode.model.ops``; :class:`ReferenceAttentionOps` is the
+      ``graphmode.attention``; :class:`ReferenceAttentionOps` is the
       pure-PyTorch one), used as given: the entry
       point for a kernel under development, a test, or a vendor's ops before
       any plugin exists; no plugin manager is involved;

@@ -19,7 +19,7 @@ from graphmode.deprecated import renamed_keywords
 from graphmode.errors import InputError
 from graphmode.model.config import ModelConfig
 from graphmode.model.lora import LoraAdapters, lora_rows
-from graphmode.model.ops import AttentionOps, KVCache
+from graphmode.attention import AttentionOps, KVCache
 
 __all__ = ["LlamaModel"]
 

@@ -21,7 +21,7 @@ from graphmode.deprecated import renamed_keywords
 from graphmode.emulator.host import mark_host
 from graphmode.errors import ConfigError
 from graphmode.model.llama import LlamaModel, embed
-from graphmode.model.ops import KVCache
+from graphmode.attention import KVCache
 from graphmode.families.piecewise import host_break
 
 __all__ = ["OffloadedLlama"]

@@ -1,6 +1,6 @@
 """Vendor plugins: discovery through entry points, loading, selection."""
 
-from graphmode.plugins.info import CAPABILITIES, VendorInfo, probe_runtime
+from graphmode.vendor_info import CAPABILITIES, VendorInfo, probe_runtime
 from graphmode.plugins.manager import (
     BUILTIN_VENDOR,
     ENTRY_POINT_GROUP,

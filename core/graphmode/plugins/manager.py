@@ -26,7 +26,7 @@ import pluggy
 
 from graphmode import hookspecs
 from graphmode.errors import VendorError
-from graphmode.plugins.info import VendorInfo
+from graphmode.vendor_info import VendorInfo
 
 if TYPE_CHECKING:
     from graphmode.spec import GraphSpec

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from graphmode.context import AttnMetadata
-from graphmode.model.ops import ReferenceAttentionOps
+from graphmode.attention import ReferenceAttentionOps
 
 __all__ = ["CambAttentionOps"]
 

@@ -32,7 +32,7 @@ import torch
 
 from graphmode.context import AttnMetadata
 from graphmode.errors import InputError
-from graphmode.model.ops import ReferenceAttentionOps
+from graphmode.attention import ReferenceAttentionOps
 
 __all__ = ["PPUAttentionOps", "check_maxima"]
 
