@@ -185,9 +185,9 @@ def in_place(workload: Workload, runners: dict[str, Any], batches: list[int], de
     binding, inference mode, the family lookup). The whole call is timed
     with the native step set aside, so that it is the path the parts are
     of: the path a step takes when the native step declines it."""
+    from graphmode.checks.cache_checks import check_same_objects
+    from graphmode.checks.validate import uniform_q_len
     from graphmode.context import StepInputs
-    from graphmode.runner.cache_checks import check_same_objects
-    from graphmode.runner.validate import uniform_q_len
 
     print(f"\nPart 3: the replay path in place, host microseconds, median of {repeats} "
           "(idle / busy as in part 1)")
@@ -198,7 +198,7 @@ def in_place(workload: Workload, runners: dict[str, Any], batches: list[int], de
             step = to_host(step, device.device) if kind == "host" else step
             attn = step.attn_metadata
             runner(step.input_ids, step.position_ids, kv, attn)
-            family = runner._full
+            family = runner.family("full")
             captured = runner.graph(runner.bucket_of(batch))
             meta, bucket, staging = captured.meta, captured.bucket, family.staging
             for busy in (False, True):

@@ -1,5 +1,5 @@
 """Host cost per replay of the always-on KV-cache check
-(graphmode.runner.cache_checks.CacheMemory.check: the same objects, and
+(graphmode.checks.cache_checks.CacheMemory.check: the same objects, and
 their data pointers), for a cache of --layers (key, value) pairs, beside
 the identity check alone, which could not see memory moved under an object.
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from graphmode.runner.cache_checks import CacheMemory, cache_flattener
+from graphmode.checks.cache_checks import CacheMemory, cache_flattener
 
 
 def median_us(function, repeats: int) -> float:

@@ -1,5 +1,5 @@
 """Host cost per graph step of the always-on check of the captured weights'
-memory (graphmode.runner.weight_memory.WeightMemory: the data pointers of
+memory (graphmode.checks.weight_memory.WeightMemory: the data pointers of
 the model's parameters and buffers against those at capture, which
 ``param.data = new`` changes), on the 24-layer bench model
 (ModelConfig.bench()), beside the KV-cache pointer check that
@@ -34,8 +34,8 @@ import torch
 
 import graphmode
 from graphmode.bench.workload import Workload
+from graphmode.checks.weight_memory import WeightMemory
 from graphmode.model import ModelConfig
-from graphmode.runner.weight_memory import WeightMemory
 
 
 def median_us(function: Callable[[], Any], repeats: int) -> float:
@@ -102,7 +102,7 @@ def main() -> None:
               "microsecond; run it on a GPU (--device cuda)")
         return
     step = steps[-1]
-    attn, memo = step.attn_metadata, runner._full.native.memo
+    attn, memo = step.attn_metadata, runner.family("full").native.memo
 
     def call() -> None:
         runner(step.input_ids, step.position_ids, kv, attn)

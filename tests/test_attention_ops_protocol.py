@@ -16,7 +16,7 @@ from plugins import walkthrough
 from test_hookspecs import harness, variant
 
 import graphmode
-from graphmode.model import AttentionOps
+from graphmode.attention import AttentionOps
 from graphmode.plugins.manager import installed_vendor_names
 
 PROTOCOL = {name for name in vars(AttentionOps) if not name.startswith("_")} | set(AttentionOps.__annotations__)
@@ -53,7 +53,7 @@ def test_the_protocol_names_what_graphmode_calls_and_nothing_else():
     assert pieces.runner.stats.piecewise_captures >= 1
     extra = sorted(used - PROTOCOL)
     assert not extra, (
-        f"graphmode read {extra} from the vendor's attention ops, which graphmode.model.ops.AttentionOps "
+        f"graphmode read {extra} from the vendor's attention ops, which graphmode.attention.AttentionOps "
         "does not name: add them to the protocol and to docs/writing-a-plugin.md"
     )
     assert used == PROTOCOL, f"AttentionOps names {sorted(PROTOCOL - used)}, which nothing here reads"

@@ -137,7 +137,7 @@ def test_steps_passing_extras_that_warmup_was_not_given_are_told_to_pass_them_to
 
 def test_a_step_of_a_layout_that_passed_before_is_still_checked_whole():
     """The runner remembers the layouts of steps that passed
-    (graphmode.runner.step_checks): a later step of that layout is checked for
+    (graphmode.checks.step_checks): a later step of that layout is checked for
     its host values, and one that differs in any tensor's dtype, shape or
     placement is checked whole, with the errors of a first step."""
     setup = tiny_setup()

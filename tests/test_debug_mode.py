@@ -11,7 +11,7 @@ from setups import tiny_setup
 from graphmode import ConfigError, InputError, hookimpl
 from graphmode.emulator import EmulatedGraph
 from graphmode.graphs import DeviceGraph, TorchGraph
-from graphmode.plugins.info import VendorInfo
+from graphmode.vendor_info import VendorInfo
 
 
 def _setup(**options):
@@ -174,7 +174,7 @@ def _moved_weight(setup):
 
 
 @pytest.mark.parametrize("move, message", [
-    # The KV cache's pointers are compared without debug mode too (graphmode.runner.cache_checks).
+    # The KV cache's pointers are compared without debug mode too (graphmode.checks.cache_checks).
     (_moved_cache, r"past_key_values tensor 0 of 4 has new memory \(data_ptr 0x[0-9a-f]+, captured at 0x"),
     (_moved_weight, r"debug mode: model parameter 'layers.1.down_proj.weight' is at address 0x[0-9a-f]+, but the "
      r"graph of bucket 4"),

@@ -1,5 +1,5 @@
 """The step context's host fields (``kv_seqlens_cpu``): optional, and host
-memory by contract (graphmode.runner.host_fields).
+memory by contract (graphmode.families.host_fields).
 
 Before: an Ascend step without ``kv_seqlens_cpu`` was served eagerly and at
 its capture, then every replay raised ``ReplayError: graphmode_fill_buffers

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from graphmode import CaptureError
-from graphmode.runner.model_state import ModelState
+from graphmode.checks.model_state import ModelState
 
 
 class Holder(nn.Module):

@@ -17,8 +17,8 @@ from graphmode import ConfigError, hookimpl
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.plugins import installed_vendor_names
-from graphmode.plugins.info import VendorInfo
 from graphmode.spec import CUDA_SPEC
+from graphmode.vendor_info import VendorInfo
 
 VENDORS = installed_vendor_names()
 # The vendors whose decode kernels take several queries per sequence (Camb's does not).
@@ -116,7 +116,7 @@ def test_mixed_and_unprovable_query_lengths_run_eagerly_with_their_reason():
     stats = setup.runner.stats
     assert stats.eager_steps["mixed_q_len"] == 2
     assert stats.captures == 1 and setup.runner.captured_graphs == [(4, 4)]
-    assert "mixed_q_len" in graphmode.runner.stats.EAGER_REASONS
+    assert "mixed_q_len" in graphmode.families.stats.EAGER_REASONS
 
 
 def test_q_len_above_max_q_len_runs_eagerly():
@@ -212,7 +212,7 @@ def test_ascend_refuses_multi_token_graphs_beyond_the_tnd_kernel_limits_at_build
     """FIA in TND layout (op-plugin's constraints, vllm-ascend's q_len limit):
     refused when the runner is built, not at the first multi-token step."""
     model = tiny_setup("ascend").model
-    settings = {"max_batches": 8, "num_blocks": 4, "block_size": 16, "max_q_len": 4, **options}
+    settings = {"max_batches": 8, "max_blocks_per_seq": 4, "block_size": 16, "max_q_len": 4, **options}
     with pytest.raises(ConfigError) as error:
         graphmode.build_graph_runner(model, device="cpu", vendor="ascend", **settings)
     assert str(error.value).startswith(

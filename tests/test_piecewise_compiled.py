@@ -1,6 +1,6 @@
 """compile=True in piecewise modes: the compiled forward split at the break points.
 
-On the CPU: the split forward (``graphmode.piecewise.compiled``) under a
+On the CPU: the split forward (``graphmode.families.piecewise.compiled``) under a
 piecewise warm-up session gives the eager model's answer, Dynamo breaks its
 graphs at every attention call and compiles each layer's code once for all
 layers; a runner asking for it on the CPU emulator, or for a vendor without
@@ -19,13 +19,13 @@ from setups import tiny_setup
 
 import graphmode
 from graphmode import ConfigError
+from graphmode.families.piecewise.breaks import LiveStep, find_attention_ops, intercepted
+from graphmode.families.piecewise.compiled import SplitForward, compiled_shapes
+from graphmode.families.piecewise.graphs import shape_only
+from graphmode.families.piecewise.segments import BreakBuffers, EagerForward
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
-from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted
-from graphmode.piecewise.compiled import SplitForward, compiled_shapes
-from graphmode.piecewise.graphs import shape_only
-from graphmode.piecewise.segments import BreakBuffers, EagerForward
-from graphmode.piecewise.sizes import default_token_sizes
+from graphmode.token_buckets import default_token_sizes
 
 MODES = ["piecewise", "full_and_piecewise"]
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor kernels in graphs need a CUDA GPU")

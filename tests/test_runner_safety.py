@@ -104,7 +104,7 @@ def test_a_largest_result_that_is_a_view_is_not_adopted_as_the_shared_buffer():
     # A view may alias what the graph reads (an input buffer, say): smaller
     # graphs' copies into it would overwrite that. Such a result stays the
     # graph's own; a fresh result is adopted and later results copied into it.
-    from graphmode.runner.outputs import SharedOutputs
+    from graphmode.families.outputs import SharedOutputs
 
     base = torch.arange(24.0).reshape(1, 8, 3)
     viewed = SharedOutputs(max_tokens=4)
@@ -182,7 +182,7 @@ def test_a_graph_the_runner_holds_for_another_bucket_is_refused_naming_the_hook(
     refuses it naming no hook, or the first bucket replays the second's)."""
     from graphmode import CaptureError, hookimpl
     from graphmode.emulator import EmulatedGraph
-    from graphmode.plugins.info import VendorInfo
+    from graphmode.vendor_info import VendorInfo
 
     class OneGraph:
         @staticmethod

@@ -1,5 +1,5 @@
 """Sleep and wake (``runner.sleep()``, ``runner.wake(cache)``;
-``graphmode.runner.sleep``) on the CPU emulator: sleep releases every graph
+``graphmode.families.sleep``) on the CPU emulator: sleep releases every graph
 of every family, their buffers and the pool (the emulator's allocation
 record is back at its value before the warm-up), wake captures the same
 graphs again, steps after wake equal steps before in every execute mode,

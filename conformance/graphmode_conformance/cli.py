@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphmode.checks.host_reads import ENV_CHECK_HOST_READS
 from graphmode.errors import ConfigError, GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, installed_vendor_names, select_vendor
-from graphmode.runner.host_reads import ENV_CHECK_HOST_READS
 from graphmode_conformance.plugin import Target, describe, pick_variant, resolve_target
 from graphmode_conformance.sizes import DTYPES, Sizes, parse_capture_sizes
 
@@ -106,7 +106,7 @@ def process_env(target: Target, plugin: str | None) -> dict[str, str]:
         env.setdefault("OMP_NUM_THREADS", "1")
     if target.device.type == "cuda":
         # The replay path may not read device values on the host: on CUDA the
-        # runner checks that only when asked (graphmode.runner.host_reads).
+        # runner checks that only when asked (graphmode.checks.host_reads).
         env.setdefault(ENV_CHECK_HOST_READS, "1")
     where = plugin_path(plugin)
     if where:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphmode.piecewise.breaks import kernels_taking_out
+from graphmode.families.piecewise.breaks import kernels_taking_out
 from graphmode_conformance.structure import ConformanceFailure
 
 __all__ = ["check_padding_finite", "compare_outputs", "tolerance"]
@@ -140,6 +140,6 @@ def check_padding_finite(where: str, meta: Any, num_tokens: int) -> None:
             "cut away, but a NaN there reaches live rows through any op mixing tokens (MoE routing, a "
             f"collective over the batch). Likely cause: a declared padding value (here kv_seqlens padding {kv}) "
             "that makes a kernel attend over nothing, with no rule for a row that sees no token "
-            "(graphmode.model.ops.attend gives zeros); fix the padding in graphmode_graph_spec or the kernel "
+            "(graphmode.attention.attend gives zeros); fix the padding in graphmode_graph_spec or the kernel "
             "(graphmode_attention_ops)"
         )

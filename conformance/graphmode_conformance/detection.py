@@ -62,5 +62,5 @@ class DetectionTests(ConformanceFixtures):
                 f"[detection] vendor {vendor.name}: graphmode_vendor_info says detected (reason: {info.reason!r}), "
                 f"but on this machine {' and '.join(missing)}. Automatic selection (select_vendor() with no vendor "
                 f"named) would pick {vendor.name} here. Hook: graphmode_vendor_info must report detected=False "
-                "unless its runtime imports and its device is visible (graphmode.plugins.info.probe_runtime does both)"
+                "unless its runtime imports and its device is visible (graphmode.vendor_info.probe_runtime does both)"
             )

@@ -106,8 +106,7 @@ class Harness:
         runner = graphmode.GraphRunner(
             model,
             graphmode.RunnerConfig(
-                sizes.max_batches, sizes.table_width, sizes.block, device,
-                num_layers=config.num_hidden_layers, **runner_options,
+                sizes.max_batches, sizes.table_width, sizes.block, device, **runner_options,
             ),
             vendor,
             share_pool_with=share_pool_with,
@@ -392,7 +391,7 @@ class Harness:
                             f"slot {slots[0]} is the cache's last slot: the vendor's fill_kv_cache "
                             "(graphmode_attention_ops) indexed the cache with a padding row's slot -1, which "
                             "Python and torch read as the last element. A slot < 0 must write nothing: mask it "
-                            "(graphmode.model.ops.write_slots does)"
+                            "(graphmode.attention.write_slots does)"
                         )
                     elif slots == [0]:
                         cause = (
@@ -400,7 +399,7 @@ class Harness:
                             "0, in the vendor's fill_kv_cache (graphmode_attention_ops: a clamp, or a -1 redirected "
                             "to 0 and written), or the padding slot itself was 0 (in a full-graph step the "
                             "declared-buffer check, run first, names that). A slot < 0 must write nothing: mask it "
-                            "(graphmode.model.ops.write_slots does)"
+                            "(graphmode.attention.write_slots does)"
                         )
                     raise ConformanceFailure(
                         f"{where}: the graph step changed {len(slots)} {name}-cache slots of layer "

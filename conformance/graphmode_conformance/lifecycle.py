@@ -22,7 +22,7 @@ _NAN_IN_BLOCK_0 = (
     "Block 0 may hold anything, and every table's unused columns and every padding row point at it. Likely "
     "cause: the vendor's attention kernels (graphmode_attention_ops) read block 0 and mask it by multiplying "
     "(0 * NaN is NaN); mask the scores with -inf before the softmax and zero masked probabilities with "
-    "torch.where (graphmode.model.ops.attend does both)"
+    "torch.where (graphmode.attention.attend does both)"
 )
 
 

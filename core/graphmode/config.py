@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from graphmode.deprecated import renamed_keywords, warn_deprecated
 from graphmode.errors import ConfigError
 from graphmode.spec import MODEL_INPUTS, BufferSpec
 from graphmode.variants import clean_graph_variants
@@ -29,7 +28,7 @@ __all__ = [
 ]
 
 # "graph": full graphs for decode steps (the rest eager); "piecewise": every
-# step in piecewise graphs (graphmode.piecewise); "full_and_piecewise": full
+# step in piecewise graphs (graphmode.families.piecewise); "full_and_piecewise": full
 # graphs for uniform decode, piecewise for the rest (vLLM's FULL_AND_PIECEWISE).
 EXECUTE_MODES = ("graph", "piecewise", "full_and_piecewise", "eager")
 ENV_EXECUTE_MODE = "GRAPHMODE_EXECUTE_MODE"
@@ -82,13 +81,11 @@ class RunnerConfig:
     max_batches: the most sequences the engine ever puts in one decode step.
     max_blocks_per_seq: the widest block table a sequence may have (its
         columns; the KV cache's own size is ``make_kv_cache``'s
-        ``num_cache_blocks``). ``num_blocks=`` is its deprecated spelling.
+        ``num_cache_blocks``).
     block_size: tokens per KV-cache block.
     device: the model's device; "cpu" runs the graph emulator.
     execute_mode: one of EXECUTE_MODES (``$GRAPHMODE_EXECUTE_MODE`` overrides).
     capture_batch_sizes: the user's bucket list; None lets the vendor choose.
-    num_layers: decoder layers of the model, for vendors that budget graph
-        resources per layer; None when unknown.
     head_dim: the model's attention head size, for vendors whose kernels
         take only some (read from ``model.config``); None when unknown.
     vendor_options: settings for the vendor plugin: a dict of the fields of
@@ -101,7 +98,7 @@ class RunnerConfig:
     compile: run the graphs over ``torch.compile(model)`` (Inductor
         kernels captured inside graphmode's graphs; piecewise graphs over
         the compiled forward split at the attention calls, see
-        ``graphmode.piecewise.compiled``); eager steps run the model
+        ``graphmode.families.piecewise.compiled``); eager steps run the model
         uncompiled. Ignored in eager mode; only for vendors declaring the
         ``inductor_graphs`` capability, never on the CPU emulator.
     compile_options: keyword arguments for ``torch.compile``, over
@@ -114,11 +111,11 @@ class RunnerConfig:
     debug: before every graph step, read the step's device values (one
         synchronisation) and refuse slots, block ids and lengths that would
         give wrong results, and tensors the graph captured that moved
-        (``graphmode.runner.debug``); ``$GRAPHMODE_DEBUG`` overrides. Off by
+        (``graphmode.checks.debug``); ``$GRAPHMODE_DEBUG`` overrides. Off by
         default: it costs a device-to-host read per step.
     capture_token_sizes: the token buckets of piecewise graphs (piecewise
         modes only); None takes vLLM's default list up to
-        ``min(2 * max_batches, 512)`` (graphmode.piecewise.default_token_sizes).
+        ``min(2 * max_batches, 512)`` (graphmode.families.piecewise.default_token_sizes).
     max_q_len: the most new tokens per sequence a decode graph takes
         (speculative verify and MTP steps carry ``1 + k``): a decode step
         whose sequences all carry the same ``q_len <= max_q_len`` replays the
@@ -132,7 +129,6 @@ class RunnerConfig:
     device: torch.device
     execute_mode: str = "graph"
     capture_batch_sizes: tuple[int, ...] | None = None
-    num_layers: int | None = None
     head_dim: int | None = None
     vendor_options: Any = None
     step_inputs: tuple[BufferSpec, ...] = ()
@@ -169,15 +165,9 @@ class RunnerConfig:
         self.debug = resolve_debug(self.debug)
         self.host_bookkeeping = _clean_names(self.host_bookkeeping)
         if self.capture_token_sizes is not None:
-            from graphmode.piecewise.sizes import clean_token_sizes
+            from graphmode.token_buckets import clean_token_sizes
 
             self.capture_token_sizes = clean_token_sizes(self.capture_token_sizes)
-
-    @property
-    def num_blocks(self) -> int:
-        """Deprecated: ``max_blocks_per_seq``."""
-        warn_deprecated("RunnerConfig.num_blocks", "RunnerConfig.max_blocks_per_seq", stacklevel=3)
-        return self.max_blocks_per_seq
 
     @property
     def max_tokens(self) -> int:
@@ -188,12 +178,6 @@ class RunnerConfig:
     def torch_compile_options(self) -> dict[str, Any]:
         """The keyword arguments given to ``torch.compile`` when compile=True."""
         return {**DEFAULT_COMPILE_OPTIONS, **self.compile_options}
-
-
-# The keyword of the block-table width before it was named for what it is.
-RunnerConfig.__init__ = renamed_keywords(  # type: ignore[method-assign]
-    "RunnerConfig", num_blocks="max_blocks_per_seq"
-)(RunnerConfig.__init__)
 
 
 def _clean_compile_options(compile: bool, options: Any) -> dict[str, Any]:

@@ -59,7 +59,7 @@ class AttnMetadata:
         lengths as host values (Ascend). Engines know the lengths on the host;
         passing them avoids a device-to-host copy per step: when a vendor
         reads it and a step omits it, the runner derives it from
-        ``kv_seqlens`` (``graphmode.runner.host_fields``). A host tensor by
+        ``kv_seqlens`` (``graphmode.families.host_fields``). A host tensor by
         contract: on the CPU emulator it counts as host memory unmarked.
     x_active_mask: (T,) bool, False for padding tokens, for MoE dispatch. Set by
         the vendors that need it; None otherwise.

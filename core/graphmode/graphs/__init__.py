@@ -1,6 +1,6 @@
 """Device graphs: the interface the runner uses, and its PyTorch adapters."""
 
-from graphmode.graphs.base import DeviceGraph
+from graphmode.device_graph import DeviceGraph
 from graphmode.graphs.torch_graph import (
     AcceleratorGraph,
     TorchGraph,

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from graphmode.device_graph import DeviceGraph
 from graphmode.errors import CaptureError
-from graphmode.graphs.base import DeviceGraph
 
 __all__ = [
     "AcceleratorGraph",

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from graphmode.model.ops import ReferenceAttentionOps
+from graphmode.attention import ReferenceAttentionOps
 
 __all__ = ["ATTENTION_CHOICES", "ENV_ATTENTION", "cuda_attention_ops"]
 

@@ -6,20 +6,12 @@ from typing import Any
 
 import torch
 
+from graphmode.attention import AttentionOps
 from graphmode.errors import ConfigError
 from graphmode.model.config import ModelConfig
 from graphmode.model.llama import LlamaModel
-from graphmode.model.ops import AttentionOps, ReferenceAttentionOps, attend, write_slots
 
-__all__ = [
-    "AttentionOps",
-    "LlamaModel",
-    "ModelConfig",
-    "ReferenceAttentionOps",
-    "attend",
-    "build_reference_model",
-    "write_slots",
-]
+__all__ = ["LlamaModel", "ModelConfig", "build_reference_model"]
 
 
 def build_reference_model(
@@ -31,7 +23,7 @@ def build_reference_model(
     Its attention comes from one of two places:
 
     - ``ops=``: an object implementing :class:`AttentionOps` (the protocol in
-      ``graphmode.model.ops``; :class:`ReferenceAttentionOps` is the
+      ``graphmode.attention``; :class:`ReferenceAttentionOps` is the
       pure-PyTorch one), used as given: the entry
       point for a kernel under development, a test, or a vendor's ops before
       any plugin exists; no plugin manager is involved;

@@ -4,7 +4,7 @@ nano-vllm's offloaded decode (seed 004): the decoder layers' weights live in
 (pinned) host memory, and the layers run from a ring of ``num_buffers``
 device layers: before layer ``i`` runs, its weights are copied into ring slot
 ``i % num_buffers``. The copy is host work that must happen at every step,
-so it is placed in :func:`graphmode.piecewise.host_break`: under a piecewise
+so it is placed in :func:`graphmode.families.piecewise.host_break`: under a piecewise
 runner each layer replays as graphs with the loads between them.
 """
 
@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphmode.attention import KVCache
 from graphmode.context import AttnMetadata
-from graphmode.deprecated import renamed_keywords
 from graphmode.emulator.host import mark_host
 from graphmode.errors import ConfigError
+from graphmode.families.piecewise import host_break
 from graphmode.model.llama import LlamaModel, embed
-from graphmode.model.ops import KVCache
-from graphmode.piecewise import host_break
 
 __all__ = ["OffloadedLlama"]
 
@@ -57,7 +56,6 @@ class OffloadedLlama(nn.Module):
                 target.copy_(source, non_blocking=True)
         self.loads += 1
 
-    @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
     def make_kv_cache(
         self, num_cache_blocks: int, block_size: int, device: torch.device | str | None = None
     ) -> KVCache:

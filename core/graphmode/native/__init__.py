@@ -20,7 +20,7 @@ the step, with its checks and errors. So errors exist once, in Python.
 It takes the steps of full graphs that the built-in buffer hooks fill, with
 no graph variants, debug mode, per-step rank agreement, extras, or host
 lengths beside an unknown maximum: the usual decode step. Everything else
-keeps the Python path. (The host-read guard, ``graphmode.runner.host_reads``,
+keeps the Python path. (The host-read guard, ``graphmode.checks.host_reads``,
 watches vendor hooks, which a native step never calls.)
 
 Built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
@@ -40,12 +40,15 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
+
+if TYPE_CHECKING:
+    from graphmode.buffers import FillPlan
 
 __all__ = ["ENV_NATIVE", "NativeSteps", "native_module"]
 
@@ -124,7 +127,7 @@ class NativeSteps:
     is called by the Python path after each replay step it took;
     :meth:`clear` on every capture and reset. ``addresses``: the module's
     ``Addresses`` of the captured parameters and buffers
-    (``graphmode.runner.weight_memory.WeightMemory.addresses``), or None:
+    (``graphmode.checks.weight_memory.WeightMemory.addresses``), or None:
     a step where one moved goes to the Python path, which refuses it."""
 
     def __init__(self, module: Any, lock: Any, staging: Any, emulated: bool, limits: tuple[int, int],
@@ -139,7 +142,7 @@ class NativeSteps:
     def learn(self, captured: Any, inputs: StepInputs, batch: int, plan: Any, output: Any) -> None:
         """Remember the replay step just taken, when it is the usual decode
         step and its fill is one the memo can repeat (``plan``: the fill's
-        ``_Plan``, or None; ``output``: the output view every step of this
+        ``FillPlan``, or None; ``output``: the output view every step of this
         batch size aliases, or None)."""
         attn = inputs.attn_metadata
         if inputs.extras or type(attn) is not AttnMetadata or attn.is_decoding is not True \
@@ -182,8 +185,8 @@ class NativeSteps:
         self.memo.clear()
 
 
-def _program(plan: Any, tensors: list[torch.Tensor]) -> list[tuple[list, list, list]] | None:
-    """The copies a fill plan (``graphmode.buffers._Plan``) made for the step
+def _program(plan: FillPlan, tensors: list[torch.Tensor]) -> list[tuple[list, list, list]] | None:
+    """The copies a fill plan (``graphmode.buffers.FillPlan``) made for the step
     whose tensors (``STEP_PATHS`` order) are ``tensors``, as step.cpp takes
     them: per ``_foreach_copy_``, (destinations, (index into ``tensors``,
     copied as int32 words) per step source, constants). None when a source

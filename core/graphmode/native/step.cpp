@@ -132,7 +132,7 @@ class Ring {
 };
 
 // The model's parameters and buffers that the graphs captured, and their
-// addresses then (graphmode.runner.weight_memory.WeightMemory holds it). A
+// addresses then (graphmode.checks.weight_memory.WeightMemory holds it). A
 // graph keeps reading the memory it captured, so a tensor given new memory
 // since (param.data = new, tensor.set_(...)) leaves every replay reading the
 // old: moved() finds it, in a loop of a few nanoseconds per tensor (the
@@ -324,7 +324,7 @@ class Memo {
       if (!THPVariable_Check(object.ptr())) return false;
       describe(THPVariable_Unpack(object.ptr()), key);
     }
-    // The host lengths' layout, when given (graphmode.runner.step_checks keys on it too).
+    // The host lengths' layout, when given (graphmode.checks.step_checks keys on it too).
     py::object host = attn.attr("kv_seqlens_cpu");
     if (host.is_none()) {
       key.push_back(-1);
@@ -374,7 +374,7 @@ class Memo {
     return py::reinterpret_steal<py::object>(object);
   }
 
-  // The usual decode step that graphmode.runner.step_checks passes without
+  // The usual decode step that graphmode.checks.step_checks passes without
   // further checks: int maxima, one token per sequence, the longest within
   // the table; host lengths only beside a known maximum (check_values
   // reads them only when it is unknown).
@@ -389,7 +389,7 @@ class Memo {
   }
 
   // The cache tensors the graph captured, at the addresses it captured
-  // (graphmode.runner.cache_checks.CacheMemory): a list or tuple of
+  // (graphmode.checks.cache_checks.CacheMemory): a list or tuple of
   // per-layer lists or tuples.
   bool same_cache(py::handle past_key_values, const Entry& entry) {
     PyObject* cache = past_key_values.ptr();

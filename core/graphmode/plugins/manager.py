@@ -26,7 +26,7 @@ import pluggy
 
 from graphmode import hookspecs
 from graphmode.errors import VendorError
-from graphmode.plugins.info import VendorInfo
+from graphmode.vendor_info import VendorInfo
 
 if TYPE_CHECKING:
     from graphmode.spec import GraphSpec
@@ -148,6 +148,10 @@ class Vendor:
     def implements(self, hook_name: str) -> bool:
         """Whether the vendor plugin itself (not the defaults) implements it."""
         return any(impl.plugin is self.plugin for impl in getattr(self.hook, hook_name).get_hookimpls())
+
+    def built_in_only(self, hook_name: str) -> bool:
+        """Whether every implementation of the hook is graphmode's built-in one."""
+        return all(impl.plugin_name == DEFAULT_PLUGIN_NAME for impl in getattr(self.hook, hook_name).get_hookimpls())
 
     def __repr__(self) -> str:
         return f"<graphmode vendor {self.name} {self.version}>"

@@ -1,10 +1,10 @@
 """GraphRunner: what an engine calls instead of its model.
 
 The runner checks each step's inputs, then hands the step to the first graph
-family of its execute mode that takes it (``graphmode.runner.modes``: full
-decode graphs, ``graphmode.runner.full``; piecewise token graphs,
-``graphmode.piecewise.graphs``), or runs it eagerly, counting why. It owns
-what the families share (``graphmode.runner.family.Shared``: the vendor, the
+family of its execute mode that takes it (``graphmode.families.modes``: full
+decode graphs, ``graphmode.families.full``; piecewise token graphs,
+``graphmode.families.piecewise.graphs``), or runs it eagerly, counting why. It owns
+what the families share (``graphmode.families.family.Shared``: the vendor, the
 memory pool, the statistics, debug mode, the ranks), the one-step lock, and
 the KV cache's first check; warm-up and reset go to every family.
 """
@@ -20,27 +20,26 @@ from typing import Any
 
 import torch
 
+from graphmode.buckets import bucket_table
+from graphmode.checks.cache_checks import check_warmup_cache
+from graphmode.checks.model_state import watched_rebinds
+from graphmode.checks.step_checks import StepChecks
+from graphmode.checks.validate import check_model, uniform_q_len
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
+from graphmode.families.common import note_replay_failure
+from graphmode.families.family import Shared
+from graphmode.families.modes import build_families
+from graphmode.families.sleep import asleep_error, recapture, release
+from graphmode.families.stats import RunnerStats
 from graphmode.memory.meter import device_module
 from graphmode.memory.plan import GraphMemory, MemoryPlan, WarmupMemory, plan
 from graphmode.meta import GraphMeta
-from graphmode.piecewise.graphs import PiecewiseGraphs
 from graphmode.plugins import Vendor
-from graphmode.runner.cache_checks import check_warmup_cache
-from graphmode.runner.common import note_replay_failure
-from graphmode.runner.family import Shared
-from graphmode.runner.full import CapturedGraph, FullGraphs, bucket_table
 from graphmode.runner.guard import busy, one_at_a_time
-from graphmode.runner.model_state import watched_rebinds
-from graphmode.runner.modes import build_families
 from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
-from graphmode.runner.sleep import asleep_error, recapture, release
-from graphmode.runner.stats import RunnerStats
-from graphmode.runner.step_checks import StepChecks
-from graphmode.runner.validate import check_model, uniform_q_len
 from graphmode.staging import HostStaging, to_device
 
 __all__ = ["GraphRunner"]
@@ -76,7 +75,7 @@ class GraphRunner:
         self._rebinds = watched_rebinds(self)  # the model given other tensors than the graphs hold
         self._busy = self._shared.lock = threading.RLock()  # one step at a time (graphmode.runner.guard)
         self._check_inputs = StepChecks(config)  # check_inputs, its per-layout part once per layout
-        #: The execute mode's families (graphmode.runner.modes), tried in order for every step.
+        #: The execute mode's families (graphmode.families.modes), tried in order for every step.
         self.families = build_families(self._shared)
         self._shared.families = self.families
         if share_pool_with is not None:
@@ -86,16 +85,10 @@ class GraphRunner:
                     "this runner's graphs should share (a draft model's runner: its target's runner)"
                 )
             self._shared.join_pool(share_pool_with._shared)
-        self._full = next((f for f in self.families if isinstance(f, FullGraphs)), None)
-        self._piecewise = next((f for f in self.families if isinstance(f, PiecewiseGraphs)), None)
-        if config.host_staging and self.families and self._full is None:  # eager mode stages nothing either way
-            raise ConfigError(
-                f"host_staging=True with execute_mode={config.execute_mode!r}: host staging (the pinned mirror) "
-                "feeds the full decode graphs, which this mode has none of; piecewise graphs copy host steps to "
-                "the device. Use execute_mode='graph' or 'full_and_piecewise', or host_staging=None"
-            )
+        #: The family whose native step every call tries first (the one that has one), or None.
+        self._native = next((family for family in self.families if family.steps_natively), None)
         if ranks is not None:
-            token_sizes = tuple(self._piecewise.sizes) if self._piecewise is not None else ()
+            token_sizes = tuple(size for family in self.families if family.unit == "tokens" for size in family.sizes)
             variants = self._shared.variants
             ranks.agree_on_setup(config.execute_mode, self.capture_sizes, token_sizes,
                                  repr(variants.declared) if variants else "")
@@ -134,12 +127,16 @@ class GraphRunner:
     @property
     def staging(self) -> HostStaging | None:
         """The full graphs' host staging (docs/architecture.md), when on."""
-        return self._full.staging if self._full is not None else None
+        return next((family.staging for family in self.families if family.staging is not None), None)
+
+    def family(self, name: str) -> Any:
+        """The execute mode's family of that name (``GraphFamily.name``), or None."""
+        return next((family for family in self.families if family.name == name), None)
 
     @property
-    def piecewise(self) -> PiecewiseGraphs | None:
+    def piecewise(self) -> Any:
         """The piecewise graphs, in execute modes "piecewise" and "full_and_piecewise"."""
-        return self._piecewise
+        return self.family("piecewise")
 
     @property
     def rank_sync(self) -> Any:
@@ -157,7 +154,7 @@ class GraphRunner:
         attn_metadata: AttnMetadata,
         **extras: Any,
     ) -> Any:
-        native = self._full.native_step if self._full is not None else None
+        native = self._native.native_step if self._native is not None else None
         if native is not None and not extras:  # a replay step of a layout seen before (graphmode.native)
             try:
                 output = native(input_ids, position_ids, past_key_values, attn_metadata)
@@ -209,8 +206,9 @@ class GraphRunner:
             inputs = to_device(inputs, self.config.device)
         graphs = any(family.captured() for family in self.families)
         output, rebound = self._rebinds.run(self.model, lambda: self.model(**inputs.as_kwargs()), graphs)
-        if rebound and self._full is not None and self._full.native is not None:
-            self._full.native.clear()  # its memo would replay without the check below
+        if rebound:
+            for family in self.families:
+                family.forget_native()  # its memo would replay without the check below
         return output
 
     @one_at_a_time("runner.graph_meta()")
@@ -351,7 +349,7 @@ class GraphRunner:
         if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
             module.empty_cache()
 
-    # -- sleep and wake (graphmode.runner.sleep) -----------------------------
+    # -- sleep and wake (graphmode.families.sleep) -----------------------------
 
     @one_at_a_time("runner.sleep()")
     def sleep(self) -> None:
@@ -426,10 +424,10 @@ class GraphRunner:
         return [bucket for bucket, q_len in self.captured_graphs if q_len == 1]
 
     @property
-    def captured_graphs(self) -> list[tuple[int, int]]:
+    def captured_graphs(self) -> list[tuple[int, ...]]:
         """Every full graph's (bucket, q_len), in the order they were captured,
         of the plain variant (``graph()`` finds the others' graphs)."""
-        return list(self._full.graphs) if self._full is not None else []
+        return [key for family in self.families if family.unit == "batch" for key in family.graph_keys()]
 
     def bucket_of(self, batch_size: int) -> int | None:
         """The graph a batch of ``batch_size`` sequences runs in, or None."""
@@ -438,14 +436,15 @@ class GraphRunner:
         return self._bucket_of[batch_size]
 
     @one_at_a_time("runner.graph()")
-    def graph(self, bucket: int, q_len: int = 1, **variant: Any) -> CapturedGraph | None:
-        """The captured full graph of a bucket and query length, if captured;
-        of the graph variant the keywords name (``graph(8, lora=True)``;
-        defaults for the rest), the plain one without."""
-        if self._full is None:
+    def graph(self, bucket: int, q_len: int = 1, **variant: Any) -> Any:
+        """The captured graph of a batch bucket and query length (the full
+        graphs'), if captured; of the graph variant the keywords name
+        (``graph(8, lora=True)``; defaults for the rest), the plain one without."""
+        batched = [family for family in self.families if family.unit == "batch"]
+        if not batched:
             return None
         key = self._shared.variants.key_of(variant, f"runner.graph({bucket}, {q_len}")
-        return self._full.by_variant.get(key, {}).get((bucket, q_len))
+        return next((graph for family in batched if (graph := family.lookup((bucket, q_len), key)) is not None), None)
 
     def __repr__(self) -> str:
         compiled = ", compiled" if self._shared.compiled else ""

@@ -13,17 +13,17 @@ from typing import Any
 
 import torch
 
+from graphmode.checks.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
+from graphmode.checks.signature import check_model_signature
+from graphmode.checks.step_sizes import batch_size, token_count
 from graphmode.config import RunnerConfig
 from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, STEP_TENSORS, AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
-from graphmode.runner.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
-from graphmode.runner.signature import check_model_signature
-from graphmode.runner.step_sizes import batch_size, token_count
 from graphmode.spec import BLOCKS, SEQUENCES, TOKENS
 
 __all__ = [
-    "CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model", "check_model_ops", "check_step",
+    "CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model", "check_model_ops",
     "uniform_q_len",
 ]
 
@@ -45,11 +45,6 @@ def _shapes(batch: int, tokens: int, width: int) -> tuple[tuple[int, ...], ...]:
     """The shapes of _TENSORS in a step of these sizes (cached: steps repeat their sizes)."""
     sizes: dict[int | str, int] = {TOKENS: tokens, SEQUENCES: batch, BLOCKS: width}
     return tuple(tuple(d if isinstance(d, int) else sizes[d] for d in dims) for dims in _DIMS)
-
-
-def check_step(inputs: StepInputs, config: RunnerConfig) -> int:
-    """The step's batch size, after checking its inputs."""
-    return check_inputs(inputs, config)[0]
 
 
 def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
@@ -169,7 +164,7 @@ def _check_maxima_types(attn: AttnMetadata) -> None:
 def check_scalars(attn: AttnMetadata, config: RunnerConfig, batch: int, tokens: int, width: int) -> None:
     """The checks of a step's host values (its maxima), in the order
     :func:`check_inputs` makes them, for a step whose tensors' shapes,
-    dtypes and placement are known to pass (``graphmode.runner.step_checks``)."""
+    dtypes and placement are known to pass (``graphmode.checks.step_checks``)."""
     _check_maxima_types(attn)
     _check_capacity(attn, width, config)
     _check_lengths(attn, batch, tokens)
@@ -292,7 +287,7 @@ def _check_decode(attn: AttnMetadata, batch: int, tokens: int) -> None:
     is a padding row, legal in every step: docs/engines.md, "Rows of zero
     new tokens"). Only host values are compared (the token count, the batch,
     the host maximum); the device ``q_seqlens`` are read in debug mode only
-    (graphmode.runner.debug)."""
+    (graphmode.checks.debug)."""
     q_max = attn.max_q_seq_len
     if q_max >= 0 and tokens > batch * q_max:
         raise InputError(

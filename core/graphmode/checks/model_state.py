@@ -191,7 +191,7 @@ class EagerRebinds:
     eager steps that run while graphs are captured, and PyTorch's global
     parameter and buffer registration hooks for the model's modules, which
     cost nothing per step (``param.data = new`` registers nothing: new memory
-    under the same objects is ``graphmode.runner.weight_memory``'s, checked
+    under the same objects is ``graphmode.checks.weight_memory``'s, checked
     at every graph step). ``graphs_exist()`` says whether
     graphs are captured; ``on_change()`` runs when a registration is noted
     (the runner forgets its native replays, which skip :meth:`check`)."""
@@ -248,9 +248,8 @@ def watched_rebinds(runner: Any) -> EagerRebinds:
 
     def forget_native() -> None:  # its memo would replay without EagerRebinds.check
         held = me()
-        full = held._full if held is not None else None
-        if full is not None and full.native is not None:
-            full.native.clear()
+        for family in held.families if held is not None else ():
+            family.forget_native()
 
     return EagerRebinds(runner.model, graphs_exist, forget_native)
 

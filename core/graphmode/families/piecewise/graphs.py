@@ -19,27 +19,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
+from graphmode.checks.host_lengths import check_piecewise_step
+from graphmode.checks.model_state import ModelState
 from graphmode.context import StepInputs
+from graphmode.families.common import capture_failed, inert_step, live_columns, note_replay_failure
+from graphmode.families.family import Captured, Report, Shared
+from graphmode.families.outputs import SharedOutputs
+from graphmode.families.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
+from graphmode.families.piecewise.compiled import SplitForward
+from graphmode.families.piecewise.ghosts import OPS_AT_OPS, READ_INSIDE_OPS, GhostReads, shape_only
+from graphmode.families.piecewise.inputs import TokenInputs
+from graphmode.families.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
+from graphmode.families.sleep import SleptGraph
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
-from graphmode.piecewise import PIECEWISE_MODES
-from graphmode.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
-from graphmode.piecewise.compiled import SplitForward
-from graphmode.piecewise.ghosts import OPS_AT_OPS, READ_INSIDE_OPS, GhostReads, shape_only
-from graphmode.piecewise.inputs import TokenInputs
-from graphmode.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
-from graphmode.piecewise.sizes import default_token_sizes, token_bucket
-from graphmode.runner.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.runner.common import capture_failed, inert_step, live_columns, note_replay_failure
-from graphmode.runner.debug import check_piecewise_step
-from graphmode.runner.family import Captured, Report, Shared
-from graphmode.runner.model_state import ModelState
-from graphmode.runner.outputs import SharedOutputs
-from graphmode.runner.sleep import SleptGraph
 from graphmode.staging import to_device
+from graphmode.token_buckets import default_token_sizes, token_bucket
 from graphmode.variants import PLAIN, file_suffix
 
-__all__ = ["PIECEWISE_MODES", "PiecewiseGraph", "PiecewiseGraphs", "shape_only"]
+__all__ = ["PiecewiseGraph", "PiecewiseGraphs", "shape_only"]
 
 
 @dataclass
@@ -71,11 +70,17 @@ class PiecewiseGraphs:
 
     name = "piecewise"
     setting = "capture_token_sizes"
+    unit = "tokens"
+    #: Host steps are copied to the device: the break points run eagerly on the step's own metadata.
+    stages_host = False
+    steps_natively = False
+    staging = None
+    native_step = None
 
     def __init__(self, shared: Shared) -> None:
         config = shared.config
         self.shared = shared
-        self.sizes = config.capture_token_sizes or default_token_sizes(config.max_batches)
+        self.sizes = tuple(config.capture_token_sizes or default_token_sizes(config.max_batches))
         self.ops = find_attention_ops(shared.model)
         # With compile=True, the runner's compiled forward split at the break points.
         self._split = SplitForward(shared.forward, self.ops) if shared.compiled else None
@@ -141,7 +146,7 @@ class PiecewiseGraphs:
             # Before any collective: a rank in another token bucket would hang the rest.
             ranks.agree_on_step(tokens, bucket, "run", unit="tokens", variant=self.shared.variant_index)
         graph, debug = self._current().get(bucket), shared.debug
-        if debug is not None:  # the same checks as a full graph's steps (graphmode.runner.debug)
+        if debug is not None:  # the same checks as a full graph's steps (graphmode.checks.debug)
             debug.check_step(inputs, batch, uniform=False)
         if graph is None:
             output = self._capture(inputs, live)
@@ -190,6 +195,15 @@ class PiecewiseGraphs:
 
     def captured(self) -> list[Captured]:
         return [graph for graphs in self._by_variant.values() for graph in graphs.values()]
+
+    def graph_keys(self) -> list[tuple[int, ...]]:
+        return [(bucket,) for bucket in self._by_variant.get(self.shared.variants.plain, {})]
+
+    def lookup(self, key: tuple[int, ...], variant: tuple[Any, ...]) -> PiecewiseGraph | None:
+        return self._by_variant.get(variant, {}).get(key[0])
+
+    def forget_native(self) -> None:
+        pass  # no native step
 
     def release(self) -> list[SleptGraph]:
         slept = [
@@ -250,8 +264,8 @@ class PiecewiseGraphs:
             raise
         self._outputs.prepare(warm_output, bucket)
         # Plugins tell piecewise graphs from full ones (make_graph, capture
-        # advice) by is_decoding False; their capture sizes are token sizes.
-        meta = dataclasses.replace(shared.graph_meta(), is_decoding=False, capture_sizes=tuple(self.sizes))
+        # advice) by family "piecewise"; their capture sizes are token sizes.
+        meta = dataclasses.replace(shared.graph_meta(), family=self.name, capture_sizes=tuple(self.sizes))
         slots_attn = None
         if self._inputs.with_slots:
             slots_attn = static.attn_metadata.replace(kv_start_indices=self._inputs.slot_rows(bucket))

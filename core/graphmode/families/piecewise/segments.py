@@ -20,8 +20,8 @@ import torch
 
 from graphmode.context import AttnMetadata
 from graphmode.errors import CaptureError
+from graphmode.families.piecewise.breaks import Attention, BreakCall, HostWork, KVWrite, LiveStep, Session
 from graphmode.graphs import DeviceGraph
-from graphmode.piecewise.breaks import Attention, BreakCall, HostWork, KVWrite, LiveStep, Session
 
 __all__ = ["BreakBuffers", "CaptureForward", "EagerForward", "Pieces"]
 
@@ -119,7 +119,7 @@ class CaptureForward(Session):
     """The capture: a device graph per segment, cut at every break point.
 
     A ``fill_kv_cache`` call does not cut. Where the ops allow it
-    (:func:`~graphmode.piecewise.breaks.writes_kv_in_graph`) it is captured in
+    (:func:`~graphmode.families.piecewise.breaks.writes_kv_in_graph`) it is captured in
     the open segment, over the bucket's rows, reading ``slots_attn``'s static
     slots (padding rows -1: they write nothing). Otherwise it is deferred to
     the next cut (the attention call that follows it in every model), where

@@ -4,7 +4,7 @@ A family takes some steps (full decode graphs: uniform decode steps, per
 batch bucket and query length; piecewise graphs: any step, per token
 bucket), captures a graph for a step on first use and replays it after.
 Every family implements :class:`GraphFamily`; an execute mode is an ordered
-tuple of families (``graphmode.runner.modes``), and the runner hands a step
+tuple of families (``graphmode.families.modes``), and the runner hands a step
 to the first family that takes it, or runs it eagerly.
 
 The runner owns what the families share (:class:`Shared`: the model, the
@@ -21,25 +21,26 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from graphmode import buffers
+from graphmode.checks.cache_checks import CacheFit, check_warmup_cache
+from graphmode.checks.debug import StepChecker
+from graphmode.checks.weight_memory import WeightMemory
 from graphmode.config import RunnerConfig
 from graphmode.context import StepInputs
 from graphmode.errors import ConfigError
+from graphmode.families.compile import compiled_forward
+from graphmode.families.host_fields import HostFields
+from graphmode.families.stats import RunnerStats
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
-from graphmode.runner.cache_checks import CacheFit, check_warmup_cache
-from graphmode.runner.compile import compiled_forward
-from graphmode.runner.debug import StepChecker
-from graphmode.runner.host_fields import HostFields
-from graphmode.runner.stats import RunnerStats
-from graphmode.runner.weight_memory import WeightMemory
 from graphmode.spec import GraphSpec
 from graphmode.staging import staging_refusal
 from graphmode.variants import PLAIN, GraphVariants
 
 if TYPE_CHECKING:
+    from graphmode.checks.cache_checks import CacheMemory
     from graphmode.distributed import RankSync
-    from graphmode.runner.cache_checks import CacheMemory
-    from graphmode.runner.sleep import Asleep, SleptGraph
+    from graphmode.families.sleep import Asleep, SleptGraph
+    from graphmode.staging import HostStaging
 
 __all__ = ["Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
 
@@ -49,7 +50,7 @@ Report = Callable[[str, bool], None]
 
 class Captured(Protocol):
     """What a captured graph holds by reference, as the identity checks
-    (``graphmode.runner.cache_checks.check_same_objects``), debug mode and
+    (``graphmode.checks.cache_checks.check_same_objects``), debug mode and
     the warm-up cache check read it."""
 
     meta: GraphMeta  # its declarations (meta.spec.names: the inputs with a buffer)
@@ -79,10 +80,31 @@ class GraphFamily(Protocol):
     #: The RunnerConfig setting that chooses its graphs' sizes, which capture
     #: advice names ("capture_batch_sizes", "capture_token_sizes").
     setting: str
+    #: What its sizes count ("batch": sequences, "tokens"), and its sizes
+    #: (buckets), which tensor-parallel ranks agree on at start-up.
+    unit: str
+    sizes: tuple[int, ...]
+    #: Whether it can feed its graphs from pinned host mirrors
+    #: (``host_staging=True`` needs a family that can).
+    stages_host: bool
+    #: Whether it learns a native replay step (at most one family of a mode does).
+    steps_natively: bool
+
+    @property
+    def staging(self) -> HostStaging | None:
+        """Its host staging (``graphmode.staging.HostStaging``) when on, else None."""
+        ...
+
+    @property
+    def native_step(self) -> Callable[..., Any] | None:
+        """The native replay step (``graphmode.native``) the runner tries
+        first for every call, once the family has learnt one; None before,
+        and for a family that has none."""
+        ...
 
     def refusal(self, inputs: StepInputs, batch: int, q_len: int | None) -> str | None:
         """Why this family does not take the step (a key of
-        ``graphmode.runner.stats.EAGER_REASONS``), or None when it does.
+        ``graphmode.families.stats.EAGER_REASONS``), or None when it does.
         ``q_len``: the tokens of every sequence, or None when they differ."""
         ...
 
@@ -106,7 +128,7 @@ class GraphFamily(Protocol):
         ...
 
     def release(self) -> list[SleptGraph]:
-        """Sleep (``graphmode.runner.sleep``): drop every graph and every
+        """Sleep (``graphmode.families.sleep``): drop every graph and every
         buffer the family allocated for its graphs (outputs, break points,
         staging), keeping no device memory, and name the graphs dropped, in
         capture order, for :meth:`recapture`."""
@@ -119,6 +141,21 @@ class GraphFamily(Protocol):
 
     def captured(self) -> list[Captured]:
         """Every graph captured, in capture order."""
+        ...
+
+    def graph_keys(self) -> list[tuple[int, ...]]:
+        """The keys of the plain variant's graphs, in capture order (full
+        graphs: (bucket, q_len); piecewise graphs: (token bucket,))."""
+        ...
+
+    def lookup(self, key: tuple[int, ...], variant: tuple[Any, ...]) -> Captured | None:
+        """Its captured graph of ``key`` (as :meth:`graph_keys` lists them) and
+        graph variant, or None."""
+        ...
+
+    def forget_native(self) -> None:
+        """Forget what the native step learnt (an eager step rebound the
+        model's tensors: its memo would replay without the runner's check)."""
         ...
 
 
@@ -147,7 +184,7 @@ class Shared:
         of every graph of the runner (and of the runners sharing it:
         ``pool_share``), set by the first capture. debug: the step checker in debug mode.
     weights: the addresses of the model's parameters and buffers at the
-        first capture (``graphmode.runner.weight_memory``).
+        first capture (``graphmode.checks.weight_memory``).
     ranks: the :class:`graphmode.distributed.RankSync` of a tensor-parallel
         runner. declared_extras: the engine's declared step inputs (model
         keywords with a buffer, copied in every step rather than frozen).
@@ -215,7 +252,7 @@ class Shared:
 
     def graph_meta(self) -> GraphMeta:
         """The GraphMeta holding the input buffers every graph shares
-        (piecewise graphs take a copy marked is_decoding False), made (with
+        (other families take a copy marked with their ``family``), made (with
         its padding snapshot) on first use; the caller holds inference mode,
         as every step that writes them does."""
         if self.meta is None:
@@ -226,7 +263,6 @@ class Shared:
                 num_blocks=config.max_blocks_per_seq,
                 block_size=config.block_size,
                 device=config.device,
-                vocab_size=getattr(getattr(self.model, "config", None), "vocab_size", None),
                 spec=self.spec,
                 capture_sizes=self.capture_sizes,
                 vendor_options=config.vendor_options,

@@ -3,7 +3,7 @@
 Two kinds, both found without changing the model:
 
 - the vendor's attention operators, intercepted on the model's
-  :class:`~graphmode.model.ops.AttentionOps` object while the runner warms up
+  :class:`~graphmode.attention.AttentionOps` object while the runner warms up
   and captures (``fill_kv_cache``, ``prefill_attention``,
   ``paged_decode_attention``);
 - :func:`host_break`, a marker an engine places around host work (offload

@@ -4,7 +4,7 @@ checked before every graph step.
 A device graph reads the addresses it captured. A weight given new memory
 under the same tensor object (``param.data = new``, ``param.set_(other)``, a
 rotary buffer regrown with ``.data =`` in an eager forward) registers nothing
-(PyTorch's registration hooks, which ``graphmode.runner.model_state`` uses to
+(PyTorch's registration hooks, which ``graphmode.checks.model_state`` uses to
 see new tensor *objects*, do not fire) and leaves every later replay reading
 the old memory: graph output silently differs from eager (0.476 off eager on
 every vendor before 2026-12). :class:`WeightMemory` keeps, from the first
@@ -12,7 +12,7 @@ capture after a reset, the model's parameters and buffers and their data
 pointers, and refuses a graph step where one moved, until ``runner.reset()``.
 
 Host facts only, no synchronisation. In debug mode the runner leaves it to
-debug mode's own address check (``graphmode.runner.debug``), which also
+debug mode's own address check (``graphmode.checks.debug``), which also
 covers the extra inputs and names the graph. With the native step
 (``graphmode.native``) the comparison is a C++ loop over held tensors
 (``Addresses``), inside the native step and called from the Python path; without it,

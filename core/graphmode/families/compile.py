@@ -1,7 +1,7 @@
 """``compile=True``: the forward that warm-ups and captures run, compiled by
 ``torch.compile`` where its kernels can be captured, refused naming the
 reason where they cannot; one for every family of the runner (piecewise
-graphs run it split at the attention calls, ``graphmode.piecewise.compiled``).
+graphs run it split at the attention calls, ``graphmode.families.piecewise.compiled``).
 Eager steps run the model uncompiled."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from graphmode.config import RunnerConfig
 from graphmode.errors import ConfigError
-from graphmode.piecewise.compiled import compiled_shapes
+from graphmode.families.piecewise.compiled import compiled_shapes
 from graphmode.plugins import Vendor
 
 __all__ = ["compiled_forward"]

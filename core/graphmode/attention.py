@@ -218,7 +218,7 @@ class ReferenceAttentionOps:
 
     #: fill_kv_cache reads only ``attn.kv_start_indices`` (through ``_slots``)
     #: and a slot of -1 writes nothing: piecewise graphs capture it in their
-    #: segments (graphmode.piecewise.breaks.writes_kv_in_graph).
+    #: segments (graphmode.families.piecewise.breaks.writes_kv_in_graph).
     kv_write_in_graph = True
 
     def fill_kv_cache(self, key, value, k_cache, v_cache, attn):

@@ -1,6 +1,6 @@
 """A step's input checks, decided once per step layout.
 
-:func:`graphmode.runner.validate.check_inputs` checks every per-step tensor
+:func:`graphmode.checks.validate.check_inputs` checks every per-step tensor
 (type, dtype, placement, shape against the step's sizes) and the step's host
 values (its maxima, the host lengths, the declared step inputs). Steps repeat
 their layout: the same shapes, dtypes and devices step after step, only the
@@ -17,10 +17,10 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+from graphmode.checks.validate import _TENSORS, check_inputs, check_scalars, check_values
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
-from graphmode.runner.validate import _TENSORS, check_inputs, check_scalars, check_values
 
 __all__ = ["StepChecks"]
 

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphmode.piecewise.breaks import ATTENTION_METHODS, shadowed
-from graphmode.piecewise.sizes import default_token_sizes
+from graphmode.families.piecewise.breaks import ATTENTION_METHODS, shadowed
+from graphmode.token_buckets import default_token_sizes
 
 if TYPE_CHECKING:
     from graphmode.config import RunnerConfig

@@ -39,7 +39,7 @@ class RunnerStats:
     derived_host_copies: steps whose host field (``kv_seqlens_cpu``) a
         vendor reads but the engine omitted, so that graphmode copied its
         device field to the host (one device-to-host copy each: pass the
-        field to save it; ``graphmode.runner.host_fields``).
+        field to save it; ``graphmode.families.host_fields``).
     compile_seconds: with compile=True, host seconds spent in the compiled
         forward's warm-up calls before captures: Dynamo tracing, Inductor
         compilation and autotuning (on the first call of each shape it

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from graphmode.errors import ReplayError
 
 if TYPE_CHECKING:
-    from graphmode.runner.family import Report, Shared
+    from graphmode.families.family import Report, Shared
 
 __all__ = ["Asleep", "SleptGraph", "asleep_error", "recapture", "release"]
 

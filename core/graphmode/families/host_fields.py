@@ -28,7 +28,7 @@ import torch
 
 from graphmode.context import HOST_COPIES, REQUIRED_TENSORS, StepInputs
 from graphmode.emulator.host import is_host, mark_host
-from graphmode.runner.stats import RunnerStats
+from graphmode.families.stats import RunnerStats
 from graphmode.spec import GraphSpec
 
 __all__ = ["HostFields"]

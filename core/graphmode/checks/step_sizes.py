@@ -7,7 +7,7 @@ that differs from the others is named, rather than whichever was read
 first: a step taking its batch from a ``q_seqlens`` of one entry too many
 (vLLM's cumulative ``query_start_loc``, batch + 1 entries) would otherwise
 be refused for what its right tensors say. Shapes only, no values: read once
-per step layout (``graphmode.runner.step_checks``).
+per step layout (``graphmode.checks.step_checks``).
 """
 
 from __future__ import annotations
