@@ -24,7 +24,7 @@ from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
 from graphmode.memory.meter import device_module
-from graphmode.memory.plan import GraphMemory, MemoryPlan, WarmupMemory, plan
+from graphmode.memory.plan import GraphMemory, MemoryPlan, Sample, WarmupMemory, plan
 from graphmode.meta import GraphMeta
 from graphmode.families.piecewise.graphs import PiecewiseGraphs
 from graphmode.plugins import Vendor
@@ -245,6 +245,12 @@ class GraphRunner:
         memory it takes (:attr:`graph_memory`), synchronising and emptying
         the caching allocator's unused blocks before and after each family;
         on the CPU emulator, after :meth:`plan_memory` only."""
+        self._warmup(past_key_values, progress, q_lens, extras)
+
+    def _warmup(self, past_key_values: Any, progress: bool, q_lens: Sequence[int] | None, extras: dict[str, Any],
+                sample: Sample | None = None) -> None:
+        """:meth:`warmup`; with ``sample`` (the memory plan's), each family
+        captures the graphs the sample picks, measured one by one."""
         if self._shared.asleep is not None:
             raise asleep_error("runner.warmup()")
         if not self.families:
@@ -265,7 +271,7 @@ class GraphRunner:
         count = 0
         for _, key in variants:
             shared.use_variant(key)
-            count += sum(family.pending(wanted) for family in order)
+            count += sum(len(sample.pick(family.todo(wanted)) if sample else family.todo(wanted)) for family in order)
         with _frozen_gc(), torch.inference_mode(), \
                 CaptureProgress(count, self.config.device, bar=progress) as report, \
                 WarmupMemory(self.config.device, self._measures_memory()) as memory:
@@ -273,7 +279,10 @@ class GraphRunner:
                 shared.use_variant(key)
                 for family in order:
                     with memory.family(family.name):
-                        family.warmup(past_key_values, variant_extras, wanted, report)
+                        if sample is None:
+                            family.warmup(past_key_values, variant_extras, wanted, report)
+                        else:
+                            sample.capture(family, past_key_values, variant_extras, wanted, report)
         self._graph_memory = memory.result(count) or self._graph_memory
         if self._memory_plan is not None and self._graph_memory is not None and not self._planning:
             logger.info("%s", self._memory_plan.compare(self._graph_memory))

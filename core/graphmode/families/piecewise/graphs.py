@@ -161,13 +161,20 @@ class PiecewiseGraphs:
         shared.count_tokens(tokens, bucket - tokens)
         return live_columns(graph.output, tokens)
 
-    def pending(self, q_lens: Sequence[int]) -> int:
-        return len(self._todo())
+    def todo(self, q_lens: Sequence[int]) -> list[int]:
+        return self._todo()
 
-    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report) -> None:
-        """Every token bucket not captured yet, largest first, from inert
-        steps of one token per sequence (query lengths do not matter here)."""
+    def tokens(self, key: int) -> int:
+        return key
+
+    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
+               only: Sequence[int] | None = None) -> None:
+        """Every token bucket not captured yet (of ``only``, when given),
+        largest first, from inert steps of one token per sequence (query
+        lengths do not matter here)."""
         todo = self._todo()
+        if only is not None:
+            todo = [bucket for bucket in todo if bucket in only]
         for index, bucket in enumerate(todo):
             self._capture_inert(past_key_values, extras, bucket, f"({index + 1}/{len(todo)})", report,
                                 index + 1 == len(todo))
