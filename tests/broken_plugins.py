@@ -28,14 +28,14 @@ import graphmode_camb.plugin as camb
 import graphmode_maca.plugin as maca
 import graphmode_ppu.plugin as ppu
 from graphmode import buffers, hookimpl
+from graphmode.attention import attend, owned_positions, token_rows
 from graphmode.buckets import next_power_of_2, smallest_bucket
 from graphmode.emulator import stream_order
 from graphmode.emulator.capture import named_arguments
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.model import ReferenceAttentionOps
-from graphmode.attention import attend, owned_positions, token_rows
-from graphmode.vendor_info import probe_runtime
 from graphmode.spec import BLOCKS, CUDA_VENDOR_SPEC, SEQUENCES
+from graphmode.vendor_info import probe_runtime
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import AscendGraph, resolve_update_path
 from graphmode_camb.ops import CambAttentionOps

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphmode.model import ModelConfig, ReferenceAttentionOps, build_reference_model
 from graphmode.families.piecewise.breaks import kernels_taking_out
+from graphmode.model import ModelConfig, ReferenceAttentionOps, build_reference_model
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
 

@@ -21,11 +21,11 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
+    from graphmode.attention import AttentionOps
     from graphmode.config import RunnerConfig
     from graphmode.context import StepInputs
     from graphmode.graphs import DeviceGraph
     from graphmode.meta import GraphMeta
-    from graphmode.attention import AttentionOps
     from graphmode.plugins import VendorInfo
     from graphmode.spec import GraphSpec
 

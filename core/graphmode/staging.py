@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,8 +39,10 @@ from graphmode.context import REQUIRED_TENSORS, StepInputs
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
-from graphmode.plugins.manager import DEFAULT_PLUGIN_NAME
 from graphmode.ring import SLOTS, Ring, native_ring
+
+if TYPE_CHECKING:
+    from graphmode.plugins import Vendor
 
 __all__ = ["ALIGNMENT", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
 
@@ -270,7 +272,7 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGNMENT) * ALIGNMENT
 
 
-def staging_refusal(vendor: Any, device: torch.device) -> str | None:
+def staging_refusal(vendor: Vendor, device: torch.device) -> str | None:
     """Why host staging cannot be used with ``vendor`` on ``device``, or None.
 
     The mirror's copy overwrites the arena before every replay, so every
@@ -280,8 +282,7 @@ def staging_refusal(vendor: Any, device: torch.device) -> str | None:
     its event ordering are checked on CUDA and the emulator only."""
     if device.type not in ("cuda", "cpu"):
         return f"host staging runs on CUDA and the cpu emulator, not {device.type}"
-    fill = vendor.hook.graphmode_fill_buffers.get_hookimpls()
-    if any(impl.plugin_name != DEFAULT_PLUGIN_NAME for impl in fill) and "host_staging" not in vendor.info.capabilities:
+    if not vendor.built_in_only("graphmode_fill_buffers") and "host_staging" not in vendor.info.capabilities:
         return (
             f"vendor {vendor.name!r} fills its buffers with its own graphmode_fill_buffers and does not "
             "declare the 'host_staging' capability (every buffer write through graphmode.buffers.stage)"

@@ -26,10 +26,10 @@ import types
 import torch
 
 from graphmode import VendorInfo, hookimpl
+from graphmode.attention import attend, owned_positions
 from graphmode.emulator import EmulatedGraph
 from graphmode.emulator.capture import named_arguments
 from graphmode.emulator.recording import OpRecord
-from graphmode.attention import attend, owned_positions
 from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec, GraphSpec
 
 __version__ = "0.1.0"

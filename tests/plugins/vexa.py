@@ -25,11 +25,11 @@ import types
 import torch
 
 from graphmode import VendorInfo, hookimpl
+from graphmode.attention import ReferenceAttentionOps, attend, write_slots
 from graphmode.emulator import EmulatedGraph
 from graphmode.emulator.capture import named_arguments
 from graphmode.emulator.recording import OpRecord
 from graphmode.graphs import DeviceGraph
-from graphmode.attention import ReferenceAttentionOps, attend, write_slots
 from graphmode.spec import BLOCKS, CUDA_SPEC, SEQUENCES, BufferSpec, GraphSpec
 
 __version__ = "0.1.0"

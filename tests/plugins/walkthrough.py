@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from graphmode import ConfigError, VendorInfo, hookimpl
-from graphmode.buffers import stage
 from graphmode.attention import attend, owned_positions, write_slots
+from graphmode.buffers import stage
 from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec, GraphSpec
 
 __version__ = "0.1.0"

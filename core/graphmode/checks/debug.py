@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from graphmode.checks.validate import cache_geometry
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import InputError
-from graphmode.checks.validate import cache_geometry
 
 __all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_piecewise_step", "check_query_lengths", "check_uniform_step"]
 

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
+from graphmode.checks.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
+from graphmode.checks.signature import check_model_signature
+from graphmode.checks.step_sizes import batch_size, token_count
 from graphmode.config import RunnerConfig
 from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, STEP_TENSORS, AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
-from graphmode.checks.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
-from graphmode.checks.signature import check_model_signature
-from graphmode.checks.step_sizes import batch_size, token_count
 from graphmode.spec import BLOCKS, SEQUENCES, TOKENS
 
 __all__ = [

@@ -21,24 +21,24 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from graphmode import buffers
+from graphmode.checks.cache_checks import CacheFit, check_warmup_cache
+from graphmode.checks.debug import StepChecker
+from graphmode.checks.weight_memory import WeightMemory
 from graphmode.config import RunnerConfig
 from graphmode.context import StepInputs
 from graphmode.errors import ConfigError
-from graphmode.meta import GraphMeta
-from graphmode.plugins import Vendor
-from graphmode.checks.cache_checks import CacheFit, check_warmup_cache
 from graphmode.families.compile import compiled_forward
-from graphmode.checks.debug import StepChecker
 from graphmode.families.host_fields import HostFields
 from graphmode.families.stats import RunnerStats
-from graphmode.checks.weight_memory import WeightMemory
+from graphmode.meta import GraphMeta
+from graphmode.plugins import Vendor
 from graphmode.spec import GraphSpec
 from graphmode.staging import staging_refusal
 from graphmode.variants import PLAIN, GraphVariants
 
 if TYPE_CHECKING:
-    from graphmode.distributed import RankSync
     from graphmode.checks.cache_checks import CacheMemory
+    from graphmode.distributed import RankSync
     from graphmode.families.sleep import Asleep, SleptGraph
 
 __all__ = ["Captured", "GraphFamily", "PoolShare", "Report", "Shared"]

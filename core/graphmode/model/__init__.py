@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
+from graphmode.attention import AttentionOps, ReferenceAttentionOps, attend, write_slots
 from graphmode.errors import ConfigError
 from graphmode.model.config import ModelConfig
 from graphmode.model.llama import LlamaModel
-from graphmode.attention import AttentionOps, ReferenceAttentionOps, attend, write_slots
 
 __all__ = [
     "AttentionOps",

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphmode.attention import AttentionOps, KVCache
 from graphmode.context import AttnMetadata
 from graphmode.deprecated import renamed_keywords
 from graphmode.errors import InputError
 from graphmode.model.config import ModelConfig
 from graphmode.model.lora import LoraAdapters, lora_rows
-from graphmode.attention import AttentionOps, KVCache
 
 __all__ = ["LlamaModel"]
 

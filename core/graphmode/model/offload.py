@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphmode.attention import KVCache
 from graphmode.context import AttnMetadata
 from graphmode.deprecated import renamed_keywords
 from graphmode.emulator.host import mark_host
 from graphmode.errors import ConfigError
-from graphmode.model.llama import LlamaModel, embed
-from graphmode.attention import KVCache
 from graphmode.families.piecewise import host_break
+from graphmode.model.llama import LlamaModel, embed
 
 __all__ = ["OffloadedLlama"]
 
