@@ -25,7 +25,7 @@ import torch
 from graphmode import default
 from graphmode.buffers import plan_key
 from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.checks.debug import check_uniform_step
+from graphmode.checks.host_lengths import check_uniform_step
 from graphmode.checks.host_reads import replay_guard
 from graphmode.checks.model_state import ModelState
 from graphmode.checks.validate import check_cache_layout

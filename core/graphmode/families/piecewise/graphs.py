@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.checks.debug import check_piecewise_step
+from graphmode.checks.host_lengths import check_piecewise_step
 from graphmode.checks.model_state import ModelState
 from graphmode.context import StepInputs
 from graphmode.families.common import capture_failed, inert_step, live_columns, note_replay_failure
