@@ -87,8 +87,6 @@ class RunnerConfig:
     device: the model's device; "cpu" runs the graph emulator.
     execute_mode: one of EXECUTE_MODES (``$GRAPHMODE_EXECUTE_MODE`` overrides).
     capture_batch_sizes: the user's bucket list; None lets the vendor choose.
-    num_layers: decoder layers of the model, for vendors that budget graph
-        resources per layer; None when unknown.
     head_dim: the model's attention head size, for vendors whose kernels
         take only some (read from ``model.config``); None when unknown.
     vendor_options: settings for the vendor plugin: a dict of the fields of
@@ -132,7 +130,6 @@ class RunnerConfig:
     device: torch.device
     execute_mode: str = "graph"
     capture_batch_sizes: tuple[int, ...] | None = None
-    num_layers: int | None = None
     head_dim: int | None = None
     vendor_options: Any = None
     step_inputs: tuple[BufferSpec, ...] = ()

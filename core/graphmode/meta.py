@@ -35,7 +35,6 @@ class GraphMeta:
     is_decoding: graphs are captured for decode steps (full graphs); False
         in the meta piecewise graphs pass to ``graphmode_make_graph`` and
         ``graphmode_capture_error``, whose ``capture_sizes`` are token sizes.
-    vocab_size: the model's vocabulary size, when the plugin needs it.
     input_buffers: name -> fixed tensor the captured graphs read every replay.
         Right after ``graphmode_make_buffers`` they hold their padding values.
     padding_buffers: a snapshot of ``input_buffers`` taken right after they
@@ -66,7 +65,6 @@ class GraphMeta:
     block_size: int
     device: torch.device
     is_decoding: bool = True
-    vocab_size: int | None = None
     input_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     padding_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     output_buffers: dict[str, Any] = field(default_factory=dict)
@@ -93,11 +91,6 @@ class GraphMeta:
                 f"GraphMeta.max_tokens={self.max_tokens} is below max_batchs="
                 f"{self.max_batchs}: a decode step has at least one token per "
                 "sequence; set max_tokens >= max_batchs"
-            )
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ConfigError(
-                f"GraphMeta.vocab_size={self.vocab_size}: must be a positive "
-                "integer or None"
             )
 
     @property

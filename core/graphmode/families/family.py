@@ -226,7 +226,6 @@ class Shared:
                 num_blocks=config.max_blocks_per_seq,
                 block_size=config.block_size,
                 device=config.device,
-                vocab_size=getattr(getattr(self.model, "config", None), "vocab_size", None),
                 spec=self.spec,
                 capture_sizes=self.capture_sizes,
                 vendor_options=config.vendor_options,

@@ -26,7 +26,6 @@ from graphmode.context import StepInputs
 from graphmode.families.common import capture_failed, inert_step, live_columns, note_replay_failure
 from graphmode.families.family import Captured, Report, Shared
 from graphmode.families.outputs import SharedOutputs
-from graphmode.families.piecewise import PIECEWISE_MODES
 from graphmode.families.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
 from graphmode.families.piecewise.compiled import SplitForward
 from graphmode.families.piecewise.ghosts import OPS_AT_OPS, READ_INSIDE_OPS, GhostReads, shape_only
@@ -39,7 +38,7 @@ from graphmode.staging import to_device
 from graphmode.token_buckets import default_token_sizes, token_bucket
 from graphmode.variants import PLAIN, file_suffix
 
-__all__ = ["PIECEWISE_MODES", "PiecewiseGraph", "PiecewiseGraphs", "shape_only"]
+__all__ = ["PiecewiseGraph", "PiecewiseGraphs", "shape_only"]
 
 
 @dataclass
