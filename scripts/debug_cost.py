@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphmode.context import StepInputs
 from graphmode.checks.debug import StepChecker
+from graphmode.context import StepInputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from setups import tiny_setup  # noqa: E402

@@ -185,9 +185,9 @@ def in_place(workload: Workload, runners: dict[str, Any], batches: list[int], de
     binding, inference mode, the family lookup). The whole call is timed
     with the native step set aside, so that it is the path the parts are
     of: the path a step takes when the native step declines it."""
-    from graphmode.context import StepInputs
     from graphmode.checks.cache_checks import check_same_objects
     from graphmode.checks.validate import uniform_q_len
+    from graphmode.context import StepInputs
 
     print(f"\nPart 3: the replay path in place, host microseconds, median of {repeats} "
           "(idle / busy as in part 1)")

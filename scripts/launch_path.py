@@ -30,9 +30,9 @@ import torch
 
 import graphmode
 from graphmode.bench.workload import Workload
-from graphmode.model import ModelConfig
 from graphmode.checks.cache_checks import check_same_objects
 from graphmode.checks.validate import check_inputs
+from graphmode.model import ModelConfig
 
 
 def replay_time(before: Callable[[], None], replay: Callable[[], None], repeats: int) -> float:

@@ -18,9 +18,9 @@ import torch
 
 import graphmode
 from graphmode.bench.measure import difference_text, spread
+from graphmode.checks.host_reads import NoGuard, replay_guard
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
-from graphmode.checks.host_reads import NoGuard, replay_guard
 
 
 def step_times_us(vendor: str, guarded: bool, steps: int, batch: int) -> list[float]:

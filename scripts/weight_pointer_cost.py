@@ -34,8 +34,8 @@ import torch
 
 import graphmode
 from graphmode.bench.workload import Workload
-from graphmode.model import ModelConfig
 from graphmode.checks.weight_memory import WeightMemory
+from graphmode.model import ModelConfig
 
 
 def median_us(function: Callable[[], Any], repeats: int) -> float:

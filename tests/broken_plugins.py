@@ -28,14 +28,13 @@ import graphmode_camb.plugin as camb
 import graphmode_maca.plugin as maca
 import graphmode_ppu.plugin as ppu
 from graphmode import buffers, hookimpl
+from graphmode.attention import ReferenceAttentionOps, attend, owned_positions, token_rows
 from graphmode.buckets import next_power_of_2, smallest_bucket
 from graphmode.emulator import stream_order
 from graphmode.emulator.capture import named_arguments
 from graphmode.graphs import DeviceGraph, make_device_graph
-from graphmode.model import ReferenceAttentionOps
-from graphmode.attention import attend, owned_positions, token_rows
-from graphmode.vendor_info import probe_runtime
 from graphmode.spec import BLOCKS, CUDA_VENDOR_SPEC, SEQUENCES
+from graphmode.vendor_info import probe_runtime
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import AscendGraph, resolve_update_path
 from graphmode_camb.ops import CambAttentionOps
@@ -701,7 +700,7 @@ def _advice_on_any_stream_error(error, meta, bucket):
     if "stream" in str(error).lower():
         error = RuntimeError(f"{error} (error 207008: Stream resources are insufficient)")
     captured = list(meta.vendor_state.get("captured_graphs", ()))
-    pieces = None if meta.is_decoding else sum(graph.piece for graph in captured)
+    pieces = None if meta.family != "piecewise" else sum(graph.piece for graph in captured)
     return capture_advice(error, bucket, len(captured), list(meta.capture_sizes), pieces)
 
 
@@ -965,7 +964,7 @@ def _graph_choosing_its_update_path(meta):
         return None
     graph = _GraphChoosingItsUpdatePath(
         meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
-    graph.piece = not meta.is_decoding
+    graph.piece = meta.family == "piecewise"
     return graph
 
 
@@ -1005,7 +1004,7 @@ def _graph_waiting_on_the_host(meta):
         return None
     graph = _WaitsOnTheHost(
         meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
-    graph.piece = not meta.is_decoding
+    graph.piece = meta.family == "piecewise"
     return graph
 
 

@@ -11,8 +11,8 @@ from setups import tiny_setup
 
 import graphmode
 from graphmode import CaptureError, ReplayError
-from graphmode.emulator import EmulatedGraph, mark_host
 from graphmode.attention import ReferenceAttentionOps
+from graphmode.emulator import EmulatedGraph, mark_host
 
 # -- host reads inside capture are refused -----------------------------------
 

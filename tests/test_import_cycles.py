@@ -9,13 +9,16 @@ classes and inside functions (those under ``if TYPE_CHECKING:`` excepted:
 they never run), where importing ``a.b.c`` also runs the packages ``a`` and
 ``a.b`` (but a module's own ancestors are initialised before it, so those
 edges are left out), and ``from package import Name`` reaches the module
-that a package with an ``_EXPORTS`` table (``graphmode``,
-``graphmode.runner``) loads ``Name`` from on first use (PEP 562).
+that a package with an ``_EXPORTS`` table (``graphmode``) loads ``Name``
+from on first use (PEP 562). Modules are checked, and so are rooms (each
+subpackage and each top-level module of graphmode: :func:`rooms`), whose
+imports form layers: the HAL's modules, the checks, the families, the runner.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import graphmode
@@ -23,10 +26,10 @@ import graphmode
 ROOT = Path(graphmode.__file__).parent
 
 
-def _modules() -> dict[str, tuple[Path, bool]]:
+def _modules(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
     modules = {}
-    for path in ROOT.rglob("*.py"):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
         is_package = parts[-1] == "__init__"
         modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
     return modules
@@ -64,9 +67,10 @@ def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Each graphmode module -> the graphmode modules its import runs."""
-    modules = _modules()
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Each graphmode module -> the graphmode modules its import runs
+    (``root``: the graphmode tree read)."""
+    modules = _modules(root)
     exports = _exports(modules)
 
     def resolve(name: str) -> str | None:
@@ -151,8 +155,8 @@ def test_the_analysis_sees_module_level_and_function_level_imports():
     assert "graphmode.errors" in graph["graphmode.plugins.manager"]
     # from graphmode import ConfigError reaches graphmode.errors, through PEP 562.
     assert "graphmode.errors" in graph["graphmode.buckets"] or "graphmode.errors" in graph["graphmode.config"]
-    # from graphmode.runner import GraphRunner reaches graphmode.runner.runner, through PEP 562 too.
-    assert "graphmode.runner.runner" in graph["graphmode.factory"]
+    # A package's imports: graphmode.runner imports its runner module and the families.
+    assert {"graphmode.runner.runner", "graphmode.families.full"} <= graph["graphmode.runner"]
     # Imports inside functions: BufferSpec.allocate imports the emulator's mark_host.
     assert "graphmode.emulator.host" in graph["graphmode.spec"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -165,39 +169,69 @@ def test_a_function_level_import_closing_a_cycle_is_seen(tmp_path):
     assert [ast.unparse(node) for node in _imports(hidden)] == ["from typing import TYPE_CHECKING"]
 
 
-#: Cycles closed by imports inside functions that predate this test's
-#: covering them (issue 20), each with the edge that closes it. They live
-#: outside the runner and its families; the test fails when a new cycle
-#: appears, and when one of these is gone (then drop it here).
-KNOWN_CYCLES = [
-    # graphs.torch_graph imports graphmode.emulator inside a function (the CPU device's graph class).
-    ["graphmode.emulator", "graphmode.emulator.graph", "graphmode.graphs", "graphmode.graphs.torch_graph"],
-    # plugins.manager imports graphmode.default (the built-in plugin) and model/__init__ imports
-    # graphmode.plugins (build_reference_model loads the vendor) inside functions; default imports
-    # the kernels, which import graphmode.attention; buffers imports buffers_deprecated on first use.
-    ["graphmode.buffers", "graphmode.buffers_deprecated", "graphmode.default", "graphmode.kernels",
-     "graphmode.kernels.triton_decode", "graphmode.model", "graphmode.plugins", "graphmode.plugins.manager",
-     "graphmode.plugins.selection", "graphmode.staging"],
-]
+def rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between rooms: each subpackage of graphmode
+    (``graphmode.runner``, ``graphmode.families``) and each top-level module
+    (``graphmode.spec``) is one room; imports inside a room are left out, and
+    so is the ``graphmode`` package itself (its names load on first use)."""
+
+    def room(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    found: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module == "graphmode":
+            continue
+        found.setdefault(room(module), set()).update(
+            room(target) for target in targets if target != "graphmode" and room(target) != room(module))
+    return found
+
+
+def _problems(root: Path) -> list[str]:
+    """Every import cycle under ``root`` (a graphmode tree): between modules,
+    then between rooms, one line each."""
+    graph = import_graph(root)
+    return ([" <-> ".join(cycle) for cycle in cycles(graph)]
+            + ["rooms: " + " <-> ".join(cycle) for cycle in cycles(rooms(graph))])
 
 
 def test_no_import_cycle_in_graphmode():
-    found = [cycle for cycle in cycles(import_graph()) if cycle not in KNOWN_CYCLES]
+    found = _problems(ROOT)
     assert not found, (
-        "import cycles in graphmode, imports inside functions included (each line: the modules of one "
-        "cycle). Move what both sides need into a module of its own:\n"
-        + "\n".join(" <-> ".join(cycle) for cycle in found)
+        "import cycles in graphmode, imports inside functions included (each line: the modules, or the rooms, "
+        "of one cycle). Move what both sides need into a module of its own, in the lower room:\n"
+        + "\n".join(found)
     )
 
 
-def test_the_known_cycles_are_still_there():
-    gone = [cycle for cycle in KNOWN_CYCLES if cycle not in cycles(import_graph())]
-    assert not gone, f"these import cycles are gone: drop them from KNOWN_CYCLES: {gone}"
+def _planted(tmp_path: Path, module: str, line: str) -> Path:
+    """A copy of the graphmode tree with ``line`` added to ``module``'s file."""
+    root = tmp_path / "graphmode"
+    shutil.copytree(ROOT, root, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.cpp"))
+    path = root.parent / (module.replace(".", "/") + ".py")
+    path.write_text(path.read_text() + "\n\n" + line + "\n")
+    return root
 
 
-def test_the_runner_and_its_families_are_in_no_cycle():
-    graph = import_graph()
-    ours = [cycle for cycle in cycles(graph) if any(m.startswith(("graphmode.runner", "graphmode.families.piecewise")) for m in cycle)]
-    assert not ours
-    families = ("graphmode.families.family", "graphmode.families.full", "graphmode.families.piecewise.graphs")
-    assert all("graphmode.runner.runner" not in graph[module] for module in families)
+def test_a_planted_cycle_between_two_rooms_fails(tmp_path):
+    # The checks sit below the runner: a function-level import of the runner closes a cycle between rooms.
+    root = _planted(tmp_path, "graphmode.checks.validate",
+                    "def planted():\n    from graphmode.runner.runner import GraphRunner\n    return GraphRunner")
+    found = _problems(root)
+    assert any(line.startswith("rooms: ") and {"graphmode.checks", "graphmode.runner"} <= set(line[7:].split(" <-> "))
+               for line in found), found
+    assert not _problems(ROOT)
+
+
+def test_a_planted_cycle_inside_the_hal_fails(tmp_path):
+    # buffers sits below the built-in plugin, which imports it.
+    root = _planted(tmp_path, "graphmode.buffers", "def planted():\n    from graphmode import default\n    return default")
+    assert any({"graphmode.buffers", "graphmode.default"} <= set(line.split(" <-> ")) for line in _problems(root))
+
+
+def test_the_layers_of_the_runner_wing():
+    """The checks import no family and no runner; the families no runner."""
+    graph = rooms(import_graph())
+    assert not graph["graphmode.checks"] & {"graphmode.families", "graphmode.runner"}
+    assert "graphmode.runner" not in graph["graphmode.families"]
+    assert "graphmode.model" not in graph["graphmode.attention"]

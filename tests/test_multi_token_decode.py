@@ -17,8 +17,8 @@ from graphmode import ConfigError, hookimpl
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.plugins import installed_vendor_names
-from graphmode.vendor_info import VendorInfo
 from graphmode.spec import CUDA_SPEC
+from graphmode.vendor_info import VendorInfo
 
 VENDORS = installed_vendor_names()
 # The vendors whose decode kernels take several queries per sequence (Camb's does not).

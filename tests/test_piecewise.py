@@ -14,11 +14,11 @@ from setups import Setup, tiny_setup
 
 import graphmode
 from graphmode import CaptureError, ConfigError, InputError
-from graphmode.emulator import EmulatedPool
-from graphmode.graphs.torch_graph import stream_capturing
 from graphmode.attention import ReferenceAttentionOps
+from graphmode.emulator import EmulatedPool
 from graphmode.families.piecewise import default_token_sizes, host_break
 from graphmode.families.piecewise.breaks import writes_kv_in_graph
+from graphmode.graphs.torch_graph import stream_capturing
 from graphmode.plugins import installed_vendor_names
 
 VENDORS = installed_vendor_names()
@@ -528,8 +528,8 @@ def test_a_narrower_block_wide_step_input_pads_the_columns_past_its_width():
     # A (SEQUENCES, BLOCKS) step input narrower than the buffer: the live rows'
     # columns past this step's width hold the padding, not the last step's values.
     from graphmode.context import StepInputs
-    from graphmode.model.engine import ReferenceEngine
     from graphmode.families.piecewise.inputs import TokenInputs
+    from graphmode.model.engine import ReferenceEngine
     from graphmode.spec import BLOCKS, SEQUENCES, BufferSpec
 
     spec = BufferSpec("adapter_blocks", torch.int32, shape=(SEQUENCES, BLOCKS), padding=0)

@@ -19,12 +19,12 @@ from setups import tiny_setup
 
 import graphmode
 from graphmode import ConfigError
-from graphmode.model import ModelConfig, build_reference_model
-from graphmode.model.engine import ReferenceEngine
 from graphmode.families.piecewise.breaks import LiveStep, find_attention_ops, intercepted
 from graphmode.families.piecewise.compiled import SplitForward, compiled_shapes
 from graphmode.families.piecewise.graphs import shape_only
 from graphmode.families.piecewise.segments import BreakBuffers, EagerForward
+from graphmode.model import ModelConfig, build_reference_model
+from graphmode.model.engine import ReferenceEngine
 from graphmode.token_buckets import default_token_sizes
 
 MODES = ["piecewise", "full_and_piecewise"]

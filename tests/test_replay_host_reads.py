@@ -11,8 +11,8 @@ from setups import tiny_setup
 import graphmode
 from graphmode import ReplayError
 from graphmode.buffers import host_zeros
-from graphmode.emulator import ReplayHostReadGuard, is_host, mark_host
 from graphmode.checks.host_reads import CudaSyncGuard, replay_guard
+from graphmode.emulator import ReplayHostReadGuard, is_host, mark_host
 
 
 class ReadsInFill:

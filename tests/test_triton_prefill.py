@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphmode.attention import ReferenceAttentionOps
 from graphmode.context import AttnMetadata
 from graphmode.kernels.triton_decode import triton_available
-from graphmode.attention import ReferenceAttentionOps
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not (CUDA and triton_available()), reason="needs a CUDA device and Triton")

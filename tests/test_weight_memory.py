@@ -10,8 +10,8 @@ import pytest
 import torch
 from setups import tiny_setup
 
-from graphmode.errors import ReplayError
 from graphmode.checks import weight_memory
+from graphmode.errors import ReplayError
 from graphmode.families import full
 
 VENDORS = ["cuda", "ascend", "camb", "maca", "ppu"]

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphmode.checks.host_reads import ENV_CHECK_HOST_READS
 from graphmode.errors import ConfigError, GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, installed_vendor_names, select_vendor
-from graphmode.checks.host_reads import ENV_CHECK_HOST_READS
 from graphmode_conformance.plugin import Target, describe, pick_variant, resolve_target
 from graphmode_conformance.sizes import DTYPES, Sizes, parse_capture_sizes
 

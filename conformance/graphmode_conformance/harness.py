@@ -106,8 +106,7 @@ class Harness:
         runner = graphmode.GraphRunner(
             model,
             graphmode.RunnerConfig(
-                sizes.max_batches, sizes.table_width, sizes.block, device,
-                num_layers=config.num_hidden_layers, **runner_options,
+                sizes.max_batches, sizes.table_width, sizes.block, device, **runner_options,
             ),
             vendor,
             share_pool_with=share_pool_with,

@@ -11,7 +11,6 @@ import torch
 
 import graphmode
 from graphmode.context import StepInputs
-from graphmode.model import ModelConfig
 from graphmode.model.offload import OffloadedLlama
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import Harness, Sizes
@@ -114,7 +113,7 @@ class PiecewiseTests(ConformanceFixtures):
             offloaded,
             graphmode.RunnerConfig(
                 sizes.max_batches, sizes.table_width, sizes.block, device, execute_mode="piecewise",
-                num_layers=ModelConfig.tiny().num_hidden_layers, capture_token_sizes=tuple(TOKEN_SIZES),
+                capture_token_sizes=tuple(TOKEN_SIZES),
                 vendor_options=dict(vendor_options) if vendor_options else None,
             ),
             vendor,

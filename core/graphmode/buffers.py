@@ -14,11 +14,6 @@ From the :class:`graphmode.spec.GraphSpec` in ``meta.spec``:
 These are the built-in plugin's buffer hooks. A plugin that fills buffers
 its own way stages its copies through :func:`stage`, so that host staging
 (:mod:`graphmode.staging`) can route them.
-
-The helpers of the plugin API before the declarations (``padding_rows``,
-``decode_rows``, ``TOKEN_BUFFERS``, ``ROW_BUFFERS``) and the old
-``stage(pairs)`` form still work for a release, with a DeprecationWarning
-naming what replaces them (``DEPRECATED``).
 """
 
 from __future__ import annotations
@@ -30,10 +25,7 @@ from typing import Any
 
 import torch
 
-from graphmode import buffers_deprecated
-from graphmode.buffers_deprecated import DEPRECATED
 from graphmode.context import AttnMetadata, StepInputs
-from graphmode.deprecated import warn_deprecated
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.fill_words import word_copy
@@ -43,14 +35,6 @@ from graphmode.spec import BLOCKS, BufferSpec
 __all__ = ["allocate", "fill", "graph_context", "host_zeros", "q_len_paddings", "stage", "step_value"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
-
-def __getattr__(name: str) -> Any:
-    """A deprecated name (``DEPRECATED``), with a DeprecationWarning."""
-    if name in DEPRECATED:
-        warn_deprecated(f"graphmode.buffers.{name}", DEPRECATED[name])
-        return getattr(buffers_deprecated, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
     """A zeroed host (CPU) buffer, for kernels that take host values;
@@ -299,20 +283,20 @@ def fill(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
     of the bucket's rows (and the block-table columns right of a narrower
     table) to their padding: one fused copy per dtype, int64 and int32 as one."""
     key = plan_key(meta, inputs, batch, bucket)
-    plan = meta.views.get(key)
+    plan = meta.fill_plans.get(key)
     if plan is None:
-        plan = meta.views[key] = _Plan(meta, inputs, batch, bucket)
+        plan = meta.fill_plans[key] = _Plan(meta, inputs, batch, bucket)
     plan.run(inputs)
 
 
 def plan_key(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> tuple[Any, ...]:
-    """The plan of a step of this shape in ``meta.views``: one per host staging mirror (its copies routed there)."""
+    """The plan of a step of this shape in ``meta.fill_plans``: one per host staging mirror (its copies routed there)."""
     slot = meta.staging.slot if meta.staging is not None else 0
     return ("fill", batch, inputs.num_tokens, bucket, inputs.attn_metadata.block_offsets.shape[-1], slot)
 
 
 def stage(
-    meta: GraphMeta | Sequence[tuple[torch.Tensor, torch.Tensor]],
+    meta: GraphMeta,
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
     """Copy every source into its destination: one ``_foreach_copy_`` per
@@ -322,19 +306,9 @@ def stage(
     With host staging (``meta.staging``), a destination in the device arena
     is written through its pinned host mirror instead, on the host: its
     source must then be a host tensor (or a view of a padding or live
-    constant, whose host copy is used); a device source raises InputError.
-
-    ``stage(pairs)``, the form before ``meta`` was passed, is deprecated: it
-    works as it did (the runner found from each destination), with a
-    DeprecationWarning."""
+    constant, whose host copy is used); a device source raises InputError."""
     if not isinstance(meta, GraphMeta):
-        if pairs is not None:
-            raise TypeError(f"stage(meta, pairs) takes a GraphMeta first, not a {type(meta).__name__}")
-        from graphmode.buffers_deprecated import stage_pairs
-
-        warn_deprecated("graphmode.buffers.stage(pairs)", "graphmode.buffers.stage(meta, pairs)")
-        stage_pairs(meta)
-        return
+        raise TypeError(f"stage(meta, pairs) takes a GraphMeta first, not a {type(meta).__name__}")
     if pairs is None:
         raise TypeError("stage(meta, pairs) missing its pairs: the (destination, source) tensors to copy")
     if meta.staging is not None:
@@ -374,8 +348,8 @@ def graph_context(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) 
             vendor_fields[name] = value
     attn = AttnMetadata(
         is_decoding=inputs.attn_metadata.is_decoding,
-        max_q_seq_len=per_seq if spec.max_q_seq_len == "bound" else -1,
-        max_kv_seq_len=meta.kv_capacity if spec.max_kv_seq_len == "capacity" else -1,
+        max_q_seq_len=per_seq if spec.max_q_policy == "bound" else -1,
+        max_kv_seq_len=meta.kv_capacity if spec.max_kv_policy == "capacity" else -1,
         vendor_fields=vendor_fields,
         **attn_fields,
     )

@@ -22,8 +22,8 @@ from graphmode.config import RunnerConfig
 from graphmode.context import StepInputs
 from graphmode.graphs import DeviceGraph, make_device_graph
 from graphmode.meta import GraphMeta
-from graphmode.vendor_info import VendorInfo
 from graphmode.spec import CUDA_VENDOR_SPEC, GraphSpec
+from graphmode.vendor_info import VendorInfo
 
 
 @hookimpl

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from graphmode.config import RunnerConfig
-from graphmode.deprecated import renamed_keywords
 from graphmode.memory import MemoryMeter, MemoryPlan
 from graphmode.plugins import Vendor, select_vendor
 from graphmode.runner import GraphRunner
@@ -25,7 +24,6 @@ def model_device(model: Any) -> torch.device:
     return torch.device("cpu")
 
 
-@renamed_keywords("build_graph_runner", num_blocks="max_blocks_per_seq")
 def build_graph_runner(
     model: Any,
     *,
@@ -36,7 +34,6 @@ def build_graph_runner(
     vendor: str | Vendor | None = None,
     execute_mode: str | None = None,
     capture_batch_sizes: Sequence[int] | None = None,
-    num_layers: int | None = None,
     vendor_options: Any = None,
     step_inputs: Sequence[BufferSpec] = (),
     process_group: Any = None,
@@ -59,8 +56,8 @@ def build_graph_runner(
     max_batches: the most sequences per step. max_blocks_per_seq: the
         widest block table a step may carry, in blocks (its columns: the most
         KV blocks one sequence holds), not the KV cache's size, which
-        ``make_kv_cache(num_cache_blocks, block_size)`` takes; ``num_blocks=``
-        is its deprecated spelling. block_size: tokens per KV block.
+        ``make_kv_cache(num_cache_blocks, block_size)`` takes. block_size:
+        tokens per KV block.
     device: the model's device by default; "cpu" captures emulated graphs.
     vendor: a vendor name, or a loaded :class:`graphmode.Vendor` (as
         ``build_reference_model`` takes: ``load_vendor(name, plugin=module)``
@@ -72,8 +69,6 @@ def build_graph_runner(
         overrides all.
     capture_batch_sizes: the buckets to capture; batches above the largest run
         eagerly. None lets the vendor choose.
-    num_layers: decoder layers, for vendors that budget graph resources;
-        read from ``model.config`` when None.
     vendor_options: settings for the vendor plugin (see its docs): a dict of
         its options' fields, or its options object.
     step_inputs: the engine's own per-step model inputs, declared as
@@ -128,8 +123,6 @@ def build_graph_runner(
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
     device = torch.device(device) if device is not None else model_device(model)
     model_config = getattr(model, "config", None)
-    if num_layers is None:
-        num_layers = getattr(model_config, "num_hidden_layers", None) or getattr(model_config, "num_layers", None)
     config = RunnerConfig(
         max_batches=max_batches,
         max_blocks_per_seq=max_blocks_per_seq,
@@ -137,7 +130,6 @@ def build_graph_runner(
         device=device,
         execute_mode=execute_mode or chosen.info.execute_mode,
         capture_batch_sizes=tuple(capture_batch_sizes) if capture_batch_sizes is not None else None,
-        num_layers=num_layers,
         head_dim=_head_dim(model_config),
         vendor_options=vendor_options,
         step_inputs=tuple(step_inputs),

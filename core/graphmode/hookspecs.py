@@ -21,11 +21,11 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
+    from graphmode.attention import AttentionOps
     from graphmode.config import RunnerConfig
     from graphmode.context import StepInputs
     from graphmode.graphs import DeviceGraph
     from graphmode.meta import GraphMeta
-    from graphmode.attention import AttentionOps
     from graphmode.plugins import VendorInfo
     from graphmode.spec import GraphSpec
 
@@ -157,7 +157,7 @@ def graphmode_update_context(
     """The step inputs the captured forward sees: every per-step tensor
     replaced by a view of its buffer holding ``bucket`` rows, host values a
     graph would freeze replaced by values that hold at every replay: per
-    ``spec.max_q_seq_len`` / ``max_kv_seq_len``, -1 ("derive on the device
+    ``spec.max_q_policy`` / ``max_kv_seq_len``, -1 ("derive on the device
     from the length tensors") or a bound (1 query token; the block table's
     capacity).
 
@@ -221,7 +221,7 @@ def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int) 
     that says what to do. The runner raises the result ``from`` the original;
     an error the plugin does not recognise must get None, so that it keeps
     its type and a note naming the bucket. Called only when a capture raises.
-    For a piecewise graph, ``meta.is_decoding`` is False, ``bucket`` is its
+    For a piecewise graph, ``meta.family`` is "piecewise", ``bucket`` is its
     token bucket and ``meta.capture_sizes`` the token sizes.
 
     Stops at the first non-None result; None keeps the original error.

@@ -32,10 +32,11 @@ class GraphMeta:
         sequence may own; a step's block table may be narrower, never wider.
     block_size: tokens per KV-cache block.
     device: where the device buffers live.
-    is_decoding: graphs are captured for decode steps (full graphs); False
-        in the meta piecewise graphs pass to ``graphmode_make_graph`` and
-        ``graphmode_capture_error``, whose ``capture_sizes`` are token sizes.
-    vocab_size: the model's vocabulary size, when the plugin needs it.
+    family: the graph family whose graphs this meta serves (its
+        ``GraphFamily.name``): "full" (decode steps, per batch bucket), or
+        another family's name in the meta it passes to ``graphmode_make_graph``
+        and ``graphmode_capture_error`` ("piecewise": ``capture_sizes`` are
+        token sizes).
     input_buffers: name -> fixed tensor the captured graphs read every replay.
         Right after ``graphmode_make_buffers`` they hold their padding values.
     padding_buffers: a snapshot of ``input_buffers`` taken right after they
@@ -54,7 +55,7 @@ class GraphMeta:
     vendor_state: what a plugin keeps at run time across a runner's graphs
         (Ascend: the graphs alive, for its advice); never settings.
     staging: the runner's :class:`graphmode.staging.HostStaging`, or None.
-    views: input-buffer views and copy plans by step shape, made once
+    fill_plans: the fill plans by step shape (input-buffer views and copies), made once
         (slicing a dozen buffers costs more host time per replay than copying
         into them); shared by every graph, so it must hold views of input
         buffers only.
@@ -65,8 +66,7 @@ class GraphMeta:
     num_blocks: int
     block_size: int
     device: torch.device
-    is_decoding: bool = True
-    vocab_size: int | None = None
+    family: str = "full"
     input_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     padding_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     output_buffers: dict[str, Any] = field(default_factory=dict)
@@ -77,7 +77,7 @@ class GraphMeta:
     vendor_options: Any = None
     vendor_state: dict[str, Any] = field(default_factory=dict)
     staging: Any = None
-    views: dict[Any, Any] = field(default_factory=dict, repr=False)
+    fill_plans: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -93,11 +93,6 @@ class GraphMeta:
                 f"GraphMeta.max_tokens={self.max_tokens} is below max_batchs="
                 f"{self.max_batchs}: a decode step has at least one token per "
                 "sequence; set max_tokens >= max_batchs"
-            )
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ConfigError(
-                f"GraphMeta.vocab_size={self.vocab_size}: must be a positive "
-                "integer or None"
             )
 
     @property

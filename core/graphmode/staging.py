@@ -29,9 +29,8 @@ three steps ahead of the device.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,10 +38,12 @@ from graphmode.context import REQUIRED_TENSORS, StepInputs
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.meta import GraphMeta
-from graphmode.plugins.manager import DEFAULT_PLUGIN_NAME
 from graphmode.ring import SLOTS, Ring, native_ring
 
-__all__ = ["ALIGNMENT", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
+if TYPE_CHECKING:
+    from graphmode.plugins import Vendor
+
+__all__ = ["ALIGNMENT", "SLOTS", "HostStaging", "staging_refusal", "to_device", "to_host"]
 
 ALIGNMENT = 256
 _TABLE = "block_offsets"
@@ -103,9 +104,8 @@ class HostStaging:
         if self.ring is None:
             self.ring = Ring(meta.device, emulated)
         self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket) -> (arena, mirror) views
-        meta.views.clear()  # views of the old buffers
+        meta.fill_plans.clear()  # views of the old buffers
         meta.staging = self
-        _live.add(self)
 
     def _view(self, memory: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
         start = self.offsets[name]
@@ -229,23 +229,6 @@ class HostStaging:
         return routed
 
 
-# Every live HostStaging, for the deprecated ``graphmode.buffers.stage(pairs)``
-# form, which has no meta to say whose arena a destination is in.
-_live: weakref.WeakSet[HostStaging] = weakref.WeakSet()
-
-
-def route_any(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The pairs routed as :meth:`HostStaging.route` routes them, through
-    whichever live runner's arena holds each destination (deprecated
-    ``stage(pairs)`` only; ``stage(meta, pairs)`` knows its runner's)."""
-    stagings = list(_live)
-    routed: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for pair in pairs:
-        staging = next((s for s in stagings if s.holds(pair[0])), None)
-        routed.extend(staging.route([pair]) if staging is not None else [pair])
-    return routed
-
-
 def _like(memory: torch.Tensor, tensor: torch.Tensor, offset: Any) -> torch.Tensor:
     """A view of byte tensor ``memory`` with ``tensor``'s dtype, shape and
     strides at element ``offset``."""
@@ -270,7 +253,7 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGNMENT) * ALIGNMENT
 
 
-def staging_refusal(vendor: Any, device: torch.device) -> str | None:
+def staging_refusal(vendor: Vendor, device: torch.device) -> str | None:
     """Why host staging cannot be used with ``vendor`` on ``device``, or None.
 
     The mirror's copy overwrites the arena before every replay, so every
@@ -280,8 +263,7 @@ def staging_refusal(vendor: Any, device: torch.device) -> str | None:
     its event ordering are checked on CUDA and the emulator only."""
     if device.type not in ("cuda", "cpu"):
         return f"host staging runs on CUDA and the cpu emulator, not {device.type}"
-    fill = vendor.hook.graphmode_fill_buffers.get_hookimpls()
-    if any(impl.plugin_name != DEFAULT_PLUGIN_NAME for impl in fill) and "host_staging" not in vendor.info.capabilities:
+    if not vendor.built_in_only("graphmode_fill_buffers") and "host_staging" not in vendor.info.capabilities:
         return (
             f"vendor {vendor.name!r} fills its buffers with its own graphmode_fill_buffers and does not "
             "declare the 'host_staging' capability (every buffer write through graphmode.buffers.stage)"

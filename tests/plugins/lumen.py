@@ -29,11 +29,11 @@ from types import SimpleNamespace
 import torch
 
 from graphmode import ConfigError, VendorInfo, hookimpl
+from graphmode.attention import attend, write_slots
 from graphmode.emulator import EmulatedGraph
 from graphmode.emulator.capture import named_arguments
 from graphmode.emulator.recording import OpRecord
 from graphmode.graphs import DeviceGraph
-from graphmode.attention import attend, write_slots
 from graphmode.spec import BLOCKS, CUDA_SPEC, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 
 __version__ = "0.1.0"
@@ -83,7 +83,7 @@ LUMEN_SPEC = CUDA_SPEC.with_buffers(
 ).replace(
     block_sizes=(16, 32),
     capture_sizes=lumen_capture_sizes,
-    max_kv_seq_len="capacity",
+    max_kv_policy="capacity",
     options=LumenOptions,
     option_variants=({"update_mode": "all_calls"}, {"update_mode": "per_call"}),
 )

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from graphmode import ConfigError, VendorInfo, hookimpl
+from graphmode.attention import attend, write_slots
 from graphmode.emulator import EmulatedGraph
 from graphmode.emulator.capture import named_arguments
 from graphmode.emulator.recording import OpRecord
-from graphmode.attention import attend, write_slots
 from graphmode.spec import BLOCKS, CUDA_SPEC, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 
 __version__ = "0.1.0"
@@ -192,8 +192,8 @@ NIMBUS_SPEC = CUDA_SPEC.with_buffers(
 ).replace(
     block_sizes=(16, 32),
     capture_sizes=nimbus_capture_sizes,
-    max_q_seq_len="bound",
-    max_kv_seq_len="dynamic",
+    max_q_policy="bound",
+    max_kv_policy="dynamic",
     options=NimbusOptions,
 )
 

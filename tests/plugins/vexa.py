@@ -25,11 +25,11 @@ import types
 import torch
 
 from graphmode import VendorInfo, hookimpl
+from graphmode.attention import ReferenceAttentionOps, attend, write_slots
 from graphmode.emulator import EmulatedGraph
 from graphmode.emulator.capture import named_arguments
 from graphmode.emulator.recording import OpRecord
 from graphmode.graphs import DeviceGraph
-from graphmode.attention import ReferenceAttentionOps, attend, write_slots
 from graphmode.spec import BLOCKS, CUDA_SPEC, SEQUENCES, BufferSpec, GraphSpec
 
 __version__ = "0.1.0"
@@ -228,8 +228,8 @@ VEXA_SPEC = CUDA_SPEC.with_buffers(
     block_sizes=(16, 32, 64, 128),
     capture_sizes=vexa_capture_sizes,
     max_capture_size=LARGEST_GRAPH,
-    max_q_seq_len="bound",
-    max_kv_seq_len="dynamic",
+    max_q_policy="bound",
+    max_kv_policy="dynamic",
 )
 
 

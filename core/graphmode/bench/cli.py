@@ -38,9 +38,9 @@ from graphmode.buckets import padding_waste, parse_sizes
 from graphmode.families.full import FullGraphs
 from graphmode.model import ModelConfig
 from graphmode.plugins import installed_vendor_names, load_vendor
-from graphmode.vendor_info import device_available
 from graphmode.runner.setup import default_capture_sizes
 from graphmode.staging import to_host
+from graphmode.vendor_info import device_available
 
 # The timed steps of a batch size come in this many runs, the modes taking
 # turns (bench.common.taking_turns): no mode is timed minutes after another.

@@ -5,7 +5,7 @@ graph families (they import neither):
   ``validate`` (a step's shapes, dtypes, placement and maxima; the model at
   construction), ``step_sizes`` (batch and token counts), ``step_checks``
   (the per-layout memo of those checks), ``signature`` (the model's
-  forward signature);
+  forward signature), ``host_lengths`` (the step's lengths from host values);
 - debug-mode checks, which read device values or watch the device:
   ``debug`` (``debug=True``), ``host_reads`` (host reads during a replay);
 - cache checks: ``cache_layout`` (a cache's geometry), ``cache_checks`` (the

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from graphmode.checks.validate import cache_geometry, check_cache_layout
 from graphmode.context import StepInputs
 from graphmode.errors import InputError
-from graphmode.checks.validate import cache_geometry, check_cache_layout
 
 __all__ = ["CacheFit", "CacheMemory", "cache_flattener", "check_same_objects", "check_warmup_cache"]
 

@@ -10,8 +10,8 @@ eager kernel might fault, or might not). With ``debug=True`` (or
 ``$GRAPHMODE_DEBUG=1``) every graph step reads its attention tensors to the
 host in one copy (one synchronisation) and refuses such values, naming the
 row, the value, the limit and the fix. The part of these checks that host
-values answer (a piecewise step's host lengths against its maxima) runs
-without debug mode too: :func:`check_piecewise_step`.
+values answer (the step's lengths against each other and its maxima) runs
+without debug mode too: ``graphmode.checks.host_lengths``.
 
 Device graphs are captured with their runtime's debug mode on
 (``DeviceGraph.enable_debug_mode``), so that ``debug_dump`` works on them;
@@ -35,11 +35,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphmode.context import AttnMetadata, StepInputs
-from graphmode.errors import InputError
+from graphmode.checks.host_lengths import check_kv_holds_q, check_query_lengths, check_uniform_step, first_bad
 from graphmode.checks.validate import cache_geometry
+from graphmode.context import StepInputs
+from graphmode.errors import InputError
 
-__all__ = ["ENV_DEBUG_DUMP", "StepChecker", "check_piecewise_step", "check_query_lengths", "check_uniform_step"]
+__all__ = ["ENV_DEBUG_DUMP", "StepChecker"]
 
 ENV_DEBUG_DUMP = "GRAPHMODE_DEBUG_DUMP"
 
@@ -84,7 +85,7 @@ class StepChecker:
         capacity = width * block_size
         cache_blocks = self._cache_blocks(inputs.past_key_values)
         if self.vocab is not None:  # an id past the embedding: an IndexError inside the replay, a device assert on CUDA
-            _first((step.ids < 0) | (step.ids >= self.vocab), lambda t: (
+            first_bad((step.ids < 0) | (step.ids >= self.vocab), lambda t: (
                 f"token {t} has input id {int(step.ids[t])}, outside the model's vocabulary 0..{self.vocab - 1} "
                 f"(config.vocab_size={self.vocab}): the embedding would index past its rows. Pass token ids the "
                 "model knows (a tokenizer with added tokens needs the model's embeddings resized)"))
@@ -95,22 +96,22 @@ class StepChecker:
             writes[seq[step.slots >= 0]] = True
         if uniform:
             self._check_uniform(inputs, step, batch)
-            _check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ", writes.tolist())
+            check_kv_holds_q(step.q_lens.tolist(), step.kv_lens.tolist(), "debug mode: ", writes.tolist())
         else:
             check_query_lengths(inputs.attn_metadata, tokens, step.q_lens, step.q_starts, step.kv_lens, "debug mode: ",
                                 writes.tolist())
-        _first(step.kv_lens > capacity, lambda r: (
+        first_bad(step.kv_lens > capacity, lambda r: (
             f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
             f"can address ({width} blocks x block_size={block_size}); give it more blocks (a wider table)"))
         host = inputs.attn_metadata.kv_seqlens_cpu
         if host is not None:
-            _first(host.reshape(-1).long() != step.kv_lens, lambda r: (
+            first_bad(host.reshape(-1).long() != step.kv_lens, lambda r: (
                 f"sequence {r} has kv_seqlens_cpu={int(host[r])} on the host but kv_seqlens={int(step.kv_lens[r])} "
                 "on the device; kernels that take host lengths (Ascend) would use the host value. Build both "
                 "from the same lengths"))
         limit = f"the cache's {cache_blocks} blocks (0..{cache_blocks - 1})" if cache_blocks else "0 or more"
         out_of_range = (step.table < 0) | (step.table >= (cache_blocks or torch.iinfo(torch.int64).max))
-        _first(out_of_range.any(1), lambda r: (
+        first_bad(out_of_range.any(1), lambda r: (
             f"sequence {r}'s block table holds block id {_bad(step.table[r], out_of_range[r])} (column "
             f"{int(out_of_range[r].nonzero()[0])}), outside {limit}; kernels would read memory outside the "
             "cache. Fill unused columns with 0 (the reserved block) and give sequences only allocated blocks"))
@@ -122,7 +123,7 @@ class StepChecker:
         reach = torch.zeros(batch, dtype=torch.long).scatter_reduce_(0, seq[written], position[written] + 1, "amax")
         reserved = (torch.arange(width)[None, :] < ((reach + block_size - 1) // block_size)[:, None]) \
             & (step.table == 0)
-        _first(reserved.any(1), lambda r: (
+        first_bad(reserved.any(1), lambda r: (
             f"sequence {r} uses block 0 (column {int(reserved[r].nonzero()[0])} of its table, within its "
             f"kv_seqlens={int(step.kv_lens[r])}) and writes the cache; block 0 is reserved for padding rows "
             "(rows whose slots are all -1): never give it to a sequence"))
@@ -141,12 +142,12 @@ class StepChecker:
         rows_owned = owned
         rows_owned, table, owned = owned, step.table[seq], owned[seq]  # owned per token
         writes = slots >= 0
-        _first(slots < -1, lambda t: (
+        first_bad(slots < -1, lambda t: (
             f"token {t} (sequence {int(seq[t])}) has slot {int(slots[t])}; a slot is block x block_size + offset, "
             "or -1 to write nothing"))
         block_of = torch.where(writes, slots // block_size, -1)
         mine = ((table == block_of[:, None]) & owned).any(1)
-        _first(writes & ~mine, lambda t: (
+        first_bad(writes & ~mine, lambda t: (
             f"token {t} (sequence {int(seq[t])}) writes slot {int(slots[t])} (block {int(block_of[t])}), outside "
             f"the sequence's own blocks {table[t][owned[t]].tolist()}: it would overwrite another "
             "sequence's (or the reserved block's) cache. Write the token to its sequence's slot"))
@@ -154,7 +155,7 @@ class StepChecker:
         position = step.kv_lens[seq] - behind
         column = position.clamp(min=0) // block_size
         expected = table.gather(1, column[:, None])[:, 0] * block_size + position % block_size
-        _first(writes & (slots != expected), lambda t: (
+        first_bad(writes & (slots != expected), lambda t: (
             f"token {t} (sequence {int(seq[t])}) writes slot {int(slots[t])}, but its position "
             f"kv_seqlens-{int(behind[t])}={int(position[t])} lives at slot {int(expected[t])} (block "
             f"{int(table[t, column[t]])}, offset {int(position[t]) % block_size}); the next step would read a "
@@ -180,7 +181,7 @@ class StepChecker:
                     f"{w * block_size + int(slots[t]) % block_size} (column {w} of its table): it would overwrite a "
                     "live sequence's cache. Only one sequence writes a block: drop finished sequences' rows, copy a "
                     "shared block before writing into it")
-        _first(hit.flatten(1).any(1), overwrite)
+        first_bad(hit.flatten(1).any(1), overwrite)
 
     def _cache_blocks(self, past_key_values: Any) -> int | None:
         """The block count of the smallest KV-cache tensor, in the layout of
@@ -249,144 +250,6 @@ class StepChecker:
         return found
 
 
-def check_uniform_step(attn: AttnMetadata, batch: int, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
-                       prefix: str = "") -> None:
-    """Refuse host copies of a full graph's decode step's lengths that are
-    not the graph's: every sequence has ``q_len = tokens / batch`` new tokens
-    (host facts proved it from ``max_q_seq_len``, which bounds every entry),
-    starting at row x q_len. The graph replays its own q_len pattern, so an
-    engine's other values ran silently, and eager steps of the same inputs
-    gave other results. Debug mode checks every graph step; without it, a
-    host-built step of several tokens per sequence is checked
-    (``FullGraphs.run``: host tensors, no synchronisation). A length above
-    ``max_q_seq_len`` is named first: a maximum that understates the step's
-    query lengths is how an unequal step (``[3, 1]`` under 2) passes as
-    uniform."""
-    q_len = tokens // batch
-    rows = torch.arange(batch)
-    q_max = attn.max_q_seq_len
-    if q_max >= 0:
-        _first(q_lens > q_max, lambda r: (
-            f"max_q_seq_len={q_max}, but sequence {r} has q_seqlens={int(q_lens[r])}: the maximum understates the "
-            f"step's query lengths, so its {tokens} tokens for {batch} sequences (batch x max_q_seq_len) passed as "
-            f"a decode step of {q_len} token(s) per sequence, whose graph replays {q_len} for every sequence "
-            "while eager steps read the real lengths. Pass the step's real max_q_seq_len (the largest q_seqlens, "
-            f"{int(q_lens.max())}): a step of unequal query lengths then runs eagerly (piecewise in "
-            "execute_mode='full_and_piecewise')"), prefix)
-    _first(q_lens != q_len, lambda r: (
-        f"sequence {r} (row {r}) has q_seqlens={int(q_lens[r])}, but this graph decode step has "
-        f"{q_len} new token(s) per sequence ({tokens} tokens for {batch} sequences, "
-        f"max_q_seq_len={attn.max_q_seq_len}); pass the step's real q_seqlens and "
-        "max_q_seq_len (a step of unequal query lengths runs eagerly), or is_decoding=False"), prefix)
-    _first(q_starts != rows * q_len, lambda r: (
-        f"sequence {r} has q_start_loc={int(q_starts[r])}; in a decode step of {q_len} token(s) per "
-        f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
-        f"arange(batch) x {q_len}"), prefix)
-
-
-def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
-                        kv_lens: torch.Tensor, prefix: str = "", writes: list[bool] | None = None) -> None:
-    """Refuse host copies of a step's lengths that a piecewise step (prefill,
-    mixed, decode: each sequence's tokens from its ``q_seqlens``) cannot
-    have: a negative query length, lengths not summing to the step's
-    tokens, ``q_start_loc`` other than their exclusive cumulative sum, fewer
-    KV than new tokens, and lengths above the step's maxima (unless -1): the
-    break points hand the kernels the step's own maxima, and one sizing its
-    work by them (CUDA's Triton prefill grid, FlashAttention's
-    max_seqlen_k) skips the rows or cached tokens past one too small. Debug
-    mode checks every such step (:func:`check_piecewise_step` a step built
-    on the host, in part)."""
-    q, starts, kv = q_lens.tolist(), q_starts.tolist(), kv_lens.tolist()
-    if sum(q) != tokens:
-        raise InputError(
-            f"{prefix}q_seqlens {q} sum to {sum(q)}, but the step has {tokens} new tokens (input_ids' length); "
-            "pass each sequence's new token count"
-        )
-    q_max, kv_max, start = attn.max_q_seq_len, attn.max_kv_seq_len, 0
-    for row, (count, first, length) in enumerate(zip(q, starts, kv)):
-        if count < 0:  # 0 is a padding row's (docs/engines.md, "Rows of zero new tokens")
-            raise InputError(
-                f"{prefix}sequence {row} has q_seqlens={count}, below 0: pass each sequence's new token count "
-                "(0 for a padding row)"
-            )
-        for value, name, bound in ((count, "q_seqlens", q_max), (length, "kv_seqlens", kv_max)):
-            if 0 <= bound < value:
-                maximum = "max_q_seq_len" if name == "q_seqlens" else "max_kv_seq_len"
-                raise InputError(
-                    f"{prefix}sequence {row} has {name}={value}, above {maximum}={bound}: kernels that size their "
-                    f"work by {maximum} (CUDA's Triton prefill grid) would skip part of the sequence. Pass the "
-                    f"step's real {maximum} (the largest {name}), or -1"
-                )
-        if first != start:
-            raise InputError(
-                f"{prefix}sequence {row} has q_start_loc={first}, but its tokens start at token {start} (the "
-                "earlier sequences' q_seqlens summed): q_start_loc must be the exclusive cumulative sum of q_seqlens"
-            )
-        start += count
-    _check_kv_holds_q(q, kv, prefix, writes)
-
-
-def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None:
-    """The host facts a piecewise step is checked for, without debug mode:
-    its break points hand the kernels the step's own maxima and host lengths
-    (graph steps' contexts have their own), so a ``max_kv_seq_len`` below
-    the host lengths ``kv_seqlens_cpu`` is refused (Camb's decode kernel
-    clamps the lengths it reads to it: a silently wrong result). A step built
-    on the host (``on_host``) is also checked, from its lengths, for what
-    :func:`check_query_lengths` reads first: its query lengths sum to its
-    tokens, ``q_start_loc`` is their exclusive cumulative sum, the lengths
-    stay within its maxima (CUDA's Triton prefill sizes its grid by
-    ``max_q_seq_len``), and ``kv_seqlens_cpu`` (which Ascend's kernels read)
-    equals ``kv_seqlens``. Negative query lengths and KV lengths below
-    the query lengths are debug mode's (two more reductions a step). Host tensors cost no synchronisation: a few
-    reductions, whatever the batch; rows are walked only when one fails, to
-    name the first bad one."""
-    host, kv_max = attn.kv_seqlens_cpu, attn.max_kv_seq_len
-    q_lens, kv_lens, starts = attn.q_seqlens, attn.kv_seqlens, attn.q_start_loc
-    if host is not None and kv_max >= 0 and int(host.max()) > kv_max:
-        if on_host and not torch.equal(host, kv_lens) and int(kv_lens.max()) <= kv_max:
-            _host_lengths_differ(host, kv_lens)  # the maximum is right: the host lengths are not
-        row = int((host > kv_max).nonzero()[0])
-        raise InputError(
-            f"max_kv_seq_len={kv_max}, but attn_metadata.kv_seqlens_cpu holds {int(host[row])} (sequence {row}): "
-            "kernels that size their work by the maximum (Camb, PPU, FlashAttention's max_seqlen_k) would read "
-            "part of that sequence's cache. Pass the step's real max_kv_seq_len (the largest kv_seqlens), or -1; "
-            "or, if max_kv_seq_len is right, kv_seqlens_cpu is not the host copy of kv_seqlens: build both from "
-            "the same lengths"
-        )
-    if not on_host:
-        return
-    # Each sequence's start plus its length is the running total of the lengths, ending at the step's
-    # tokens: a start off it has the sequence read another's queries and leaves its own output rows
-    # stale in the graph's buffer (piecewise != eager).
-    ends = q_lens.cumsum(0)
-    if int(ends[-1]) != tokens or not torch.equal(starts + q_lens, ends) \
-            or 0 <= attn.max_q_seq_len < int(q_lens.max()) or 0 <= kv_max < int(kv_lens.max()):
-        check_query_lengths(attn, tokens, q_lens, starts, kv_lens)
-    if host is not None and not torch.equal(host, kv_lens):  # any dtypes
-        _host_lengths_differ(host, kv_lens)
-
-
-def _host_lengths_differ(host: torch.Tensor, kv_lens: torch.Tensor) -> None:
-    row = int((host != kv_lens).nonzero()[0])
-    raise InputError(
-        f"sequence {row} has kv_seqlens_cpu={int(host[row])} but kv_seqlens={int(kv_lens[row])}; kernels "
-        "that take host lengths (Ascend) would use the first. Build both from the same lengths"
-    )
-
-
-def _check_kv_holds_q(q_lens: list[int], kv_lens: list[int], prefix: str, writes: list[bool] | None = None) -> None:
-    """Refuse a row holding fewer KV tokens than its new ones, but a padding
-    row's 0 (``writes``: which rows write the cache; one writing nothing may
-    hold none, as vLLM pads)."""
-    for row, (count, length) in enumerate(zip(q_lens, kv_lens)):
-        if length < count and not (length == 0 and writes is not None and not writes[row]):
-            raise InputError(
-                f"{prefix}sequence {row} has kv_seqlens={length}, below {count} (its new tokens): a sequence "
-                "holds at least this step's tokens; pass its cached tokens plus this step's"
-            )
-
-
 def _read(inputs: StepInputs, batch: int) -> _Step:
     """The step's attention tensors on the host, in one copy: one
     synchronisation however many tensors."""
@@ -400,12 +263,6 @@ def _read(inputs: StepInputs, batch: int) -> _Step:
         [batch, attn.kv_start_indices.numel(), batch, batch, inputs.input_ids.numel()]
     )
     return _Step(table, kv_lens, slots, q_lens, q_starts, ids)
-
-
-def _first(bad: torch.Tensor, message: Any, prefix: str = "debug mode: ") -> None:
-    """Raise InputError(message(row)) for the first row where ``bad`` holds."""
-    if bad.any():
-        raise InputError(prefix + message(int(bad.nonzero()[0])))
 
 
 def _bad(row: torch.Tensor, mask: torch.Tensor) -> int:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+from graphmode.checks.validate import _TENSORS, check_inputs, check_scalars, check_values
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
-from graphmode.checks.validate import _TENSORS, check_inputs, check_scalars, check_values
 
 __all__ = ["StepChecks"]
 

@@ -13,17 +13,17 @@ from typing import Any
 
 import torch
 
+from graphmode.checks.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
+from graphmode.checks.signature import check_model_signature
+from graphmode.checks.step_sizes import batch_size, token_count
 from graphmode.config import RunnerConfig
 from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, STEP_TENSORS, AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
-from graphmode.checks.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
-from graphmode.checks.signature import check_model_signature
-from graphmode.checks.step_sizes import batch_size, token_count
 from graphmode.spec import BLOCKS, SEQUENCES, TOKENS
 
 __all__ = [
-    "CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model", "check_model_ops", "check_step",
+    "CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model", "check_model_ops",
     "uniform_q_len",
 ]
 
@@ -45,11 +45,6 @@ def _shapes(batch: int, tokens: int, width: int) -> tuple[tuple[int, ...], ...]:
     """The shapes of _TENSORS in a step of these sizes (cached: steps repeat their sizes)."""
     sizes: dict[int | str, int] = {TOKENS: tokens, SEQUENCES: batch, BLOCKS: width}
     return tuple(tuple(d if isinstance(d, int) else sizes[d] for d in dims) for dims in _DIMS)
-
-
-def check_step(inputs: StepInputs, config: RunnerConfig) -> int:
-    """The step's batch size, after checking its inputs."""
-    return check_inputs(inputs, config)[0]
 
 
 def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
+from graphmode.device_graph import DeviceGraph
 from graphmode.emulator import in_flight
 from graphmode.emulator.capture import CaptureSession, named_arguments
 from graphmode.emulator.recording import OpRecord, compile_steps
 from graphmode.emulator.stream import launch, synchronize
 from graphmode.emulator.stream_order import check_replay_ordered
 from graphmode.errors import CaptureError, ReplayError
-from graphmode.device_graph import DeviceGraph
 
 __all__ = ["EmulatedGraph", "EmulatedPool"]
 

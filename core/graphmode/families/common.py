@@ -13,8 +13,8 @@ from torch.utils._pytree import tree_map
 
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import CaptureError, GraphModeError
-from graphmode.meta import GraphMeta
 from graphmode.families.family import Shared
+from graphmode.meta import GraphMeta
 
 __all__ = ["capture_failed", "inert_step", "live_columns", "guard_dropped_fields", "note_replay_failure"]
 

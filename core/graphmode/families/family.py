@@ -25,24 +25,24 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphmode import buffers
+from graphmode.checks.cache_checks import CacheFit, check_warmup_cache
+from graphmode.checks.debug import StepChecker
+from graphmode.checks.weight_memory import WeightMemory
 from graphmode.config import RunnerConfig
 from graphmode.context import StepInputs
 from graphmode.errors import ConfigError
-from graphmode.meta import GraphMeta
-from graphmode.plugins import Vendor
-from graphmode.checks.cache_checks import CacheFit, check_warmup_cache
 from graphmode.families.compile import compiled_forward
-from graphmode.checks.debug import StepChecker
 from graphmode.families.host_fields import HostFields
 from graphmode.families.stats import RunnerStats
-from graphmode.checks.weight_memory import WeightMemory
+from graphmode.meta import GraphMeta
+from graphmode.plugins import Vendor
 from graphmode.spec import GraphSpec
 from graphmode.staging import staging_refusal
 from graphmode.variants import PLAIN, GraphVariants
 
 if TYPE_CHECKING:
-    from graphmode.distributed import RankSync
     from graphmode.checks.cache_checks import CacheMemory
+    from graphmode.distributed import RankSync
     from graphmode.families.sleep import Asleep, SleptGraph
 
 __all__ = ["FORWARDS_RUN", "Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
@@ -242,7 +242,7 @@ class Shared:
 
     def graph_meta(self) -> GraphMeta:
         """The GraphMeta holding the input buffers every graph shares
-        (piecewise graphs take a copy marked is_decoding False), made (with
+        (other families take a copy marked with their ``family``), made (with
         its padding snapshot) on first use; the caller holds inference mode,
         as every step that writes them does."""
         if self.meta is None:
@@ -253,7 +253,6 @@ class Shared:
                 num_blocks=config.max_blocks_per_seq,
                 block_size=config.block_size,
                 device=config.device,
-                vocab_size=getattr(getattr(self.model, "config", None), "vocab_size", None),
                 spec=self.spec,
                 capture_sizes=self.capture_sizes,
                 vendor_options=config.vendor_options,

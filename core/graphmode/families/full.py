@@ -24,21 +24,21 @@ import torch
 
 from graphmode import default
 from graphmode.buffers import plan_key
+from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
+from graphmode.checks.host_lengths import check_uniform_step
+from graphmode.checks.host_reads import replay_guard
+from graphmode.checks.model_state import ModelState
+from graphmode.checks.validate import check_cache_layout
 from graphmode.context import StepInputs
 from graphmode.errors import CaptureError, ConfigError, InputError
+from graphmode.families.common import capture_failed, guard_dropped_fields, inert_step, note_replay_failure
+from graphmode.families.family import Captured, Report, Shared
+from graphmode.families.outputs import SharedOutputs, check_token_dimension
+from graphmode.families.sleep import SleptGraph
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.native import NativeSteps, native_module
 from graphmode.plugins import Vendor
-from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.families.common import capture_failed, guard_dropped_fields, inert_step, note_replay_failure
-from graphmode.checks.debug import check_uniform_step
-from graphmode.families.family import Captured, Report, Shared
-from graphmode.checks.host_reads import replay_guard
-from graphmode.checks.model_state import ModelState
-from graphmode.families.outputs import SharedOutputs, check_token_dimension
-from graphmode.families.sleep import SleptGraph
-from graphmode.checks.validate import check_cache_layout
 from graphmode.staging import HostStaging, emulator_host_hint, to_device, to_host
 from graphmode.variants import PLAIN, file_suffix
 
@@ -321,7 +321,7 @@ class FullGraphs:
             self._decide_native()
         if learn and self.native is not None:
             # The view the output hook gave, not this step's alias of it (the engine's to reshape).
-            plan = meta.views.get(plan_key(meta, inputs, batch, bucket))
+            plan = meta.fill_plans.get(plan_key(meta, inputs, batch, bucket))
             self.native.learn(captured, inputs, batch, plan, captured.results.get(batch))
         return output
 

@@ -14,9 +14,9 @@ mode has none). Warm-up captures the families in reverse order.
 from __future__ import annotations
 
 from graphmode.config import EXECUTE_MODES
-from graphmode.families.piecewise.graphs import PiecewiseGraphs
 from graphmode.families.family import GraphFamily, Shared
 from graphmode.families.full import FullGraphs
+from graphmode.families.piecewise.graphs import PiecewiseGraphs
 
 __all__ = ["FAMILIES", "build_families"]
 

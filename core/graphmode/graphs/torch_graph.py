@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import torch
 
-from graphmode.errors import CaptureError
 from graphmode.device_graph import DeviceGraph
+from graphmode.errors import CaptureError
 
 __all__ = [
     "AcceleratorGraph",

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from graphmode.kernels.triton_prefill import opaque_paged_prefill, paged_prefill
 from graphmode.attention import ReferenceAttentionOps
+from graphmode.kernels.triton_prefill import opaque_paged_prefill, paged_prefill
 
 __all__ = ["TritonAttentionOps", "paged_decode", "triton_available", "write_kv"]
 

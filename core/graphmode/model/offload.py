@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphmode.attention import KVCache
 from graphmode.context import AttnMetadata
-from graphmode.deprecated import renamed_keywords
 from graphmode.emulator.host import mark_host
 from graphmode.errors import ConfigError
-from graphmode.model.llama import LlamaModel, embed
-from graphmode.attention import KVCache
 from graphmode.families.piecewise import host_break
+from graphmode.model.llama import LlamaModel, embed
 
 __all__ = ["OffloadedLlama"]
 
@@ -57,7 +56,6 @@ class OffloadedLlama(nn.Module):
                 target.copy_(source, non_blocking=True)
         self.loads += 1
 
-    @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
     def make_kv_cache(
         self, num_cache_blocks: int, block_size: int, device: torch.device | str | None = None
     ) -> KVCache:

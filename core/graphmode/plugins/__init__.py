@@ -1,6 +1,5 @@
 """Vendor plugins: discovery through entry points, loading, selection."""
 
-from graphmode.vendor_info import CAPABILITIES, VendorInfo, probe_runtime
 from graphmode.plugins.manager import (
     BUILTIN_VENDOR,
     ENTRY_POINT_GROUP,
@@ -14,6 +13,7 @@ from graphmode.plugins.manager import (
     vendor_statuses,
 )
 from graphmode.plugins.selection import ENV_VENDOR, select_vendor
+from graphmode.vendor_info import CAPABILITIES, VendorInfo, probe_runtime
 
 __all__ = [
     "BUILTIN_VENDOR",

@@ -149,6 +149,10 @@ class Vendor:
         """Whether the vendor plugin itself (not the defaults) implements it."""
         return any(impl.plugin is self.plugin for impl in getattr(self.hook, hook_name).get_hookimpls())
 
+    def built_in_only(self, hook_name: str) -> bool:
+        """Whether every implementation of the hook is graphmode's built-in one."""
+        return all(impl.plugin_name == DEFAULT_PLUGIN_NAME for impl in getattr(self.hook, hook_name).get_hookimpls())
+
     def __repr__(self) -> str:
         return f"<graphmode vendor {self.name} {self.version}>"
 

@@ -20,27 +20,27 @@ from typing import Any
 
 import torch
 
+from graphmode.checks.cache_checks import check_warmup_cache
+from graphmode.checks.model_state import watched_rebinds
+from graphmode.checks.step_checks import StepChecks
+from graphmode.checks.validate import check_model, uniform_q_len
 from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
-from graphmode.memory.meter import device_module
-from graphmode.memory.plan import GraphMemory, MemoryPlan, Sample, WarmupMemory, plan
-from graphmode.meta import GraphMeta
-from graphmode.families.piecewise.graphs import PiecewiseGraphs
-from graphmode.plugins import Vendor
-from graphmode.checks.cache_checks import check_warmup_cache
 from graphmode.families.common import note_replay_failure
 from graphmode.families.family import Shared
 from graphmode.families.full import CapturedGraph, FullGraphs, bucket_table
-from graphmode.runner.guard import busy, one_at_a_time
-from graphmode.checks.model_state import watched_rebinds
 from graphmode.families.modes import build_families
-from graphmode.runner.progress import CaptureProgress, logger
-from graphmode.runner.setup import capture_sizes, configure
+from graphmode.families.piecewise.graphs import PiecewiseGraphs
 from graphmode.families.sleep import asleep_error, recapture, release
 from graphmode.families.stats import RunnerStats
-from graphmode.checks.step_checks import StepChecks
-from graphmode.checks.validate import check_model, uniform_q_len
+from graphmode.memory.meter import device_module
+from graphmode.memory.plan import GraphMemory, MemoryPlan, Sample, WarmupMemory, plan
+from graphmode.meta import GraphMeta
+from graphmode.plugins import Vendor
+from graphmode.runner.guard import busy, one_at_a_time
+from graphmode.runner.progress import CaptureProgress, logger
+from graphmode.runner.setup import capture_sizes, configure
 from graphmode.staging import HostStaging, to_device
 
 __all__ = ["GraphRunner"]

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from graphmode.context import AttnMetadata
 from graphmode.attention import ReferenceAttentionOps, attend, owned_positions
+from graphmode.context import AttnMetadata
 from graphmode_ascend.emulated_npu import register_updatable
 
 __all__ = [

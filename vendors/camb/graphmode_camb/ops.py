@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from graphmode.context import AttnMetadata
 from graphmode.attention import ReferenceAttentionOps
+from graphmode.context import AttnMetadata
 
 __all__ = ["CambAttentionOps"]
 

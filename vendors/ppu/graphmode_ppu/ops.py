@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from graphmode.attention import ReferenceAttentionOps
 from graphmode.context import AttnMetadata
 from graphmode.errors import InputError
-from graphmode.attention import ReferenceAttentionOps
 
 __all__ = ["PPUAttentionOps", "check_maxima"]
 

@@ -11,7 +11,4 @@ docs/architecture.md, "Piecewise graphs". The runner imports
 from graphmode.families.piecewise.breaks import host_break
 from graphmode.token_buckets import default_token_sizes, token_bucket
 
-__all__ = ["PIECEWISE_MODES", "default_token_sizes", "host_break", "token_bucket"]
-
-#: Execute modes with piecewise graphs (see graphmode.config.EXECUTE_MODES).
-PIECEWISE_MODES = ("piecewise", "full_and_piecewise")
+__all__ = ["default_token_sizes", "host_break", "token_bucket"]

@@ -19,27 +19,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
+from graphmode.checks.host_lengths import check_piecewise_step
+from graphmode.checks.model_state import ModelState
 from graphmode.context import StepInputs
-from graphmode.graphs import DeviceGraph
-from graphmode.meta import GraphMeta
-from graphmode.families.piecewise import PIECEWISE_MODES
+from graphmode.families.common import capture_failed, inert_step, live_columns, note_replay_failure
+from graphmode.families.family import Captured, Report, Shared
+from graphmode.families.outputs import SharedOutputs
 from graphmode.families.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
 from graphmode.families.piecewise.compiled import SplitForward
 from graphmode.families.piecewise.ghosts import OPS_AT_OPS, READ_INSIDE_OPS, GhostReads, shape_only
 from graphmode.families.piecewise.inputs import TokenInputs
 from graphmode.families.piecewise.segments import BreakBuffers, CaptureForward, EagerForward, Pieces
-from graphmode.token_buckets import default_token_sizes, token_bucket
-from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.families.common import capture_failed, inert_step, live_columns, note_replay_failure
-from graphmode.checks.debug import check_piecewise_step
-from graphmode.families.family import Captured, Report, Shared
-from graphmode.checks.model_state import ModelState
-from graphmode.families.outputs import SharedOutputs
 from graphmode.families.sleep import SleptGraph
+from graphmode.graphs import DeviceGraph
+from graphmode.meta import GraphMeta
 from graphmode.staging import to_device
+from graphmode.token_buckets import default_token_sizes, token_bucket
 from graphmode.variants import PLAIN, file_suffix
 
-__all__ = ["PIECEWISE_MODES", "PiecewiseGraph", "PiecewiseGraphs", "shape_only"]
+__all__ = ["PiecewiseGraph", "PiecewiseGraphs", "shape_only"]
 
 
 @dataclass
@@ -257,8 +256,8 @@ class PiecewiseGraphs:
             raise
         self._outputs.prepare(warm_output, bucket)
         # Plugins tell piecewise graphs from full ones (make_graph, capture
-        # advice) by is_decoding False; their capture sizes are token sizes.
-        meta = dataclasses.replace(shared.graph_meta(), is_decoding=False, capture_sizes=tuple(self.sizes))
+        # advice) by family "piecewise"; their capture sizes are token sizes.
+        meta = dataclasses.replace(shared.graph_meta(), family=self.name, capture_sizes=tuple(self.sizes))
         slots_attn = None
         if self._inputs.with_slots:
             slots_attn = static.attn_metadata.replace(kv_start_indices=self._inputs.slot_rows(bucket))

@@ -20,8 +20,8 @@ import torch
 
 from graphmode.context import AttnMetadata
 from graphmode.errors import CaptureError
-from graphmode.graphs import DeviceGraph
 from graphmode.families.piecewise.breaks import Attention, BreakCall, HostWork, KVWrite, LiveStep, Session
+from graphmode.graphs import DeviceGraph
 
 __all__ = ["BreakBuffers", "CaptureForward", "EagerForward", "Pieces"]
 

@@ -24,13 +24,13 @@ from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 
 from graphmode.config import RunnerConfig, resolve_debug, resolve_execute_mode
 from graphmode.errors import ConfigError, InputError
+from graphmode.families.full import bucket_table
+from graphmode.families.stats import RunnerStats
 from graphmode.integrations.lmdeploy.decode_graph import DecodeGraph
 from graphmode.integrations.lmdeploy.step_checks import check_decode_step
 from graphmode.meta import GraphMeta
 from graphmode.plugins import select_vendor
-from graphmode.families.full import bucket_table
 from graphmode.runner.setup import capture_sizes, configure
-from graphmode.families.stats import RunnerStats
 
 __all__ = ["LmdeployGraphRunner", "Settings"]
 
