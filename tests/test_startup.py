@@ -153,3 +153,16 @@ def test_the_largest_piecewise_graph_keeps_its_own_result_as_the_shared_buffer()
     largest = piecewise.graph(8).output
     assert largest._base is None
     assert piecewise.graph(2).output.data_ptr() == largest.data_ptr()
+
+
+def test_piecewise_warmup_after_reset_takes_its_views_from_the_first_warmup_forward():
+    setup = tiny_setup(capture_token_sizes=[2, 4, 8], max_batches=4, execute_mode="piecewise")
+    calls = _count_forwards(setup.model)
+    with torch.inference_mode():
+        setup.runner.warmup(setup.graph_cache, progress=False)
+        assert calls[0] == 2 * 3
+        setup.runner.reset()
+        calls[0] = 0
+        setup.runner.warmup(setup.graph_cache, progress=False)
+    assert calls[0] == 1 + 3 and setup.runner.stats.piecewise_captures == 6
+    _equal_to_eager(setup)
