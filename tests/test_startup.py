@@ -63,16 +63,22 @@ def test_a_second_runner_and_a_wake_skip_the_warmup_forwards_of_shapes_seen():
     _equal_to_eager(setup)
 
 
-def test_a_probe_cache_of_other_shapes_is_another_shape():
-    # What a warm-up forward prepares may depend on the cache's shapes (a kernel specialised on them):
-    # the plan's captures on a probe cache leave the real warm-up's shapes unseen.
+def test_the_plans_captures_on_a_probe_cache_count_for_the_warmup_but_another_layout_does_not():
+    # The number of cache blocks sizes nothing a graph holds; the cache's layout past it may
+    # (a kernel specialised on a stride): a cache of another layout is another shape.
     setup = tiny_setup(capture_batch_sizes=[1, 2, 4], max_batches=4)
     calls = _count_forwards(setup.model)
     with torch.inference_mode():
         setup.runner.plan_memory(setup.model.make_kv_cache(4, 16))
         calls[0] = 0
         setup.runner.warmup(setup.graph_cache, progress=False)
-    assert calls[0] == 2 * 3
+        assert calls[0] == 1 + 3  # three buckets: every one sampled by the plan
+    shared = setup.runner._shared
+    probe = setup.model.make_kv_cache(4, 16)
+    other_layout = [(k.transpose(1, 2).contiguous(), v) for k, v in probe]  # [blocks, heads, block, dim]
+    same = shared.forward_shape("full", 4, 1, setup.model.make_kv_cache(7, 16), {})
+    assert same == shared.forward_shape("full", 4, 1, probe, {})
+    assert shared.forward_shape("full", 4, 1, other_layout, {}) != same
 
 
 class _LazyPerShape(torch.nn.Module):

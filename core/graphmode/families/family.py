@@ -333,10 +333,12 @@ class Shared:
                       extras: dict[str, Any]) -> tuple[Any, ...]:
         """What a capture's forward depends on beyond the model: the family,
         its size (batch bucket or token bucket), the query length, the graph
-        variant, the extras' names and the KV cache's tensor shapes, dtypes
-        and devices (not its identity: a probe cache of other shapes is
-        another shape, the same cache reallocated is not)."""
-        cache = tuple((tuple(t.shape), t.dtype, t.device) for t in tree_leaves(past_key_values)
+        variant, the extras' names and the KV cache's layout (each tensor's
+        shape past its first dimension, the blocks, and its strides, dtype
+        and device): not the cache's identity or its number of blocks, which
+        size nothing a graph holds (``graphmode.memory.plan``), so that the
+        plan's captures on a probe cache count for the warm-up's."""
+        cache = tuple((tuple(t.shape[1:]), t.stride()[1:], t.dtype, t.device) for t in tree_leaves(past_key_values)
                       if isinstance(t, torch.Tensor))
         return (family, size, q_len, self.variant, tuple(sorted(extras)), cache)
 
