@@ -5,7 +5,9 @@ appends to) is refused, since a graph replays none of the forward's Python.
 A capture runs right after a warm-up forward on the same inputs, so lazy
 initialisation (a rotary table grown the first time a longer position
 appears, a cache moved to the device once, a dict filled for a new shape)
-has happened by then and the capture changes nothing. A forward that still
+has happened by then and the capture changes nothing. (A warm-up capture of
+a shape the forward ran at before in the process runs none; the families
+capture it again after one when this check refuses it.) A forward that still
 changes an attribute there changes it at every call: eager steps would go on
 changing it, graph steps would not (the graph keeps reading the tensor it
 captured, or the number it froze; a list stops growing), and graph output
