@@ -172,3 +172,27 @@ def test_piecewise_warmup_after_reset_takes_its_views_from_the_first_warmup_forw
         setup.runner.warmup(setup.graph_cache, progress=False)
     assert calls[0] == 1 + 3 and setup.runner.stats.piecewise_captures == 6
     _equal_to_eager(setup)
+
+
+def test_warmup_captures_without_a_warmup_forward_take_one_snapshot_of_the_model_state(monkeypatch):
+    # The state a capture's check left is the next capture's before, when nothing ran the model in
+    # between: one snapshot per graph rather than two (milliseconds each for the bench model).
+    from graphmode.checks import model_state
+
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4], max_batches=4)
+    with torch.inference_mode():
+        setup.runner.warmup(setup.graph_cache, progress=False)
+        setup.runner.reset()
+        taken = [0]
+        snapshot = model_state._Snapshot
+
+        class Counted(snapshot):
+            def __init__(self, *args, **kwargs):
+                taken[0] += 1
+                super().__init__(*args, **kwargs)
+
+        monkeypatch.setattr(model_state, "_Snapshot", Counted)
+        setup.runner.warmup(setup.graph_cache, progress=False)
+    assert taken[0] == 2 + 1 + 1  # bucket 4 after its warm-up forward: before and after; then after only
+    assert setup.runner._shared.last_state is None  # nothing carried out of the warm-up
+    _equal_to_eager(setup)

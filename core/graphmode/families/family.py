@@ -42,6 +42,7 @@ from graphmode.variants import PLAIN, GraphVariants
 
 if TYPE_CHECKING:
     from graphmode.checks.cache_checks import CacheMemory
+    from graphmode.checks.model_state import ModelState
     from graphmode.distributed import RankSync
     from graphmode.families.sleep import Asleep, SleptGraph
 
@@ -226,6 +227,10 @@ class Shared:
         self.declared_extras = frozenset(
             path.split(".", 1)[1] for spec in spec.buffers for path in spec.contexts if path.startswith("extras.")
         )
+        #: The model state a warm-up capture's check left, while nothing has run the model since
+        #: (``ModelState(before=...)``): the next warm-up capture without a warm-up forward starts from it.
+        #: Set by warm-up captures, cleared by every warm-up forward and at the start and end of warm-up.
+        self.last_state: ModelState | None = None
         #: While the runner sleeps (``runner.sleep()``): the graphs its wake captures again; None when awake.
         self.asleep: Asleep | None = None
 
@@ -321,6 +326,7 @@ class Shared:
         """``run()``, a capture's warm-up forward; with ``compile=True`` its
         time (the compilation) counts in ``stats.compile_seconds``. ``shape``
         (:meth:`forward_shape`): the forward then counts as having run at it."""
+        self.last_state = None  # the forward may change the model's state (lazily, once)
         started = time.perf_counter()
         output = run()
         if self.compiled:

@@ -418,7 +418,8 @@ class FullGraphs:
             ranks.barrier()
         changed = False
         try:
-            state = ModelState(shared.model, shared.config.host_bookkeeping)
+            state = ModelState(shared.model, shared.config.host_bookkeeping, before=shared.last_state)
+            shared.last_state = None
             with graph.capture(pool=shared.pool):
                 output = forward(**seen.as_kwargs())
                 if not warmed:
@@ -436,6 +437,8 @@ class FullGraphs:
             graph.reset()
             return self._capture(inputs, batch, bucket, warmup=warmup, warm=True)
         shared.ran_at(shape)
+        if warmup:
+            shared.last_state = state  # the next warm-up capture's state before, if nothing runs the model first
         shared.adopt_pool(graph.pool())
         shared.weights.hold(shared.model)  # the first capture's addresses, which every graph step checks
         if self.native is not None:  # a new graph: steps learn again

@@ -272,7 +272,7 @@ class GraphRunner:
         for _, key in variants:
             shared.use_variant(key)
             count += sum(len(sample.pick(family.todo(wanted)) if sample else family.todo(wanted)) for family in order)
-        with _frozen_gc(), torch.inference_mode(), \
+        with _frozen_gc(), torch.inference_mode(), _fresh_state(shared), \
                 CaptureProgress(count, self.config.device, bar=progress) as report, \
                 WarmupMemory(self.config.device, self._measures_memory()) as memory:
             for variant_extras, key in variants:
@@ -415,7 +415,7 @@ class GraphRunner:
         self._shared.asleep = None
         # Every graph is captured afresh from the model's tensors now: replacements seen before sleep are healed.
         self._rebinds = watched_rebinds(self)
-        with _frozen_gc(), torch.inference_mode(), \
+        with _frozen_gc(), torch.inference_mode(), _fresh_state(self._shared), \
                 CaptureProgress(asleep.count, self.config.device, bar=progress) as report:
             recapture(self._shared, asleep, past_key_values, report)
         self.stats.wakes += 1
@@ -477,6 +477,17 @@ def _rank_sync(process_group: Any, check_ranks: str) -> Any:
     if dist.get_world_size(process_group) == 1:
         return None
     return RankSync(process_group, check_replays=check_ranks == "always")
+
+
+@contextlib.contextmanager
+def _fresh_state(shared: Shared) -> Iterator[None]:
+    """No model state carried into or out of a warm-up: the engine may change
+    the model between calls (``Shared.last_state`` is for one capture loop)."""
+    shared.last_state = None
+    try:
+        yield
+    finally:
+        shared.last_state = None
 
 
 @contextlib.contextmanager

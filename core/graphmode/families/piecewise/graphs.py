@@ -285,7 +285,8 @@ class PiecewiseGraphs:
             ranks.barrier()  # every rank's device idle before any of them captures
         changed = False
         try:
-            state = ModelState(shared.model, shared.config.host_bookkeeping)
+            state = ModelState(shared.model, shared.config.host_bookkeeping, before=shared.last_state)
+            shared.last_state = None
             # Below the capture's own modes: a segment's end pops the emulator's.
             with intercepted(self.ops, capture), self._ghost_reads(), capture:
                 result = forward(**static.as_kwargs())
@@ -307,6 +308,8 @@ class PiecewiseGraphs:
             capture.pieces.reset()
             return self._capture(inputs, live, warmup=warmup, warm=True)
         shared.ran_at(shape)
+        if warmup:
+            shared.last_state = state  # the next warm-up capture's state before, if nothing runs the model first
         shared.adopt_pool(capture.pool)  # one pool for every graph of the runner, full and piecewise
         shared.weights.hold(shared.model)  # the first capture's addresses, which every graph step checks
         flatten = cache_flattener(static.past_key_values)
