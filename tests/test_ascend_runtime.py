@@ -14,7 +14,7 @@ import torch
 from setups import tiny_setup
 
 import graphmode
-from graphmode import CaptureError, ConfigError, RunnerConfig
+from graphmode import CaptureError, RunnerConfig
 from graphmode.buckets import three_stage_sizes
 from graphmode.runner.setup import capture_sizes as capture_list
 from graphmode.runner.setup import configure
@@ -143,17 +143,6 @@ def capture_sizes(**config) -> list[int]:
 def test_every_asked_size_is_captured_whatever_the_layer_count():
     assert capture_sizes() == three_stage_sizes(256)
     assert capture_sizes(capture_batch_sizes=(1, 2, 3, 5, 8, 13, 21)) == [1, 2, 3, 5, 8, 13, 21]
-
-
-@pytest.mark.parametrize("option", ["stream_budget", "comm_groups"])
-def test_the_removed_budget_options_are_refused_with_the_reason(option):
-    with pytest.raises(ConfigError) as error:
-        capture_sizes(vendor_options={option: 0})
-    assert str(error.value) == (
-        f"Ascend vendor_options {option!r} was removed: graphmode no longer trims the capture sizes to a "
-        "stream budget (vllm-ascend removed that heuristic in PR 9962); it captures the sizes asked for and "
-        "explains a stream shortage when one occurs. Drop the option; pass capture_batch_sizes to capture fewer graphs"
-    )
 
 
 def test_stream_exhaustion_says_how_many_graphs_were_captured_and_what_to_set():

@@ -1,7 +1,6 @@
 """Two block counts, two names: the runner's ``max_blocks_per_seq`` (the
 width of a block table) and ``make_kv_cache``'s ``num_cache_blocks`` (the
-cache's size). ``num_blocks``, the name both had, works for a release with a
-DeprecationWarning naming the new one."""
+cache's size)."""
 
 from __future__ import annotations
 
@@ -26,33 +25,14 @@ def test_the_runner_takes_max_blocks_per_seq(model):
     assert runner.config.max_blocks_per_seq == 6
 
 
-def test_num_blocks_for_the_runner_warns_naming_max_blocks_per_seq(model):
-    with pytest.warns(DeprecationWarning, match=r"build_graph_runner\(num_blocks=\.\.\.\) is deprecated .*"
-                      r"use build_graph_runner\(max_blocks_per_seq=\.\.\.\)") as caught:
-        runner = graphmode.build_graph_runner(model, max_batches=4, num_blocks=6, block_size=16, device="cpu")
-    assert caught[0].filename == __file__
-    assert runner.config.max_blocks_per_seq == 6
-    with pytest.raises(TypeError, match="both num_blocks= .* and max_blocks_per_seq="):
-        graphmode.build_graph_runner(model, max_batches=4, num_blocks=6, max_blocks_per_seq=6, block_size=16)
-
-
-def test_runner_config_num_blocks_warns_and_reads_the_width():
-    with pytest.warns(DeprecationWarning, match=r"RunnerConfig\(num_blocks=\.\.\.\) is deprecated"):
-        config = graphmode.RunnerConfig(max_batches=4, num_blocks=6, block_size=16, device="cpu")
-    assert config == graphmode.RunnerConfig(4, 6, 16, "cpu")
-    with pytest.warns(DeprecationWarning, match=r"RunnerConfig\.num_blocks is deprecated .*RunnerConfig\.max_blocks_per_seq"):
-        assert config.num_blocks == 6
+def test_runner_config_refuses_a_width_of_zero():
     with pytest.raises(graphmode.ConfigError, match="max_blocks_per_seq=0: must be a positive integer"):
         graphmode.RunnerConfig(4, 0, 16, "cpu")
 
 
-def test_make_kv_cache_takes_num_cache_blocks_and_warns_for_num_blocks(model):
+def test_make_kv_cache_takes_num_cache_blocks(model):
     cache = model.make_kv_cache(num_cache_blocks=5, block_size=16)
-    with pytest.warns(DeprecationWarning, match=r"make_kv_cache\(num_blocks=\.\.\.\) is deprecated .*"
-                      r"make_kv_cache\(num_cache_blocks=\.\.\.\)"):
-        old = model.make_kv_cache(num_blocks=5, block_size=16)
-    assert len(old) == len(cache) == 2
-    assert [k.shape for k, _ in old] == [k.shape for k, _ in cache] and cache[0][0].shape[0] == 5
+    assert len(cache) == 2 and cache[0][0].shape[0] == 5
 
 
 def test_a_table_wider_than_the_runner_says_which_count_it_is(model):

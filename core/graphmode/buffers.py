@@ -14,11 +14,6 @@ From the :class:`graphmode.spec.GraphSpec` in ``meta.spec``:
 These are the built-in plugin's buffer hooks. A plugin that fills buffers
 its own way stages its copies through :func:`stage`, so that host staging
 (:mod:`graphmode.staging`) can route them.
-
-The helpers of the plugin API before the declarations (``padding_rows``,
-``decode_rows``, ``TOKEN_BUFFERS``, ``ROW_BUFFERS``) and the old
-``stage(pairs)`` form still work for a release, with a DeprecationWarning
-naming what replaces them (``DEPRECATED``).
 """
 
 from __future__ import annotations
@@ -30,10 +25,7 @@ from typing import Any
 
 import torch
 
-from graphmode import buffers_deprecated
-from graphmode.buffers_deprecated import DEPRECATED
 from graphmode.context import AttnMetadata, StepInputs
-from graphmode.deprecated import warn_deprecated
 from graphmode.emulator.host import is_host, mark_host
 from graphmode.errors import InputError
 from graphmode.fill_words import word_copy
@@ -43,14 +35,6 @@ from graphmode.spec import BLOCKS, BufferSpec
 __all__ = ["allocate", "fill", "graph_context", "host_zeros", "q_len_paddings", "stage", "step_value"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
-
-def __getattr__(name: str) -> Any:
-    """A deprecated name (``DEPRECATED``), with a DeprecationWarning."""
-    if name in DEPRECATED:
-        warn_deprecated(f"graphmode.buffers.{name}", DEPRECATED[name])
-        return getattr(buffers_deprecated, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def host_zeros(meta: GraphMeta, shape: Sequence[int], dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
     """A zeroed host (CPU) buffer, for kernels that take host values;
@@ -312,7 +296,7 @@ def plan_key(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> tu
 
 
 def stage(
-    meta: GraphMeta | Sequence[tuple[torch.Tensor, torch.Tensor]],
+    meta: GraphMeta,
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
     """Copy every source into its destination: one ``_foreach_copy_`` per
@@ -322,19 +306,9 @@ def stage(
     With host staging (``meta.staging``), a destination in the device arena
     is written through its pinned host mirror instead, on the host: its
     source must then be a host tensor (or a view of a padding or live
-    constant, whose host copy is used); a device source raises InputError.
-
-    ``stage(pairs)``, the form before ``meta`` was passed, is deprecated: it
-    works as it did (the runner found from each destination), with a
-    DeprecationWarning."""
+    constant, whose host copy is used); a device source raises InputError."""
     if not isinstance(meta, GraphMeta):
-        if pairs is not None:
-            raise TypeError(f"stage(meta, pairs) takes a GraphMeta first, not a {type(meta).__name__}")
-        from graphmode.buffers_deprecated import stage_pairs
-
-        warn_deprecated("graphmode.buffers.stage(pairs)", "graphmode.buffers.stage(meta, pairs)")
-        stage_pairs(meta)
-        return
+        raise TypeError(f"stage(meta, pairs) takes a GraphMeta first, not a {type(meta).__name__}")
     if pairs is None:
         raise TypeError("stage(meta, pairs) missing its pairs: the (destination, source) tensors to copy")
     if meta.staging is not None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from graphmode.deprecated import renamed_keywords, warn_deprecated
 from graphmode.errors import ConfigError
 from graphmode.spec import MODEL_INPUTS, BufferSpec
 from graphmode.variants import clean_graph_variants
@@ -82,7 +81,7 @@ class RunnerConfig:
     max_batches: the most sequences the engine ever puts in one decode step.
     max_blocks_per_seq: the widest block table a sequence may have (its
         columns; the KV cache's own size is ``make_kv_cache``'s
-        ``num_cache_blocks``). ``num_blocks=`` is its deprecated spelling.
+        ``num_cache_blocks``).
     block_size: tokens per KV-cache block.
     device: the model's device; "cpu" runs the graph emulator.
     execute_mode: one of EXECUTE_MODES (``$GRAPHMODE_EXECUTE_MODE`` overrides).
@@ -171,12 +170,6 @@ class RunnerConfig:
             self.capture_token_sizes = clean_token_sizes(self.capture_token_sizes)
 
     @property
-    def num_blocks(self) -> int:
-        """Deprecated: ``max_blocks_per_seq``."""
-        warn_deprecated("RunnerConfig.num_blocks", "RunnerConfig.max_blocks_per_seq", stacklevel=3)
-        return self.max_blocks_per_seq
-
-    @property
     def max_tokens(self) -> int:
         """The most new tokens of a graph step: ``max_batches x max_q_len``."""
         return self.max_batches * self.max_q_len
@@ -185,12 +178,6 @@ class RunnerConfig:
     def torch_compile_options(self) -> dict[str, Any]:
         """The keyword arguments given to ``torch.compile`` when compile=True."""
         return {**DEFAULT_COMPILE_OPTIONS, **self.compile_options}
-
-
-# The keyword of the block-table width before it was named for what it is.
-RunnerConfig.__init__ = renamed_keywords(  # type: ignore[method-assign]
-    "RunnerConfig", num_blocks="max_blocks_per_seq"
-)(RunnerConfig.__init__)
 
 
 def _clean_compile_options(compile: bool, options: Any) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from graphmode.config import RunnerConfig
-from graphmode.deprecated import renamed_keywords
 from graphmode.memory import MemoryMeter, MemoryPlan
 from graphmode.plugins import Vendor, select_vendor
 from graphmode.runner import GraphRunner
@@ -25,7 +24,6 @@ def model_device(model: Any) -> torch.device:
     return torch.device("cpu")
 
 
-@renamed_keywords("build_graph_runner", num_blocks="max_blocks_per_seq")
 def build_graph_runner(
     model: Any,
     *,
@@ -58,8 +56,8 @@ def build_graph_runner(
     max_batches: the most sequences per step. max_blocks_per_seq: the
         widest block table a step may carry, in blocks (its columns: the most
         KV blocks one sequence holds), not the KV cache's size, which
-        ``make_kv_cache(num_cache_blocks, block_size)`` takes; ``num_blocks=``
-        is its deprecated spelling. block_size: tokens per KV block.
+        ``make_kv_cache(num_cache_blocks, block_size)`` takes. block_size:
+        tokens per KV block.
     device: the model's device by default; "cpu" captures emulated graphs.
     vendor: a vendor name, or a loaded :class:`graphmode.Vendor` (as
         ``build_reference_model`` takes: ``load_vendor(name, plugin=module)``

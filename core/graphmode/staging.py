@@ -29,7 +29,6 @@ three steps ahead of the device.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,7 @@ from graphmode.ring import SLOTS, Ring, native_ring
 if TYPE_CHECKING:
     from graphmode.plugins import Vendor
 
-__all__ = ["ALIGNMENT", "SLOTS", "HostStaging", "route_any", "staging_refusal", "to_device", "to_host"]
+__all__ = ["ALIGNMENT", "SLOTS", "HostStaging", "staging_refusal", "to_device", "to_host"]
 
 ALIGNMENT = 256
 _TABLE = "block_offsets"
@@ -107,7 +106,6 @@ class HostStaging:
         self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket) -> (arena, mirror) views
         meta.views.clear()  # views of the old buffers
         meta.staging = self
-        _live.add(self)
 
     def _view(self, memory: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
         start = self.offsets[name]
@@ -229,23 +227,6 @@ class HostStaging:
             else:
                 routed.append((mirror, self.host_source(source, destination) if host_sources else source))
         return routed
-
-
-# Every live HostStaging, for the deprecated ``graphmode.buffers.stage(pairs)``
-# form, which has no meta to say whose arena a destination is in.
-_live: weakref.WeakSet[HostStaging] = weakref.WeakSet()
-
-
-def route_any(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The pairs routed as :meth:`HostStaging.route` routes them, through
-    whichever live runner's arena holds each destination (deprecated
-    ``stage(pairs)`` only; ``stage(meta, pairs)`` knows its runner's)."""
-    stagings = list(_live)
-    routed: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for pair in pairs:
-        staging = next((s for s in stagings if s.holds(pair[0])), None)
-        routed.extend(staging.route([pair]) if staging is not None else [pair])
-    return routed
 
 
 def _like(memory: torch.Tensor, tensor: torch.Tensor, offset: Any) -> torch.Tensor:

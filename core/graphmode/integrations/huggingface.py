@@ -46,7 +46,6 @@ import torch
 from torch import nn
 
 from graphmode.context import AttnMetadata
-from graphmode.deprecated import renamed_keywords
 from graphmode.errors import ConfigError, InputError
 from graphmode.integrations.huggingface_support import Probe, active_probe, probe, refuse_config
 
@@ -237,7 +236,6 @@ class HuggingFaceModel(nn.Module):
         self.support.check_table(config.max_blocks_per_seq, config.block_size)
         self.support.check_graphs(config.execute_mode)
 
-    @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
     def make_kv_cache(
         self, num_cache_blocks: int, block_size: int, device: torch.device | str | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,7 +16,6 @@ from torch import nn
 
 from graphmode.attention import AttentionOps, KVCache
 from graphmode.context import AttnMetadata
-from graphmode.deprecated import renamed_keywords
 from graphmode.errors import InputError
 from graphmode.model.config import ModelConfig
 from graphmode.model.lora import LoraAdapters, lora_rows
@@ -147,7 +146,6 @@ class LlamaModel(nn.Module):
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
         return self
 
-    @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
     def make_kv_cache(
         self, num_cache_blocks: int, block_size: int, device: torch.device | str | None = None
     ) -> KVCache:

@@ -18,7 +18,6 @@ from torch import nn
 
 from graphmode.attention import KVCache
 from graphmode.context import AttnMetadata
-from graphmode.deprecated import renamed_keywords
 from graphmode.emulator.host import mark_host
 from graphmode.errors import ConfigError
 from graphmode.families.piecewise import host_break
@@ -57,7 +56,6 @@ class OffloadedLlama(nn.Module):
                 target.copy_(source, non_blocking=True)
         self.loads += 1
 
-    @renamed_keywords("make_kv_cache", num_blocks="num_cache_blocks")
     def make_kv_cache(
         self, num_cache_blocks: int, block_size: int, device: torch.device | str | None = None
     ) -> KVCache:

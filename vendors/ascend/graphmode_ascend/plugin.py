@@ -29,8 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -44,9 +43,6 @@ from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import UPDATE_PATHS, AscendGraph, resolve_update_path
 from graphmode_ascend.ops import AscendAttentionOps, tnd_limit_violations
 
-# Options of earlier releases, which fed the stream-budget trimming.
-REMOVED_OPTIONS = ("stream_budget", "comm_groups")
-
 
 @dataclass(frozen=True)
 class AscendOptions:
@@ -54,24 +50,11 @@ class AscendOptions:
     (torch_npu 2.8.0.post1, 2.7.1.post1, 2.6.0.post3 or later in its line),
     "task_group", or "auto" (by the installed
     torch_npu; ``$GRAPHMODE_ASCEND_UPDATE_PATH`` overrides). The runner holds
-    the resolved path.
-
-    stream_budget, comm_groups: removed (they fed the stream-budget trimming);
-    giving either is refused with the reason."""
+    the resolved path."""
 
     update_path: str = "auto"
-    stream_budget: Any = field(default=None, metadata={"removed": True})
-    comm_groups: Any = field(default=None, metadata={"removed": True})
 
     def __post_init__(self) -> None:
-        for name in REMOVED_OPTIONS:
-            if getattr(self, name) is not None:
-                raise ConfigError(
-                    f"Ascend vendor_options {name!r} was removed: graphmode no longer trims the capture sizes "
-                    "to a stream budget (vllm-ascend removed that heuristic in PR 9962); it captures the sizes "
-                    "asked for and explains a stream shortage when one occurs. Drop the option; pass "
-                    "capture_batch_sizes to capture fewer graphs"
-                )
         if self.update_path not in UPDATE_PATHS:
             raise ConfigError(
                 f"Ascend update_path={self.update_path!r} is not one of {', '.join(UPDATE_PATHS)}; set "
