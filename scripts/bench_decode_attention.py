@@ -17,9 +17,9 @@ import statistics
 
 import torch
 
+from graphmode.attention import ReferenceAttentionOps
 from graphmode.context import AttnMetadata
 from graphmode.kernels.triton_decode import TritonAttentionOps
-from graphmode.model import ReferenceAttentionOps
 
 
 def time_graph(runs, repeats: int = 200) -> float:

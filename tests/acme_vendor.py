@@ -16,7 +16,7 @@ import types
 import torch
 
 import graphmode
-from graphmode.model import ReferenceAttentionOps, write_slots
+from graphmode.attention import ReferenceAttentionOps, write_slots
 from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec
 
 BLOCK_SIZE = 32

@@ -28,12 +28,11 @@ import graphmode_camb.plugin as camb
 import graphmode_maca.plugin as maca
 import graphmode_ppu.plugin as ppu
 from graphmode import buffers, hookimpl
-from graphmode.attention import attend, owned_positions, token_rows
+from graphmode.attention import ReferenceAttentionOps, attend, owned_positions, token_rows
 from graphmode.buckets import next_power_of_2, smallest_bucket
 from graphmode.emulator import stream_order
 from graphmode.emulator.capture import named_arguments
 from graphmode.graphs import DeviceGraph, make_device_graph
-from graphmode.model import ReferenceAttentionOps
 from graphmode.spec import BLOCKS, CUDA_VENDOR_SPEC, SEQUENCES
 from graphmode.vendor_info import probe_runtime
 from graphmode_ascend.advice import capture_advice

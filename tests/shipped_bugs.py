@@ -22,7 +22,7 @@ import graphmode.default as cuda
 import graphmode_ascend.plugin as ascend
 import graphmode_camb.plugin as camb
 from graphmode import buffers, hookimpl
-from graphmode.model import ReferenceAttentionOps
+from graphmode.attention import ReferenceAttentionOps
 from graphmode.spec import CUDA_VENDOR_SPEC
 
 __all__ = ["BROKEN", "OPTIONS"]

@@ -16,7 +16,7 @@ from plugins import walkthrough
 from test_hookspecs import harness, variant
 
 import graphmode
-from graphmode.model import AttentionOps
+from graphmode.attention import AttentionOps
 from graphmode.plugins.manager import installed_vendor_names
 
 PROTOCOL = {name for name in vars(AttentionOps) if not name.startswith("_")} | set(AttentionOps.__annotations__)

@@ -30,9 +30,9 @@ import graphmode
 import graphmode.default as cuda
 import graphmode_ascend.plugin as ascend
 from graphmode import CaptureError, ConfigError, GraphModeError, buffers, hookimpl, hookspecs
+from graphmode.attention import ReferenceAttentionOps
 from graphmode.distributed import init_process_group
 from graphmode.graphs import make_device_graph
-from graphmode.model import ReferenceAttentionOps
 from graphmode.runner.setup import configure
 from graphmode.spec import TOKENS, BufferSpec
 from graphmode_conformance import Harness, HookContractTests, LifecycleTests, ParameterUpdateTests, Sizes

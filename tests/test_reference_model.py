@@ -9,14 +9,15 @@ import sys
 import pytest
 
 from graphmode import ConfigError
-from graphmode.model import ModelConfig, ReferenceAttentionOps, build_reference_model
+from graphmode.attention import ReferenceAttentionOps
+from graphmode.model import ModelConfig, build_reference_model
 from graphmode_ascend.ops import AscendAttentionOps
 
 
 def test_ops_are_used_as_given_without_loading_any_plugin():
     script = (
         "import sys\n"
-        "from graphmode.model import ModelConfig, ReferenceAttentionOps, build_reference_model\n"
+        "from graphmode.attention import ReferenceAttentionOps\nfrom graphmode.model import ModelConfig, build_reference_model\n"
         "ops = ReferenceAttentionOps()\n"
         "model = build_reference_model(ModelConfig.tiny(), ops=ops)\n"
         "assert all(layer.self_attn.ops is ops for layer in model.layers)\n"

@@ -12,8 +12,8 @@ from setups import tiny_setup
 
 import graphmode
 from graphmode import ConfigError, InputError
+from graphmode.attention import ReferenceAttentionOps, write_slots
 from graphmode.buckets import FixedSizes, graded_sizes
-from graphmode.model import ReferenceAttentionOps, write_slots
 from graphmode.spec import CUDA_SPEC, ROW_INDEX, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 
 

@@ -21,10 +21,11 @@ import pytest
 import torch
 
 import graphmode
+from graphmode.attention import ReferenceAttentionOps, write_slots
 from graphmode.context import AttnMetadata
 from graphmode.kernels import cuda_attention_ops
 from graphmode.kernels.triton_decode import TritonAttentionOps, triton_available
-from graphmode.model import ModelConfig, ReferenceAttentionOps, build_reference_model, write_slots
+from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 
 CUDA = torch.cuda.is_available()

@@ -3,7 +3,7 @@
 Graph-equals-eager compares the vendor with itself: a kernel that computes
 the wrong thing in graphs and eagerly alike passes it. Here the same model,
 with the same weights, runs eager steps once on the vendor's attention ops and
-once on :class:`graphmode.model.ReferenceAttentionOps`, each with a KV cache
+once on :class:`graphmode.attention.ReferenceAttentionOps`, each with a KV cache
 in its own layout, and their logits must agree.
 """
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphmode.attention import ReferenceAttentionOps
 from graphmode.families.piecewise.breaks import kernels_taking_out
-from graphmode.model import ModelConfig, ReferenceAttentionOps, build_reference_model
+from graphmode.model import ModelConfig, build_reference_model
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
 

@@ -9,7 +9,7 @@ time. So do decode steps of one batch size whose longest sequence grows past
 a planning boundary. Graph and eager share the vendor's kernels, so a stale
 plan makes both wrong alike; every step here is therefore compared twice:
 graph with eager (in every execute mode), and eager with the same model on
-graphmode's reference kernels (:class:`graphmode.model.ReferenceAttentionOps`,
+graphmode's reference kernels (:class:`graphmode.attention.ReferenceAttentionOps`,
 which plan nothing), each on a KV cache of its own.
 """
 
@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
+from graphmode.attention import ReferenceAttentionOps
 from graphmode.context import StepInputs
-from graphmode.model import ReferenceAttentionOps, build_reference_model
+from graphmode.model import build_reference_model
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
 from graphmode_conformance.kernels import _TOLERANCE

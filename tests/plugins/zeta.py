@@ -20,12 +20,11 @@ from typing import List  # noqa: UP035 (torch 2.5 infers custom-op schemas from 
 import torch
 
 from graphmode import VendorInfo, hookimpl
-from graphmode.attention import attend, owned_positions
+from graphmode.attention import ReferenceAttentionOps, attend, owned_positions
 from graphmode.emulator import EmulatedGraph
 from graphmode.emulator.capture import named_arguments
 from graphmode.emulator.recording import OpRecord
 from graphmode.graphs import DeviceGraph
-from graphmode.model import ReferenceAttentionOps
 from graphmode.spec import CUDA_SPEC, BufferSpec
 
 __version__ = "0.1.0"

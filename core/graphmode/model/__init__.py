@@ -6,20 +6,12 @@ from typing import Any
 
 import torch
 
-from graphmode.attention import AttentionOps, ReferenceAttentionOps, attend, write_slots
+from graphmode.attention import AttentionOps
 from graphmode.errors import ConfigError
 from graphmode.model.config import ModelConfig
 from graphmode.model.llama import LlamaModel
 
-__all__ = [
-    "AttentionOps",
-    "LlamaModel",
-    "ModelConfig",
-    "ReferenceAttentionOps",
-    "attend",
-    "build_reference_model",
-    "write_slots",
-]
+__all__ = ["LlamaModel", "ModelConfig", "build_reference_model"]
 
 
 def build_reference_model(
