@@ -700,7 +700,7 @@ def _advice_on_any_stream_error(error, meta, bucket):
     if "stream" in str(error).lower():
         error = RuntimeError(f"{error} (error 207008: Stream resources are insufficient)")
     captured = list(meta.vendor_state.get("captured_graphs", ()))
-    pieces = None if meta.is_decoding else sum(graph.piece for graph in captured)
+    pieces = None if meta.family != "piecewise" else sum(graph.piece for graph in captured)
     return capture_advice(error, bucket, len(captured), list(meta.capture_sizes), pieces)
 
 
@@ -964,7 +964,7 @@ def _graph_choosing_its_update_path(meta):
         return None
     graph = _GraphChoosingItsUpdatePath(
         meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
-    graph.piece = not meta.is_decoding
+    graph.piece = meta.family == "piecewise"
     return graph
 
 
@@ -1004,7 +1004,7 @@ def _graph_waiting_on_the_host(meta):
         return None
     graph = _WaitsOnTheHost(
         meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
-    graph.piece = not meta.is_decoding
+    graph.piece = meta.family == "piecewise"
     return graph
 
 

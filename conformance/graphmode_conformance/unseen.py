@@ -354,10 +354,10 @@ class UnseenByOutputsTests(ConformanceFixtures):
         into advice: errors every runtime raises (PyTorch's capture errors, a
         model's KeyError) come back as None, for full and piecewise graphs."""
         meta = harness.runner.graph_meta()
-        pieces = dataclasses.replace(meta, is_decoding=False, capture_sizes=(2, 8, 24, 64))
+        pieces = dataclasses.replace(meta, family="piecewise", capture_sizes=(2, 8, 24, 64))
         for error in _FOREIGN_CAPTURE_ERRORS:
             for graph_meta, what in ((meta, "a decode graph of bucket 4"), (pieces, "a piecewise graph of token bucket 8")):
-                advice = vendor.hook.graphmode_capture_error(error=error, meta=graph_meta, bucket=4 if graph_meta.is_decoding else 8)
+                advice = vendor.hook.graphmode_capture_error(error=error, meta=graph_meta, bucket=4 if graph_meta.family == "full" else 8)
                 if advice is not None:
                     raise ConformanceFailure(
                         f"[capture advice] vendor {vendor.name}: graphmode_capture_error turned {error!r}, raised "

@@ -221,7 +221,7 @@ def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int) 
     that says what to do. The runner raises the result ``from`` the original;
     an error the plugin does not recognise must get None, so that it keeps
     its type and a note naming the bucket. Called only when a capture raises.
-    For a piecewise graph, ``meta.is_decoding`` is False, ``bucket`` is its
+    For a piecewise graph, ``meta.family`` is "piecewise", ``bucket`` is its
     token bucket and ``meta.capture_sizes`` the token sizes.
 
     Stops at the first non-None result; None keeps the original error.

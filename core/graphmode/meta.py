@@ -32,9 +32,11 @@ class GraphMeta:
         sequence may own; a step's block table may be narrower, never wider.
     block_size: tokens per KV-cache block.
     device: where the device buffers live.
-    is_decoding: graphs are captured for decode steps (full graphs); False
-        in the meta piecewise graphs pass to ``graphmode_make_graph`` and
-        ``graphmode_capture_error``, whose ``capture_sizes`` are token sizes.
+    family: the graph family whose graphs this meta serves (its
+        ``GraphFamily.name``): "full" (decode steps, per batch bucket), or
+        another family's name in the meta it passes to ``graphmode_make_graph``
+        and ``graphmode_capture_error`` ("piecewise": ``capture_sizes`` are
+        token sizes).
     input_buffers: name -> fixed tensor the captured graphs read every replay.
         Right after ``graphmode_make_buffers`` they hold their padding values.
     padding_buffers: a snapshot of ``input_buffers`` taken right after they
@@ -64,7 +66,7 @@ class GraphMeta:
     num_blocks: int
     block_size: int
     device: torch.device
-    is_decoding: bool = True
+    family: str = "full"
     input_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     padding_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     output_buffers: dict[str, Any] = field(default_factory=dict)

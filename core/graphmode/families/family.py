@@ -215,7 +215,7 @@ class Shared:
 
     def graph_meta(self) -> GraphMeta:
         """The GraphMeta holding the input buffers every graph shares
-        (piecewise graphs take a copy marked is_decoding False), made (with
+        (other families take a copy marked with their ``family``), made (with
         its padding snapshot) on first use; the caller holds inference mode,
         as every step that writes them does."""
         if self.meta is None:

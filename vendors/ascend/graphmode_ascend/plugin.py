@@ -154,7 +154,7 @@ def graphmode_make_graph(meta: GraphMeta) -> AscendGraph | None:
     # vendor_state, which every graph's GraphMeta shares.
     captured = meta.vendor_state.setdefault("captured_graphs", weakref.WeakSet())
     graph = AscendGraph(meta.device, meta.vendor_options.update_path, captured)
-    graph.piece = not meta.is_decoding  # a piece of a piecewise graph
+    graph.piece = meta.family == "piecewise"  # a piece of a piecewise graph
     return graph
 
 
@@ -166,8 +166,8 @@ def graphmode_update_graph_params(graph: AscendGraph, meta: GraphMeta, batch_siz
 @hookimpl
 def graphmode_capture_error(error: BaseException, meta: GraphMeta, bucket: int):
     captured = list(meta.vendor_state.get("captured_graphs", ()))
-    # Piecewise graphs come with is_decoding False and their token sizes.
-    pieces = None if meta.is_decoding else sum(graph.piece for graph in captured)
+    # Piecewise graphs come with family "piecewise" and their token sizes.
+    pieces = None if meta.family != "piecewise" else sum(graph.piece for graph in captured)
     return capture_advice(error, bucket, len(captured), list(meta.capture_sizes), pieces)
 
 

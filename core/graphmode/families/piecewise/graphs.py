@@ -249,8 +249,8 @@ class PiecewiseGraphs:
             raise
         self._outputs.prepare(warm_output, bucket)
         # Plugins tell piecewise graphs from full ones (make_graph, capture
-        # advice) by is_decoding False; their capture sizes are token sizes.
-        meta = dataclasses.replace(shared.graph_meta(), is_decoding=False, capture_sizes=tuple(self.sizes))
+        # advice) by family "piecewise"; their capture sizes are token sizes.
+        meta = dataclasses.replace(shared.graph_meta(), family=self.name, capture_sizes=tuple(self.sizes))
         slots_attn = None
         if self._inputs.with_slots:
             slots_attn = static.attn_metadata.replace(kv_start_indices=self._inputs.slot_rows(bucket))
