@@ -283,14 +283,14 @@ def fill(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
     of the bucket's rows (and the block-table columns right of a narrower
     table) to their padding: one fused copy per dtype, int64 and int32 as one."""
     key = plan_key(meta, inputs, batch, bucket)
-    plan = meta.views.get(key)
+    plan = meta.fill_plans.get(key)
     if plan is None:
-        plan = meta.views[key] = _Plan(meta, inputs, batch, bucket)
+        plan = meta.fill_plans[key] = _Plan(meta, inputs, batch, bucket)
     plan.run(inputs)
 
 
 def plan_key(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> tuple[Any, ...]:
-    """The plan of a step of this shape in ``meta.views``: one per host staging mirror (its copies routed there)."""
+    """The plan of a step of this shape in ``meta.fill_plans``: one per host staging mirror (its copies routed there)."""
     slot = meta.staging.slot if meta.staging is not None else 0
     return ("fill", batch, inputs.num_tokens, bucket, inputs.attn_metadata.block_offsets.shape[-1], slot)
 

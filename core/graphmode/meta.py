@@ -55,7 +55,7 @@ class GraphMeta:
     vendor_state: what a plugin keeps at run time across a runner's graphs
         (Ascend: the graphs alive, for its advice); never settings.
     staging: the runner's :class:`graphmode.staging.HostStaging`, or None.
-    views: input-buffer views and copy plans by step shape, made once
+    fill_plans: the fill plans by step shape (input-buffer views and copies), made once
         (slicing a dozen buffers costs more host time per replay than copying
         into them); shared by every graph, so it must hold views of input
         buffers only.
@@ -77,7 +77,7 @@ class GraphMeta:
     vendor_options: Any = None
     vendor_state: dict[str, Any] = field(default_factory=dict)
     staging: Any = None
-    views: dict[Any, Any] = field(default_factory=dict, repr=False)
+    fill_plans: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)

@@ -104,7 +104,7 @@ class HostStaging:
         if self.ring is None:
             self.ring = Ring(meta.device, emulated)
         self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket) -> (arena, mirror) views
-        meta.views.clear()  # views of the old buffers
+        meta.fill_plans.clear()  # views of the old buffers
         meta.staging = self
 
     def _view(self, memory: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:

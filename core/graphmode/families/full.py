@@ -315,7 +315,7 @@ class FullGraphs:
             self._decide_native()
         if learn and self.native is not None:
             # The view the output hook gave, not this step's alias of it (the engine's to reshape).
-            plan = meta.views.get(plan_key(meta, inputs, batch, bucket))
+            plan = meta.fill_plans.get(plan_key(meta, inputs, batch, bucket))
             self.native.learn(captured, inputs, batch, plan, captured.results.get(batch))
         return output
 
