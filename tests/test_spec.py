@@ -308,7 +308,7 @@ def test_an_engine_step_input_is_its_keyword_copied_whole(fields):
         (lambda: CUDA_SPEC.with_buffers(BufferSpec("kv_lengths", torch.int32, context=("attn_metadata.kv_seqlens",))),
          r"context fields \['attn_metadata.kv_seqlens'\] are backed by more than one buffer"),
         (lambda: GraphSpec((*CUDA_SPEC.buffers, CUDA_SPEC.buffers[0])), r"declares buffers \['input_ids'\] more than once"),
-        (lambda: CUDA_SPEC.replace(max_kv_seq_len="max"), "max_kv_seq_len='max'"),
+        (lambda: CUDA_SPEC.replace(max_kv_policy="max"), "max_kv_policy='max'"),
         (lambda: CUDA_SPEC.replace(max_capture_size=0), r"max_capture_size=0: use an int >= 1, or None for no limit"),
         (lambda: CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2, 4)), max_capture_size=8),
          r"max_capture_size=8: the fixed capture list \[1, 2, 4\] \(capture_sizes\) ends at 4"),

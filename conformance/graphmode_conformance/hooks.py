@@ -395,5 +395,5 @@ class HookContractTests(ConformanceFixtures):
                 f"{attn.max_kv_seq_len}{derived}. A graph freezes host values, so every replay would use "
                 f"{frozen}; graph contexts must pass -1 where the kernel derives it on "
                 f"the device, or a bound valid at every replay: the block table's capacity, {capacity}. Hook: "
-                "graphmode_update_context (or the GraphSpec's max_kv_seq_len policy)"
+                "graphmode_update_context (or GraphSpec.max_kv_policy)"
             )

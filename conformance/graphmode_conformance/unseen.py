@@ -247,7 +247,7 @@ def length_bound_cause(harness: Harness, batch: int, bucket: int) -> str | None:
             f"step's longest kv length {longest} (kv_seqlens rows 0..{batch - 1}): a kernel trusting it reads "
             f"{value} tokens at most; {how}. A graph freezes host integers: push a bound of this step's lengths "
             "(the max of a host buffer's rows, meta.input_buffers[name][:bucket], kv_seqlens_cpu's copy) into every "
-            "call at every replay in graphmode_update_graph_params, or declare GraphSpec max_kv_seq_len='capacity' "
+            "call at every replay in graphmode_update_graph_params, or declare GraphSpec max_kv_policy='capacity' "
             "(a bound valid at every replay) and push none")
 
 

@@ -348,8 +348,8 @@ def graph_context(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) 
             vendor_fields[name] = value
     attn = AttnMetadata(
         is_decoding=inputs.attn_metadata.is_decoding,
-        max_q_seq_len=per_seq if spec.max_q_seq_len == "bound" else -1,
-        max_kv_seq_len=meta.kv_capacity if spec.max_kv_seq_len == "capacity" else -1,
+        max_q_seq_len=per_seq if spec.max_q_policy == "bound" else -1,
+        max_kv_seq_len=meta.kv_capacity if spec.max_kv_policy == "capacity" else -1,
         vendor_fields=vendor_fields,
         **attn_fields,
     )

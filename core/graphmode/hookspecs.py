@@ -157,7 +157,7 @@ def graphmode_update_context(
     """The step inputs the captured forward sees: every per-step tensor
     replaced by a view of its buffer holding ``bucket`` rows, host values a
     graph would freeze replaced by values that hold at every replay: per
-    ``spec.max_q_seq_len`` / ``max_kv_seq_len``, -1 ("derive on the device
+    ``spec.max_q_policy`` / ``max_kv_seq_len``, -1 ("derive on the device
     from the length tensors") or a bound (1 query token; the block table's
     capacity).
 

@@ -250,9 +250,9 @@ class GraphSpec:
         unless declared. Capture lists stop there: a user's list is trimmed
         to it, and batches above it run eagerly (the runner counts them as
         ``no_bucket`` eager steps).
-    max_q_seq_len: what graph contexts pass: "bound" (the graph's query
+    max_q_policy: what graph contexts pass as ``max_q_seq_len``: "bound" (the graph's query
         length, 1 in decode) or "dynamic" (-1: the kernel derives it).
-    max_kv_seq_len: "dynamic" (-1) or "capacity" (the block table's
+    max_kv_policy: what they pass as ``max_kv_seq_len``: "dynamic" (-1) or "capacity" (the block table's
         capacity, num_blocks x block_size, for kernels that need a positive
         bound valid at every replay).
     options: the dataclass of its ``vendor_options``, with defaults; its
@@ -275,8 +275,8 @@ class GraphSpec:
     block_sizes: tuple[int, ...] | None = None
     capture_sizes: Callable[[int], list[int]] = graded_sizes
     max_capture_size: int | None = None
-    max_q_seq_len: str = "bound"
-    max_kv_seq_len: str = "dynamic"
+    max_q_policy: str = "bound"
+    max_kv_policy: str = "dynamic"
     options: type = NoOptions
     max_q_len: int | None = 1
     max_q_len_reason: str = "its decode kernel is not declared to take several queries per sequence"
@@ -299,10 +299,10 @@ class GraphSpec:
             raise ConfigError(f"GraphSpec: no buffer backs the context fields {missing}; every graph context needs them")
         if "block_offsets" in names and self.buffer("block_offsets").shape != (SEQUENCES, BLOCKS):
             raise ConfigError("GraphSpec: block_offsets must have shape (SEQUENCES, BLOCKS)")
-        if self.max_q_seq_len not in ("bound", "dynamic"):
-            raise ConfigError(f"GraphSpec max_q_seq_len={self.max_q_seq_len!r}: use 'bound' or 'dynamic'")
-        if self.max_kv_seq_len not in ("dynamic", "capacity"):
-            raise ConfigError(f"GraphSpec max_kv_seq_len={self.max_kv_seq_len!r}: use 'dynamic' or 'capacity'")
+        if self.max_q_policy not in ("bound", "dynamic"):
+            raise ConfigError(f"GraphSpec max_q_policy={self.max_q_policy!r}: use 'bound' or 'dynamic'")
+        if self.max_kv_policy not in ("dynamic", "capacity"):
+            raise ConfigError(f"GraphSpec max_kv_policy={self.max_kv_policy!r}: use 'dynamic' or 'capacity'")
         if self.block_sizes is not None:
             object.__setattr__(self, "block_sizes", tuple(self.block_sizes))
         object.__setattr__(self, "max_capture_size", declared_max_capture_size(self.capture_sizes, self.max_capture_size))

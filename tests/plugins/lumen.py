@@ -83,7 +83,7 @@ LUMEN_SPEC = CUDA_SPEC.with_buffers(
 ).replace(
     block_sizes=(16, 32),
     capture_sizes=lumen_capture_sizes,
-    max_kv_seq_len="capacity",
+    max_kv_policy="capacity",
     options=LumenOptions,
     option_variants=({"update_mode": "all_calls"}, {"update_mode": "per_call"}),
 )

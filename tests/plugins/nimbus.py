@@ -192,8 +192,8 @@ NIMBUS_SPEC = CUDA_SPEC.with_buffers(
 ).replace(
     block_sizes=(16, 32),
     capture_sizes=nimbus_capture_sizes,
-    max_q_seq_len="bound",
-    max_kv_seq_len="dynamic",
+    max_q_policy="bound",
+    max_kv_policy="dynamic",
     options=NimbusOptions,
 )
 

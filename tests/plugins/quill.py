@@ -11,7 +11,7 @@ Quill differs from CUDA (and from acme, zeta and vexa):
   rows, computed on the device from ``kv_seqlens``) and a *tight* host bound
   ``max_seqlen_k``: it reads at most that many tokens per sequence (its split
   plan is sized by it). Graph contexts pass the block table's capacity
-  (``max_kv_seq_len="capacity"``), and the plugin pushes the bucket's longest
+  (``max_kv_policy="capacity"``), and the plugin pushes the bucket's longest
   host kv length into every captured decode call before each replay.
 On the CPU the decode kernel is a torch custom operator that Quill's emulated
 graph records as an updatable call (docs/emulator.md, "An updatable operator").
@@ -179,7 +179,7 @@ QUILL_SPEC = CUDA_SPEC.with_buffers(
     BufferSpec("kv_seqlens_cpu", torch.int32, padding=1, host=True, source="attn_metadata.kv_seqlens_cpu"),
 ).replace(
     block_sizes=(16, 32),
-    max_kv_seq_len="capacity",  # positive at capture; the update hook tightens it per replay
+    max_kv_policy="capacity",  # positive at capture; the update hook tightens it per replay
 )
 
 

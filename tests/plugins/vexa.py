@@ -228,8 +228,8 @@ VEXA_SPEC = CUDA_SPEC.with_buffers(
     block_sizes=(16, 32, 64, 128),
     capture_sizes=vexa_capture_sizes,
     max_capture_size=LARGEST_GRAPH,
-    max_q_seq_len="bound",
-    max_kv_seq_len="dynamic",
+    max_q_policy="bound",
+    max_kv_policy="dynamic",
 )
 
 

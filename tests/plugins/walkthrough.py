@@ -91,8 +91,8 @@ ACME_SPEC = CUDA_SPEC.with_buffers(
 ).replace(
     block_sizes=(32, 64),
     capture_sizes=acme_capture_sizes,
-    max_q_seq_len="bound",        # graphs pass max_q_seq_len=1 (decode)
-    max_kv_seq_len="dynamic",     # graphs pass -1: the kernel reads kv_seqlens on the device
+    max_q_policy="bound",        # graphs pass max_q_seq_len=1 (decode)
+    max_kv_policy="dynamic",     # graphs pass -1: the kernel reads kv_seqlens on the device
     options=AcmeOptions,
 )
 

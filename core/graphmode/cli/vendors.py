@@ -61,8 +61,8 @@ def _describe(vendor: Vendor, max_batches: int) -> None:
         print(f"  capabilities: {', '.join(sorted(info.capabilities))}")
     spec = vendor.spec
     blocks = "any" if spec.block_sizes is None else ", ".join(map(str, spec.block_sizes))
-    print(f"  block sizes: {blocks}; graph maxima: max_q_seq_len {spec.max_q_seq_len}, "
-          f"max_kv_seq_len {spec.max_kv_seq_len}; options: {spec.options.__name__}")
+    print(f"  block sizes: {blocks}; graph maxima: max_q_seq_len {spec.max_q_policy}, "
+          f"max_kv_seq_len {spec.max_kv_policy}; options: {spec.options.__name__}")
     print("  buffers: " + "; ".join(_buffer(b) for b in spec.buffers))
     sizes = list(default_capture_sizes(vendor, max_batches))
     largest = ""

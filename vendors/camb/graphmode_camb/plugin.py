@@ -31,8 +31,8 @@ CAMB_SPEC = CUDA_SPEC.with_buffers(
     BufferSpec("kv_start_indices", torch.int32, shape=(TOKENS,), padding=-1),
 ).replace(
     block_sizes=(BLOCK_SIZE,),
-    max_q_seq_len="dynamic",
-    max_kv_seq_len="dynamic",
+    max_q_policy="dynamic",
+    max_kv_policy="dynamic",
     # torch_mlu_ops' decode kernel takes one query per sequence; verify and
     # MTP steps run eagerly (a runner asking for more is refused at start-up).
     max_q_len=1,

@@ -25,7 +25,7 @@ from graphmode_ppu.ops import PPUAttentionOps
 # sequence (taken by the reference contract, not checked on a PPU).
 PPU_SPEC = CUDA_SPEC.with_buffers(
     BufferSpec("kv_start_indices", torch.int64, shape=(TOKENS, 1), padding=-1),
-).replace(max_q_seq_len="bound", max_kv_seq_len="capacity", max_q_len=None)
+).replace(max_q_policy="bound", max_kv_policy="capacity", max_q_len=None)
 
 
 @hookimpl
