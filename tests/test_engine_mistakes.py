@@ -382,7 +382,7 @@ def test_an_index_error_inside_a_native_replay_carries_the_same_note(mode):
     seqs = setup.prefill(3, [3, 17, 5])
     setup.decode(seqs)  # captures bucket 4
     setup.decode(seqs)  # a replay the native step learns
-    memo = setup.runner._full.native.memo
+    memo = setup.runner.family("full").native.memo
     setup.decode(seqs)
     assert memo.replays == 1  # the native step takes this layout's steps now
     step = setup.engine.decode(seqs)
