@@ -87,6 +87,8 @@ class GraphFamily(Protocol):
     #: Whether it can feed its graphs from pinned host mirrors
     #: (``host_staging=True`` needs a family that can).
     stages_host: bool
+    #: Whether it learns a native replay step (at most one family of a mode does).
+    steps_natively: bool
 
     @property
     def staging(self) -> HostStaging | None:

@@ -81,6 +81,7 @@ class FullGraphs:
     setting = "capture_batch_sizes"
     unit = "batch"
     stages_host = True
+    steps_natively = True
 
     def __init__(self, shared: Shared) -> None:
         config, vendor = shared.config, shared.vendor

@@ -86,7 +86,7 @@ class GraphRunner:
                 )
             self._shared.join_pool(share_pool_with._shared)
         #: The family whose native step every call tries first (the one that has one), or None.
-        self._native = next((family for family in self.families if family.stages_host), None)
+        self._native = next((family for family in self.families if family.steps_natively), None)
         if ranks is not None:
             token_sizes = tuple(size for family in self.families if family.unit == "tokens" for size in family.sizes)
             variants = self._shared.variants

@@ -73,6 +73,7 @@ class PiecewiseGraphs:
     unit = "tokens"
     #: Host steps are copied to the device: the break points run eagerly on the step's own metadata.
     stages_host = False
+    steps_natively = False
     staging = None
     native_step = None
 
