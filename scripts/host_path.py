@@ -198,7 +198,7 @@ def in_place(workload: Workload, runners: dict[str, Any], batches: list[int], de
             step = to_host(step, device.device) if kind == "host" else step
             attn = step.attn_metadata
             runner(step.input_ids, step.position_ids, kv, attn)
-            family = runner._full
+            family = runner.family("full")
             captured = runner.graph(runner.bucket_of(batch))
             meta, bucket, staging = captured.meta, captured.bucket, family.staging
             for busy in (False, True):

@@ -102,7 +102,7 @@ def main() -> None:
               "microsecond; run it on a GPU (--device cuda)")
         return
     step = steps[-1]
-    attn, memo = step.attn_metadata, runner._full.native.memo
+    attn, memo = step.attn_metadata, runner.family("full").native.memo
 
     def call() -> None:
         runner(step.input_ids, step.position_ids, kv, attn)

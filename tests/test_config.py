@@ -54,3 +54,19 @@ def test_execute_mode_from_the_environment_wins(monkeypatch):
 def test_unknown_execute_mode_argument():
     with pytest.raises(ConfigError, match="execute_mode='cudagraph' is not an execute mode"):
         RunnerConfig(16, 4, 16, "cpu", execute_mode="cudagraph")
+
+
+def test_build_graph_runner_takes_every_runner_config_field_as_a_keyword_of_the_same_default():
+    import dataclasses
+    import inspect
+
+    from graphmode.factory import RUNNER_KEYWORDS, build_graph_runner
+
+    keywords = inspect.signature(build_graph_runner).parameters
+    fields = {f.name: f for f in dataclasses.fields(RunnerConfig)}
+    assert set(RUNNER_KEYWORDS) == set(fields) - {"head_dim"}
+    assert set(RUNNER_KEYWORDS) <= set(keywords)
+    for name in RUNNER_KEYWORDS:
+        field = fields[name]
+        if field.default is not dataclasses.MISSING and name not in ("device", "execute_mode"):
+            assert keywords[name].default == field.default, name

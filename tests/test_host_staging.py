@@ -233,7 +233,7 @@ def test_writing_the_mirror_waits_for_the_previous_replays_copy():
     assert [int(o[0, 0, 0]) for o in outputs] == list(range(1, 20))
     if native_module() is not None:  # the native step and its C++ ring took steps too (a step
         # that would wait for the device at a group's start is left to the Python path)
-        assert runner._full.native.memo.replays >= 5
+        assert runner.family("full").native.memo.replays >= 5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the ordering hazard needs an asynchronous device")

@@ -56,7 +56,7 @@ _seen: dict[int, int] = {}
 
 def _native_replays(runner) -> int:
     """Replays the native step made since the last look."""
-    memo = runner._full.native.memo
+    memo = runner.family("full").native.memo
     now, before = memo.replays, _seen.get(id(memo), 0)
     _seen[id(memo)] = now
     return now - before
@@ -110,7 +110,7 @@ def test_native_replays_count_in_the_statistics_as_they_run():
 
 def test_a_step_it_cannot_prove_the_same_gets_the_python_paths_error():
     setup, seqs = _learned(4)
-    assert len(setup.runner._full.native.memo) == 1
+    assert len(setup.runner.family("full").native.memo) == 1
     step = setup.engine.decode(seqs[:3])
     # A KV-cache tensor replaced by another of the same shape: the graph would write the old one.
     layer = list(setup.graph_cache[0])
@@ -144,10 +144,10 @@ def test_a_strided_step_of_the_same_sizes_takes_the_python_path_and_equals_eager
 
 def test_reset_forgets_the_memo_and_steps_learn_again():
     setup, seqs = _learned(3)
-    assert len(setup.runner._full.native.memo) == 1
+    assert len(setup.runner.family("full").native.memo) == 1
     assert _native_replays(setup.runner) == 1
     setup.runner.reset()
-    assert len(setup.runner._full.native.memo) == 0
+    assert len(setup.runner.family("full").native.memo) == 0
     for _ in range(4):
         graph, eager = setup.decode(seqs[:3])
         torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
@@ -185,7 +185,7 @@ def test_runners_the_native_step_does_not_take(monkeypatch):
     seqs = setup.prefill(4)
     for _ in range(3):
         setup.decode(seqs[:3])
-    assert setup.runner._full.native is None
+    assert setup.runner.family("full").native is None
     native_module.cache_clear()
     monkeypatch.setenv(graphmode.native.ENV_NATIVE, "0")
     try:
@@ -195,7 +195,7 @@ def test_runners_the_native_step_does_not_take(monkeypatch):
         for _ in range(3):
             graph, eager = setup.decode(seqs[:3])
             torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
-        assert setup.runner._full.native is None
+        assert setup.runner.family("full").native is None
     finally:
         native_module.cache_clear()
 
@@ -209,6 +209,6 @@ def test_host_inputs_the_runner_copies_to_the_device_are_not_learned():
     for _ in range(4):
         graph, eager = setup.decode(seqs[:3])
         torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
-    native = setup.runner._full.native
+    native = setup.runner.family("full").native
     assert native is None or len(native.memo) == 0
     assert setup.runner.stats.replays == 3

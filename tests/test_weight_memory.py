@@ -36,7 +36,7 @@ def _reload_weight(setup):
 
 
 def _native_replays(setup) -> int:
-    native = setup.runner._full.native if setup.runner._full is not None else None
+    native = setup.runner.family("full").native if setup.runner.family("full") is not None else None
     return native.memo.replays if native is not None else 0
 
 
@@ -92,7 +92,7 @@ def test_without_the_native_module_the_python_check_refuses_it(monkeypatch):
     for module in (weight_memory, full):  # where the native step cannot be built (GRAPHMODE_NATIVE=0)
         monkeypatch.setattr(module, "native_module", lambda: None)
     setup, seqs = _setup()
-    assert setup.runner._shared.weights.addresses is None and setup.runner._full.native is None
+    assert setup.runner._shared.weights.addresses is None and setup.runner.family("full").native is None
     with torch.inference_mode():
         _reload_weight(setup)
     with pytest.raises(ReplayError, match=_REFUSED.format(what=r"parameter 'layers\.1\.down_proj\.weight'")):

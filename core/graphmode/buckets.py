@@ -16,13 +16,18 @@ import bisect
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from graphmode.errors import ConfigError
+
+if TYPE_CHECKING:
+    from graphmode.plugins import Vendor
 
 __all__ = [
     "GRADED_STEPS",
     "FixedSizes",
     "PaddingWaste",
+    "bucket_table",
     "capture_list",
     "declared_max_capture_size",
     "graded_sizes",
@@ -252,3 +257,44 @@ def parse_sizes(text: str) -> list[int]:
         low, _, high = part.partition("-")
         sizes.extend(range(int(low), int(high or low) + 1))
     return sizes
+
+
+def bucket_table(vendor: Vendor, max_batches: int, capture_sizes: tuple[int, ...]) -> list[int | None]:
+    """bucket_of[batch] for every batch size, asked once and checked."""
+    table: list[int | None] = [None]
+    for batch in range(1, max_batches + 1):
+        bucket = vendor.hook.graphmode_compatible_size(batch_size=batch, capture_sizes=capture_sizes)
+        fits = bucket is None or (bucket >= batch and bucket in capture_sizes)
+        if bucket is None and batch <= capture_sizes[-1]:
+            fits = False
+        if not fits:
+            raise ConfigError(
+                f"vendor {vendor.name!r}: graphmode_compatible_size({batch}) returned "
+                f"{bucket}; it must be a capture size >= {batch} from "
+                f"{list(capture_sizes)} (padding a batch into a smaller graph "
+                "would drop sequences)"
+            )
+        if bucket is not None and bucket < (table[-1] or 0):
+            raise ConfigError(
+                f"vendor {vendor.name!r}: graphmode_compatible_size({batch}) returned {bucket}, after "
+                f"graphmode_compatible_size({batch - 1}) returned {table[-1]}: buckets must not shrink as "
+                f"batches grow. {_ROUNDING}"
+            )
+        table.append(bucket)
+    for size in capture_sizes:
+        if size <= max_batches and table[size] != size:
+            raise ConfigError(
+                f"vendor {vendor.name!r}: graphmode_compatible_size({size}) returned {table[size]}, but {size} is a "
+                f"capture size of {list(capture_sizes)}: each capture size must be its own bucket, or its graph is "
+                f"captured and never replayed. {_ROUNDING}"
+            )
+    return table
+
+
+# Monotone, and each capture size its own bucket: the smallest capture size
+# that holds the batch is then the only answer, so rounding is declared as sizes.
+_ROUNDING = (
+    "A vendor whose batches round up differently declares that as its capture sizes "
+    "(GraphSpec.capture_sizes, FixedSizes) and leaves graphmode_compatible_size to the default, "
+    "the smallest capture size that holds the batch"
+)

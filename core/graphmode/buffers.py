@@ -118,7 +118,7 @@ def _getter(spec: BufferSpec) -> Callable[[StepInputs], Any]:
     return first_given
 
 
-class _Plan:
+class FillPlan:
     """The copies of every step of one shape (sequences, tokens, bucket,
     block-table width), made once: destinations and how to get each one's
     source from a step, plus the constant copies (padding rows, table tails,
@@ -285,7 +285,7 @@ def fill(meta: GraphMeta, inputs: StepInputs, batch: int, bucket: int) -> None:
     key = plan_key(meta, inputs, batch, bucket)
     plan = meta.fill_plans.get(key)
     if plan is None:
-        plan = meta.fill_plans[key] = _Plan(meta, inputs, batch, bucket)
+        plan = meta.fill_plans[key] = FillPlan(meta, inputs, batch, bucket)
     plan.run(inputs)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,11 @@ from graphmode.plugins import Vendor, select_vendor
 from graphmode.runner import GraphRunner
 from graphmode.spec import BufferSpec
 
-__all__ = ["build_graph_runner", "model_device", "plan_graph_memory"]
+__all__ = ["RUNNER_KEYWORDS", "build_graph_runner", "model_device", "plan_graph_memory"]
+
+#: The RunnerConfig fields build_graph_runner takes as keywords of the same
+#: name: all but ``head_dim``, read from the model's config.
+RUNNER_KEYWORDS = tuple(f.name for f in dataclasses.fields(RunnerConfig) if f.name != "head_dim")
 
 
 def model_device(model: Any) -> torch.device:
@@ -120,28 +125,22 @@ def build_graph_runner(
         changed in place) is refused at capture (docs/engines.md, "Model
         contract").
     """
+    arguments = locals()
     chosen = select_vendor(vendor, device if device is not None else model_device(model))
-    device = torch.device(device) if device is not None else model_device(model)
-    model_config = getattr(model, "config", None)
-    config = RunnerConfig(
-        max_batches=max_batches,
-        max_blocks_per_seq=max_blocks_per_seq,
-        block_size=block_size,
-        device=device,
+    # Every RunnerConfig field is a keyword here of the same name (tests/test_config.py checks it), taken as given
+    # but for these, which the runner derives or normalises.
+    settings = {name: arguments[name] for name in RUNNER_KEYWORDS}
+    settings.update(
+        device=torch.device(device) if device is not None else model_device(model),
         execute_mode=execute_mode or chosen.info.execute_mode,
         capture_batch_sizes=tuple(capture_batch_sizes) if capture_batch_sizes is not None else None,
-        head_dim=_head_dim(model_config),
-        vendor_options=vendor_options,
-        step_inputs=tuple(step_inputs),
-        compile=compile,
-        compile_options=dict(compile_options or {}),
-        host_staging=host_staging,
-        debug=debug,
         capture_token_sizes=tuple(capture_token_sizes) if capture_token_sizes is not None else None,
-        max_q_len=max_q_len,
+        step_inputs=tuple(step_inputs),
+        compile_options=dict(compile_options or {}),
         graph_variants=dict(graph_variants or {}),
-        host_bookkeeping=host_bookkeeping,
+        head_dim=_head_dim(getattr(model, "config", None)),
     )
+    config = RunnerConfig(**settings)
     return GraphRunner(
         model, config, chosen, process_group=process_group, check_ranks=check_ranks, share_pool_with=share_pool_with,
     )

@@ -257,9 +257,8 @@ def watched_rebinds(runner: Any) -> EagerRebinds:
 
     def forget_native() -> None:  # its memo would replay without EagerRebinds.check
         held = me()
-        full = held._full if held is not None else None
-        if full is not None and full.native is not None:
-            full.native.clear()
+        for family in held.families if held is not None else ():
+            family.forget_native()
 
     return EagerRebinds(runner.model, graphs_exist, forget_native)
 

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from graphmode.checks.model_state import ModelState
     from graphmode.distributed import RankSync
     from graphmode.families.sleep import Asleep, SleptGraph
+    from graphmode.staging import HostStaging
 
 __all__ = ["FORWARDS_RUN", "Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
 
@@ -84,6 +85,27 @@ class GraphFamily(Protocol):
     #: The RunnerConfig setting that chooses its graphs' sizes, which capture
     #: advice names ("capture_batch_sizes", "capture_token_sizes").
     setting: str
+    #: What its sizes count ("batch": sequences, "tokens"), and its sizes
+    #: (buckets), which tensor-parallel ranks agree on at start-up.
+    unit: str
+    sizes: tuple[int, ...]
+    #: Whether it can feed its graphs from pinned host mirrors
+    #: (``host_staging=True`` needs a family that can).
+    stages_host: bool
+    #: Whether it learns a native replay step (at most one family of a mode does).
+    steps_natively: bool
+
+    @property
+    def staging(self) -> HostStaging | None:
+        """Its host staging (``graphmode.staging.HostStaging``) when on, else None."""
+        ...
+
+    @property
+    def native_step(self) -> Callable[..., Any] | None:
+        """The native replay step (``graphmode.native``) the runner tries
+        first for every call, once the family has learnt one; None before,
+        and for a family that has none."""
+        ...
 
     def refusal(self, inputs: StepInputs, batch: int, q_len: int | None) -> str | None:
         """Why this family does not take the step (a key of
@@ -133,6 +155,21 @@ class GraphFamily(Protocol):
 
     def captured(self) -> list[Captured]:
         """Every graph captured, in capture order."""
+        ...
+
+    def graph_keys(self) -> list[tuple[int, ...]]:
+        """The keys of the plain variant's graphs, in capture order (full
+        graphs: (bucket, q_len); piecewise graphs: (token bucket,))."""
+        ...
+
+    def lookup(self, key: tuple[int, ...], variant: tuple[Any, ...]) -> Captured | None:
+        """Its captured graph of ``key`` (as :meth:`graph_keys` lists them) and
+        graph variant, or None."""
+        ...
+
+    def forget_native(self) -> None:
+        """Forget what the native step learnt (an eager step rebound the
+        model's tensors: its memo would replay without the runner's check)."""
         ...
 
 

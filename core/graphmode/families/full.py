@@ -30,7 +30,7 @@ from graphmode.checks.host_reads import replay_guard
 from graphmode.checks.model_state import ModelState
 from graphmode.checks.validate import check_cache_layout
 from graphmode.context import StepInputs
-from graphmode.errors import CaptureError, ConfigError, InputError
+from graphmode.errors import CaptureError, InputError
 from graphmode.families.common import capture_failed, guard_dropped_fields, inert_step, note_replay_failure
 from graphmode.families.family import Captured, Report, Shared
 from graphmode.families.outputs import SharedOutputs, check_token_dimension
@@ -38,11 +38,10 @@ from graphmode.families.sleep import SleptGraph
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
 from graphmode.native import NativeSteps, native_module
-from graphmode.plugins import Vendor
 from graphmode.staging import HostStaging, emulator_host_hint, to_device, to_host
 from graphmode.variants import PLAIN, file_suffix
 
-__all__ = ["CapturedGraph", "FullGraphs", "bucket_table"]
+__all__ = ["CapturedGraph", "FullGraphs"]
 
 
 @dataclass
@@ -73,47 +72,6 @@ class CapturedGraph:
         return self._name
 
 
-def bucket_table(vendor: Vendor, max_batches: int, capture_sizes: tuple[int, ...]) -> list[int | None]:
-    """bucket_of[batch] for every batch size, asked once and checked."""
-    table: list[int | None] = [None]
-    for batch in range(1, max_batches + 1):
-        bucket = vendor.hook.graphmode_compatible_size(batch_size=batch, capture_sizes=capture_sizes)
-        fits = bucket is None or (bucket >= batch and bucket in capture_sizes)
-        if bucket is None and batch <= capture_sizes[-1]:
-            fits = False
-        if not fits:
-            raise ConfigError(
-                f"vendor {vendor.name!r}: graphmode_compatible_size({batch}) returned "
-                f"{bucket}; it must be a capture size >= {batch} from "
-                f"{list(capture_sizes)} (padding a batch into a smaller graph "
-                "would drop sequences)"
-            )
-        if bucket is not None and bucket < (table[-1] or 0):
-            raise ConfigError(
-                f"vendor {vendor.name!r}: graphmode_compatible_size({batch}) returned {bucket}, after "
-                f"graphmode_compatible_size({batch - 1}) returned {table[-1]}: buckets must not shrink as "
-                f"batches grow. {_ROUNDING}"
-            )
-        table.append(bucket)
-    for size in capture_sizes:
-        if size <= max_batches and table[size] != size:
-            raise ConfigError(
-                f"vendor {vendor.name!r}: graphmode_compatible_size({size}) returned {table[size]}, but {size} is a "
-                f"capture size of {list(capture_sizes)}: each capture size must be its own bucket, or its graph is "
-                f"captured and never replayed. {_ROUNDING}"
-            )
-    return table
-
-
-# Monotone, and each capture size its own bucket: the smallest capture size
-# that holds the batch is then the only answer, so rounding is declared as sizes.
-_ROUNDING = (
-    "A vendor whose batches round up differently declares that as its capture sizes "
-    "(GraphSpec.capture_sizes, FixedSizes) and leaves graphmode_compatible_size to the default, "
-    "the smallest capture size that holds the batch"
-)
-
-
 class FullGraphs:
     """The full decode graphs of a runner (execute modes "graph" and
     "full_and_piecewise"). With ``compile=True`` the warm-ups and captures
@@ -121,11 +79,15 @@ class FullGraphs:
 
     name = "full"
     setting = "capture_batch_sizes"
+    unit = "batch"
+    stages_host = True
+    steps_natively = True
 
     def __init__(self, shared: Shared) -> None:
         config, vendor = shared.config, shared.vendor
         self.shared = shared
         self.bucket_of = shared.bucket_of
+        self.sizes = shared.capture_sizes
         # By graph variant (graphmode.variants; one key when none are declared), then (bucket, q_len).
         self.by_variant: dict[tuple[Any, ...], dict[tuple[int, int], CapturedGraph]] = {}
         self._outputs = SharedOutputs(config.max_tokens, adopt=False)
@@ -224,6 +186,17 @@ class FullGraphs:
                 captured.graph.reset()
         self.by_variant.clear()
         self._outputs = SharedOutputs(self.shared.config.max_tokens, adopt=False)
+
+    def graph_keys(self) -> list[tuple[int, ...]]:
+        return list(self.graphs)
+
+    def lookup(self, key: tuple[int, ...], variant: tuple[Any, ...]) -> CapturedGraph | None:
+        bucket, q_len = key
+        return self.by_variant.get(variant, {}).get((bucket, q_len))
+
+    def forget_native(self) -> None:
+        if self.native is not None:
+            self.native.clear()
 
     def captured(self) -> list[Captured]:
         return [captured for graphs in self.by_variant.values() for captured in graphs.values()]

@@ -13,14 +13,17 @@ mode has none). Warm-up captures the families in reverse order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from graphmode.config import EXECUTE_MODES
+from graphmode.errors import ConfigError
 from graphmode.families.family import GraphFamily, Shared
 from graphmode.families.full import FullGraphs
 from graphmode.families.piecewise.graphs import PiecewiseGraphs
 
 __all__ = ["FAMILIES", "build_families"]
 
-FAMILIES: dict[str, tuple[type[FullGraphs] | type[PiecewiseGraphs], ...]] = {
+FAMILIES: dict[str, tuple[Callable[[Shared], GraphFamily], ...]] = {
     "eager": (),
     "graph": (FullGraphs,),
     "piecewise": (PiecewiseGraphs,),
@@ -31,4 +34,12 @@ assert set(FAMILIES) == set(EXECUTE_MODES), "every execute mode (graphmode.confi
 
 def build_families(shared: Shared) -> tuple[GraphFamily, ...]:
     """The families of the runner's execute mode, in order."""
-    return tuple(family(shared) for family in FAMILIES[shared.config.execute_mode])
+    config = shared.config
+    families = tuple(family(shared) for family in FAMILIES[config.execute_mode])
+    if config.host_staging and families and not any(family.stages_host for family in families):
+        raise ConfigError(
+            f"host_staging=True with execute_mode={config.execute_mode!r}: host staging (the pinned mirror) "
+            "feeds the full decode graphs, which this mode has none of; piecewise graphs copy host steps to "
+            "the device. Use execute_mode='graph' or 'full_and_piecewise', or host_staging=None"
+        )
+    return families

@@ -40,12 +40,15 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
+
+if TYPE_CHECKING:
+    from graphmode.buffers import FillPlan
 
 __all__ = ["ENV_NATIVE", "NativeSteps", "native_module"]
 
@@ -139,7 +142,7 @@ class NativeSteps:
     def learn(self, captured: Any, inputs: StepInputs, batch: int, plan: Any, output: Any) -> None:
         """Remember the replay step just taken, when it is the usual decode
         step and its fill is one the memo can repeat (``plan``: the fill's
-        ``_Plan``, or None; ``output``: the output view every step of this
+        ``FillPlan``, or None; ``output``: the output view every step of this
         batch size aliases, or None)."""
         attn = inputs.attn_metadata
         if inputs.extras or type(attn) is not AttnMetadata or attn.is_decoding is not True \
@@ -187,8 +190,8 @@ class NativeSteps:
         self.memo.clear()
 
 
-def _program(plan: Any, tensors: list[torch.Tensor]) -> list[tuple[list, list, list]] | None:
-    """The copies a fill plan (``graphmode.buffers._Plan``) made for the step
+def _program(plan: FillPlan, tensors: list[torch.Tensor]) -> list[tuple[list, list, list]] | None:
+    """The copies a fill plan (``graphmode.buffers.FillPlan``) made for the step
     whose tensors (``STEP_PATHS`` order) are ``tensors``, as step.cpp takes
     them: per ``_foreach_copy_``, (destinations, (index into ``tensors``,
     copied as int32 words) per step source, constants). None when a source

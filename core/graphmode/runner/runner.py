@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from graphmode.buckets import bucket_table
 from graphmode.checks.cache_checks import check_warmup_cache
 from graphmode.checks.model_state import watched_rebinds
 from graphmode.checks.step_checks import StepChecks
@@ -29,9 +30,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
 from graphmode.families.common import note_replay_failure
 from graphmode.families.family import Shared
-from graphmode.families.full import CapturedGraph, FullGraphs, bucket_table
 from graphmode.families.modes import build_families
-from graphmode.families.piecewise.graphs import PiecewiseGraphs
 from graphmode.families.sleep import asleep_error, recapture, release
 from graphmode.families.stats import RunnerStats
 from graphmode.memory.meter import device_module
@@ -86,16 +85,10 @@ class GraphRunner:
                     "this runner's graphs should share (a draft model's runner: its target's runner)"
                 )
             self._shared.join_pool(share_pool_with._shared)
-        self._full = next((f for f in self.families if isinstance(f, FullGraphs)), None)
-        self._piecewise = next((f for f in self.families if isinstance(f, PiecewiseGraphs)), None)
-        if config.host_staging and self.families and self._full is None:  # eager mode stages nothing either way
-            raise ConfigError(
-                f"host_staging=True with execute_mode={config.execute_mode!r}: host staging (the pinned mirror) "
-                "feeds the full decode graphs, which this mode has none of; piecewise graphs copy host steps to "
-                "the device. Use execute_mode='graph' or 'full_and_piecewise', or host_staging=None"
-            )
+        #: The family whose native step every call tries first (the one that has one), or None.
+        self._native = next((family for family in self.families if family.steps_natively), None)
         if ranks is not None:
-            token_sizes = tuple(self._piecewise.sizes) if self._piecewise is not None else ()
+            token_sizes = tuple(size for family in self.families if family.unit == "tokens" for size in family.sizes)
             variants = self._shared.variants
             ranks.agree_on_setup(config.execute_mode, self.capture_sizes, token_sizes,
                                  repr(variants.declared) if variants else "")
@@ -134,12 +127,16 @@ class GraphRunner:
     @property
     def staging(self) -> HostStaging | None:
         """The full graphs' host staging (docs/architecture.md), when on."""
-        return self._full.staging if self._full is not None else None
+        return next((family.staging for family in self.families if family.staging is not None), None)
+
+    def family(self, name: str) -> Any:
+        """The execute mode's family of that name (``GraphFamily.name``), or None."""
+        return next((family for family in self.families if family.name == name), None)
 
     @property
-    def piecewise(self) -> PiecewiseGraphs | None:
+    def piecewise(self) -> Any:
         """The piecewise graphs, in execute modes "piecewise" and "full_and_piecewise"."""
-        return self._piecewise
+        return self.family("piecewise")
 
     @property
     def rank_sync(self) -> Any:
@@ -157,7 +154,7 @@ class GraphRunner:
         attn_metadata: AttnMetadata,
         **extras: Any,
     ) -> Any:
-        native = self._full.native_step if self._full is not None else None
+        native = self._native.native_step if self._native is not None else None
         if native is not None and not extras:  # a replay step of a layout seen before (graphmode.native)
             try:
                 output = native(input_ids, position_ids, past_key_values, attn_metadata)
@@ -209,8 +206,9 @@ class GraphRunner:
             inputs = to_device(inputs, self.config.device)
         graphs = any(family.captured() for family in self.families)
         output, rebound = self._rebinds.run(self.model, lambda: self.model(**inputs.as_kwargs()), graphs)
-        if rebound and self._full is not None and self._full.native is not None:
-            self._full.native.clear()  # its memo would replay without the check below
+        if rebound:
+            for family in self.families:
+                family.forget_native()  # its memo would replay without the check below
         return output
 
     @one_at_a_time("runner.graph_meta()")
@@ -435,10 +433,10 @@ class GraphRunner:
         return [bucket for bucket, q_len in self.captured_graphs if q_len == 1]
 
     @property
-    def captured_graphs(self) -> list[tuple[int, int]]:
+    def captured_graphs(self) -> list[tuple[int, ...]]:
         """Every full graph's (bucket, q_len), in the order they were captured,
         of the plain variant (``graph()`` finds the others' graphs)."""
-        return list(self._full.graphs) if self._full is not None else []
+        return [key for family in self.families if family.unit == "batch" for key in family.graph_keys()]
 
     def bucket_of(self, batch_size: int) -> int | None:
         """The graph a batch of ``batch_size`` sequences runs in, or None."""
@@ -447,14 +445,15 @@ class GraphRunner:
         return self._bucket_of[batch_size]
 
     @one_at_a_time("runner.graph()")
-    def graph(self, bucket: int, q_len: int = 1, **variant: Any) -> CapturedGraph | None:
-        """The captured full graph of a bucket and query length, if captured;
-        of the graph variant the keywords name (``graph(8, lora=True)``;
-        defaults for the rest), the plain one without."""
-        if self._full is None:
+    def graph(self, bucket: int, q_len: int = 1, **variant: Any) -> Any:
+        """The captured graph of a batch bucket and query length (the full
+        graphs'), if captured; of the graph variant the keywords name
+        (``graph(8, lora=True)``; defaults for the rest), the plain one without."""
+        batched = [family for family in self.families if family.unit == "batch"]
+        if not batched:
             return None
         key = self._shared.variants.key_of(variant, f"runner.graph({bucket}, {q_len}")
-        return self._full.by_variant.get(key, {}).get((bucket, q_len))
+        return next((graph for family in batched if (graph := family.lookup((bucket, q_len), key)) is not None), None)
 
     def __repr__(self) -> str:
         compiled = ", compiled" if self._shared.compiled else ""

@@ -71,11 +71,17 @@ class PiecewiseGraphs:
 
     name = "piecewise"
     setting = "capture_token_sizes"
+    unit = "tokens"
+    #: Host steps are copied to the device: the break points run eagerly on the step's own metadata.
+    stages_host = False
+    steps_natively = False
+    staging = None
+    native_step = None
 
     def __init__(self, shared: Shared) -> None:
         config = shared.config
         self.shared = shared
-        self.sizes = config.capture_token_sizes or default_token_sizes(config.max_batches)
+        self.sizes = tuple(config.capture_token_sizes or default_token_sizes(config.max_batches))
         self.ops = find_attention_ops(shared.model)
         # With compile=True, the runner's compiled forward split at the break points.
         self._split = SplitForward(shared.forward, self.ops) if shared.compiled else None
@@ -200,6 +206,15 @@ class PiecewiseGraphs:
 
     def captured(self) -> list[Captured]:
         return [graph for graphs in self._by_variant.values() for graph in graphs.values()]
+
+    def graph_keys(self) -> list[tuple[int, ...]]:
+        return [(bucket,) for bucket in self._by_variant.get(self.shared.variants.plain, {})]
+
+    def lookup(self, key: tuple[int, ...], variant: tuple[Any, ...]) -> PiecewiseGraph | None:
+        return self._by_variant.get(variant, {}).get(key[0])
+
+    def forget_native(self) -> None:
+        pass  # no native step
 
     def release(self) -> list[SleptGraph]:
         slept = [

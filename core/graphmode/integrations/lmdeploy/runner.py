@@ -22,9 +22,9 @@ import torch
 from lmdeploy.pytorch.backends.cuda.graph_runner.full_graph import _make_graph_meta, build_decode_model_forward
 from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 
+from graphmode.buckets import bucket_table
 from graphmode.config import RunnerConfig, resolve_debug, resolve_execute_mode
 from graphmode.errors import ConfigError, InputError
-from graphmode.families.full import bucket_table
 from graphmode.families.stats import RunnerStats
 from graphmode.integrations.lmdeploy.decode_graph import DecodeGraph
 from graphmode.integrations.lmdeploy.step_checks import check_decode_step
