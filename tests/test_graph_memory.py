@@ -2,9 +2,10 @@
 ``graphmode.plan_graph_memory``) and measured at warm-up
 (``runner.graph_memory``), on the CPU emulator, whose figures are its
 allocation record (``graphmode.memory.meter``): the plan on a probe cache of
-a few blocks must be what the warm-up into the real cache takes, every
-family of the execute mode and every query length included, and a plan that
-leaves graphs out must show against the warm-up. docs/engines.md's example
+a few blocks (a sample of each family's graphs captured, the rest
+estimated) must be what the warm-up into the real cache takes, within 2%,
+every family of the execute mode and every query length included, and a
+plan that leaves graphs out must show against the warm-up. docs/engines.md's example
 runs as written. (On a GPU: ``scripts/graph_memory.py``.)"""
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ ARGS = dict(max_batches=4, max_blocks_per_seq=4, block_size=BLOCK, max_q_len=2)
 def model():
     torch.manual_seed(0)
     return build_reference_model(ModelConfig.tiny(), device="cpu")
+
+
+def close(planned: int, taken: int) -> bool:
+    """Within 2% (the issue's bound on a GPU: 5% or 32 MiB)."""
+    return abs(planned - taken) <= 0.02 * taken
 
 
 def _runner(model, mode):
@@ -58,8 +64,8 @@ def test_the_plan_on_a_probe_cache_is_what_the_warmup_into_the_real_cache_takes(
     stats = runner.stats
     assert (stats.captures, stats.piecewise_captures) == (families.get("full", 0), families.get("piecewise", 0))
     assert stats.warmup_captures == families.get("full", 0)
-    # The emulator is deterministic and the cache's size sizes no graph memory: the same bytes.
-    assert plan.bytes == actual.bytes > 0
+    # The cache's size sizes no graph memory; the graphs left out of the sample are a line's estimate.
+    assert close(plan.bytes, actual.bytes) and actual.bytes > 0
     # What a family keeps beside its pool counts: the full graphs' shared logits (bucket 4 x q_len 2
     # tokens, float32) live through every capture; the piecewise shared logits (token bucket 8) too.
     vocab = model.config.vocab_size
@@ -67,7 +73,7 @@ def test_the_plan_on_a_probe_cache_is_what_the_warmup_into_the_real_cache_takes(
         if name in families:
             assert actual.families[name] >= tokens * vocab * 4
     assert plan.kept > 0  # the input buffers the runner keeps across reset(): already out of the budget
-    assert "(+0.0 MiB, +0.0%)" in runner.memory_report()
+    assert "(+0.0 MiB, " in runner.memory_report()
 
 
 def test_a_plan_that_leaves_graphs_out_shows_against_the_warmup(model):
@@ -84,7 +90,7 @@ def test_a_plan_that_leaves_graphs_out_shows_against_the_warmup(model):
         assert sum(plan.families.values()) == plan.bytes + plan.kept
         taken[len(q_lens)] = (plan.bytes, actual.bytes, runner.memory_report())
     (planned_all, took_all, _), (planned_one, took_one, report) = taken[2], taken[1]
-    assert took_one == took_all == planned_all > planned_one
+    assert took_one == took_all and close(planned_all, took_all) and planned_all > planned_one
     difference = re.search(r"\((\+[\d.]+) MiB, (\+[\d.]+)%\)", report)
     assert difference is not None and float(difference.group(2)) > 0, report
 
@@ -101,7 +107,7 @@ def test_a_plan_from_a_runner_built_and_dropped_includes_its_buffers(model):
         runner = graphmode.build_graph_runner(model, **arguments)
         runner.warmup(kv_cache)
         used = meter.used()
-    assert plan.bytes == used
+    assert close(plan.bytes, used)
 
 
 def test_until_the_warmup_the_report_says_so_rather_than_compare_the_plan_with_itself(model):
@@ -160,6 +166,34 @@ def test_the_engines_doc_example_runs_as_written():
         exec(compile(_engines_block(), "docs/engines.md", "exec"), {"__name__": "engines_doc"})
     report = printed.getvalue().strip()
     assert report.startswith("graph memory: planned "), report
-    if not torch.cuda.is_available():  # on the emulator, the same bytes
-        assert "(+0.0 MiB, +0.0%)" in report, report
+    if not torch.cuda.is_available():  # on the emulator, within 2%
+        share = re.search(r"\(([+-][\d.]+) MiB, ([+-][\d.]+)%\)", report)
+        assert share is not None and abs(float(share.group(2))) <= 2, report
     assert "piecewise" in report and "full" in report
+
+
+def test_the_plan_captures_a_sample_of_each_family_and_estimates_the_rest(model):
+    """Twelve buckets: the plan captures the largest two and four spread
+    over the rest (the smallest among them), estimates the other six on the
+    line through the four, and comes within 2% of the warm-up, which
+    captures all twelve."""
+    from graphmode.memory.plan import Sample
+
+    buckets = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    assert Sample.pick(buckets[::-1]) == [16, 14, 12, 7, 4, 1]
+    runner = graphmode.build_graph_runner(model, max_batches=16, max_blocks_per_seq=4, block_size=BLOCK,
+                                          capture_batch_sizes=buckets)
+    plan = runner.plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK))
+    assert (plan.sampled, plan.estimated, plan.graphs) == (6, 6, 12)
+    assert plan.warmup.graphs == 6 and "6 graphs captured, 6 estimated" in plan.warmup.method
+    runner.warmup(model.make_kv_cache(num_cache_blocks=96, block_size=BLOCK))
+    actual = runner.graph_memory
+    assert actual is not None and actual.graphs == 12 and close(plan.bytes, actual.bytes)
+
+
+def test_the_line_through_the_sampled_graphs():
+    from graphmode.memory.plan import _line
+
+    assert _line([], 5) == 0.0
+    assert _line([(4, 10)], 1) == 10.0
+    assert _line([(1, 3), (2, 5), (4, 9)], 3) == pytest.approx(7.0)

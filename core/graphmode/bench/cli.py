@@ -28,15 +28,18 @@ from graphmode.bench.floor import bandwidth, step_bytes
 from graphmode.bench.measure import machine, release, spread
 from graphmode.bench.modes import Compiled, Eager, GraphmodeOverCompiled, GraphmodeRunner, HandWrittenGraph, _sync
 from graphmode.bench.offload import run_offload
+from graphmode.bench.packed import HandPacked
 from graphmode.bench.prefill import run_prefill
 from graphmode.bench.report import WASTE_UP_TO, plot, print_table
 from graphmode.bench.startup import measure_startup, startup_modes
 from graphmode.bench.tp import run_tp
 from graphmode.bench.workload import Workload
 from graphmode.buckets import padding_waste, parse_sizes
+from graphmode.families.full import FullGraphs
 from graphmode.model import ModelConfig
 from graphmode.plugins import installed_vendor_names, load_vendor
 from graphmode.runner.setup import default_capture_sizes
+from graphmode.staging import to_host
 from graphmode.vendor_info import device_available
 
 # The timed steps of a batch size come in this many runs, the modes taking
@@ -44,18 +47,34 @@ from graphmode.vendor_info import device_available
 ROUNDS = 5
 
 
-def host_cost(runner: graphmode.GraphRunner, steps: list, device: torch.device) -> dict[str, float]:
-    """graphmode's host work per step (buffer fill, context, bucket lookup,
-    output slicing, checks): a runner call minus the graph launch alone, both
-    timed on the host with the device idle."""
+def host_cost(runner: graphmode.GraphRunner, steps: list, workload: Workload) -> dict[str, Any]:
+    """graphmode's host work per step (checks, fill, replay, output view),
+    as ``scripts/host_path.py`` times it: host microseconds of one call, the
+    device synchronised before each, the paths in turns call by call (a slow
+    spell of the host falls on all alike): the runner call (its native step
+    where built), the bare ``graph.replay()`` of its graph, and the
+    hand-packed floor (:class:`~graphmode.bench.packed.HandPacked`: the step
+    written into one pinned buffer, one copy, the replay) fed the same steps
+    as host tensors. Each step is new tensors, as an engine passes them.
+    ``native``: how many of the timed calls the native step took (the rest
+    took the Python path)."""
     batch = steps[0].attn_metadata.batch_size
     bucket = runner.bucket_of(batch)
     captured = runner.graph(bucket) if bucket is not None else None
     if captured is None:
         raise ValueError(f"batch {batch} has no captured graph to time (bucket {bucket})")
+    device = workload.device
     graph = captured.graph
-    calls, launches = [], []
-    for step in steps:
+    floor = HandPacked(workload.model, steps[0], workload.kv_cache, in_graph=False)
+    host_steps = [to_host(step, device) for step in steps]
+    full = next((family for family in runner.families if isinstance(family, FullGraphs)), None)
+
+    def native_replays() -> int:
+        return full.native.replays if full is not None and full.native is not None else 0
+
+    calls, launches, floors = [], [], []
+    before = native_replays()
+    for step, host_step in zip(steps, host_steps):
         _sync(device)
         started = time.perf_counter()
         runner(step.input_ids, step.position_ids, step.past_key_values, step.attn_metadata)
@@ -64,8 +83,15 @@ def host_cost(runner: graphmode.GraphRunner, steps: list, device: torch.device) 
         started = time.perf_counter()
         graph.replay()
         launches.append(time.perf_counter() - started)
-    call, launch = statistics.median(calls), statistics.median(launches)
+        _sync(device)
+        started = time.perf_counter()
+        floor(host_step)
+        floors.append(time.perf_counter() - started)
+    _sync(device)
+    native = native_replays() - before
+    call, launch, hand = statistics.median(calls), statistics.median(launches), statistics.median(floors)
     return {"runner_call_us": call * 1e6, "graph_launch_us": launch * 1e6, "host_cost_us": (call - launch) * 1e6,
+            "floor_us": hand * 1e6, "floor_ratio": call / hand, "native_calls": native, "calls": len(steps),
             "noise_us": max(spread(calls), spread(launches)) * 1e6}
 
 
@@ -273,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
             against = f" ({latency * 1e3 / results['floor']['ms'][batch]:.1f}x the HBM floor)" if results["floor"] else ""
             print(f"{mode.name:36s} batch {batch:4d}: {latency * 1e3:8.3f} ms{against}", flush=True)
         if first_runner is not None and first_runner in ready:
-            results["host"][batch] = host_cost(first_runner.runner, steps[args.warmup:], device)
+            results["host"][batch] = host_cost(first_runner.runner, steps[args.warmup:], workload)
     for mode in modes:
         if isinstance(mode, GraphmodeOverCompiled):
             results["compile_s"][mode.name] = mode.runner.stats.compile_seconds

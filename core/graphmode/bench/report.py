@@ -73,10 +73,15 @@ def print_ratios(results: dict[str, Any], modes: list[str]) -> None:
 
 def print_costs(results: dict[str, Any]) -> None:
     if results["host"]:
-        print("\ngraphmode host cost per step (runner call minus graph launch, us)")
+        print("\ngraphmode host cost per step (runner call minus graph launch, us; the device idle before each "
+              "call; against the hand-packed floor's call, as scripts/host_path.py)")
         for batch, cost in results["host"].items():
             host = difference_text(cost["host_cost_us"], cost["noise_us"])
-            print(f"{batch:5d} {host:>10s} (call {cost['runner_call_us']:.1f}, launch {cost['graph_launch_us']:.1f})")
+            native = f", native step {cost['native_calls']}/{cost['calls']} calls" if "native_calls" in cost else ""
+            floor = (f", floor {cost['floor_us']:.1f}: call/floor {cost['floor_ratio']:.2f}"
+                     if "floor_us" in cost else "")
+            print(f"{batch:5d} {host:>10s} (call {cost['runner_call_us']:.1f}, launch "
+                  f"{cost['graph_launch_us']:.1f}{floor}{native})")
     if "capture" in results:
         every, alone = results["capture"]["all_buckets"], results["capture"]["largest_alone"]
         ratio = every["graph_memory_bytes"] / max(alone["graph_memory_bytes"], 1)

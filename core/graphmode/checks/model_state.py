@@ -5,7 +5,9 @@ appends to) is refused, since a graph replays none of the forward's Python.
 A capture runs right after a warm-up forward on the same inputs, so lazy
 initialisation (a rotary table grown the first time a longer position
 appears, a cache moved to the device once, a dict filled for a new shape)
-has happened by then and the capture changes nothing. A forward that still
+has happened by then and the capture changes nothing. (A warm-up capture of
+a shape the forward ran at before in the process runs none; the families
+capture it again after one when this check refuses it.) A forward that still
 changes an attribute there changes it at every call: eager steps would go on
 changing it, graph steps would not (the graph keeps reading the tensor it
 captured, or the number it froze; a list stops growing), and graph output
@@ -151,16 +153,23 @@ class ModelState:
     runner's ``host_bookkeeping``: fnmatch patterns of the names errors
     give, ``"calls"``, ``"layers.*.timings"``)."""
 
-    def __init__(self, model: Any, bookkeeping: Sequence[str] = ()) -> None:
+    def __init__(self, model: Any, bookkeeping: Sequence[str] = (), before: ModelState | None = None) -> None:
         self.model = model
         self.bookkeeping = tuple(bookkeeping)
-        self.before = _Snapshot(model, self.bookkeeping)
+        # ``before``: a check that passed, nothing having run the model since: its state is this one's
+        # (a snapshot of the bench model's 197 modules costs milliseconds; warm-up takes two per graph).
+        reuse = before is not None and before.after is not None and before.model is model \
+            and before.bookkeeping == self.bookkeeping
+        self.before = before.after if reuse and before is not None and before.after is not None \
+            else _Snapshot(model, self.bookkeeping)
+        self.after: _Snapshot | None = None  # set by a check that passed
 
     def check(self, graph: str) -> None:
         after = _Snapshot(self.model, self.bookkeeping)
         old, new = self.before.state, after.state
         changed = sorted(key for key in old.keys() | new.keys() if _differs(old.get(key, _ABSENT), new.get(key, _ABSENT)))
         if not changed:
+            self.after = after
             return
         self.before.objects.update(after.objects)  # ids of live objects: one table describes both sides
         describe = self.before.describe

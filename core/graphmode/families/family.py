@@ -15,10 +15,14 @@ the families import nothing of ``graphmode.runner.runner``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch.utils._pytree import tree_leaves
 
 from graphmode import buffers
 from graphmode.checks.cache_checks import CacheFit, check_warmup_cache
@@ -38,11 +42,12 @@ from graphmode.variants import PLAIN, GraphVariants
 
 if TYPE_CHECKING:
     from graphmode.checks.cache_checks import CacheMemory
+    from graphmode.checks.model_state import ModelState
     from graphmode.distributed import RankSync
     from graphmode.families.sleep import Asleep, SleptGraph
     from graphmode.staging import HostStaging
 
-__all__ = ["Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
+__all__ = ["FORWARDS_RUN", "Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
 
 #: How warm-up reports progress: (a line, whether it is the last capture).
 Report = Callable[[str, bool], None]
@@ -114,13 +119,22 @@ class GraphFamily(Protocol):
         tensors are host tensors."""
         ...
 
-    def pending(self, q_lens: Sequence[int]) -> int:
-        """How many graphs :meth:`warmup` would capture."""
+    def todo(self, q_lens: Sequence[int]) -> list[Any]:
+        """The keys of the graphs :meth:`warmup` would capture, in its order
+        (largest first): (bucket, q_len) for full graphs, token buckets for
+        piecewise ones."""
         ...
 
-    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report) -> None:
+    def tokens(self, key: Any) -> int:
+        """The tokens the graph of ``key`` (one of :meth:`todo`'s) runs,
+        padding included: what its memory grows with (the memory plan's fit)."""
+        ...
+
+    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
+               only: Sequence[Any] | None = None) -> None:
         """Capture every graph not captured yet, largest first, from inert
-        steps (no KV write, only the reserved block read)."""
+        steps (no KV write, only the reserved block read); with ``only``,
+        those of these keys (:meth:`todo`'s) only."""
         ...
 
     def reset(self) -> None:
@@ -157,6 +171,20 @@ class GraphFamily(Protocol):
         """Forget what the native step learnt (an eager step rebound the
         model's tensors: its memo would replay without the runner's check)."""
         ...
+
+
+#: Every forward object (a model, a compiled forward) with the shapes
+#: (:meth:`Shared.forward_shape`) it ran at in this process, warm-up or
+#: capture. A warm-up capture of a shape its forward ran at before needs no
+#: warm-up forward: what a warm-up forward is for (lazy state set up for a
+#: new shape, a rotary table grown, Triton and Inductor compiling and
+#: autotuning outside the graph) happened the first time. vLLM runs no
+#: warm-up forward per size by default (cudagraph_num_of_warmups=0) after
+#: one profiling run; graphmode keeps one per shape and process, and a
+#: capture that changes the model's Python state without one is captured
+#: again after one (``graphmode.families.full``). Weak keys: a model dropped
+#: takes its shapes with it.
+FORWARDS_RUN: weakref.WeakKeyDictionary[Any, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
 
 
 class PoolShare:
@@ -236,6 +264,10 @@ class Shared:
         self.declared_extras = frozenset(
             path.split(".", 1)[1] for spec in spec.buffers for path in spec.contexts if path.startswith("extras.")
         )
+        #: The model state a warm-up capture's check left, while nothing has run the model since
+        #: (``ModelState(before=...)``): the next warm-up capture without a warm-up forward starts from it.
+        #: Set by warm-up captures, cleared by every warm-up forward and at the start and end of warm-up.
+        self.last_state: ModelState | None = None
         #: While the runner sleeps (``runner.sleep()``): the graphs its wake captures again; None when awake.
         self.asleep: Asleep | None = None
 
@@ -327,14 +359,44 @@ class Shared:
         if held is not None:  # every capture checks it: the first graph stands for all
             check_warmup_cache([held], past_key_values, f"a step capturing the graph of {graph}")
 
-    def warm_up(self, run: Callable[[], Any]) -> Any:
+    def warm_up(self, run: Callable[[], Any], shape: tuple[Any, ...] | None = None) -> Any:
         """``run()``, a capture's warm-up forward; with ``compile=True`` its
-        time (the compilation) counts in ``stats.compile_seconds``."""
+        time (the compilation) counts in ``stats.compile_seconds``. ``shape``
+        (:meth:`forward_shape`): the forward then counts as having run at it."""
+        self.last_state = None  # the forward may change the model's state (lazily, once)
         started = time.perf_counter()
         output = run()
         if self.compiled:
             self.stats.compile_seconds += time.perf_counter() - started
+        if shape is not None:
+            self.ran_at(shape)
         return output
+
+    def forward_shape(self, family: str, size: int, q_len: int, past_key_values: Any,
+                      extras: dict[str, Any]) -> tuple[Any, ...]:
+        """What a capture's forward depends on beyond the model: the family,
+        its size (batch bucket or token bucket), the query length, the graph
+        variant, the extras' names and the KV cache's layout (each tensor's
+        shape past its first dimension, the blocks, and its strides, dtype
+        and device): not the cache's identity or its number of blocks, which
+        size nothing a graph holds (``graphmode.memory.plan``), so that the
+        plan's captures on a probe cache count for the warm-up's."""
+        cache = tuple((tuple(t.shape[1:]), t.stride()[1:], t.dtype, t.device) for t in tree_leaves(past_key_values)
+                      if isinstance(t, torch.Tensor))
+        return (family, size, q_len, self.variant, tuple(sorted(extras)), cache)
+
+    def has_run_at(self, shape: tuple[Any, ...]) -> bool:
+        """Whether this runner's forward (the model, or its compiled forward)
+        ran at ``shape`` before in this process (:data:`FORWARDS_RUN`)."""
+        try:
+            return shape in FORWARDS_RUN.get(self.forward, ())
+        except TypeError:  # a forward that takes no weak reference: never known
+            return False
+
+    def ran_at(self, shape: tuple[Any, ...]) -> None:
+        """Note that the forward ran at ``shape`` (a warm-up forward, a capture)."""
+        with contextlib.suppress(TypeError):
+            FORWARDS_RUN.setdefault(self.forward, set()).add(shape)
 
     def frozen_extras(self, extras: dict[str, Any]) -> dict[str, Any]:
         """The extra inputs a graph captures by reference (those without a

@@ -33,7 +33,7 @@ from graphmode.context import StepInputs
 from graphmode.errors import CaptureError, InputError
 from graphmode.families.common import capture_failed, guard_dropped_fields, inert_step, note_replay_failure
 from graphmode.families.family import Captured, Report, Shared
-from graphmode.families.outputs import SharedOutputs
+from graphmode.families.outputs import SharedOutputs, check_token_dimension
 from graphmode.families.sleep import SleptGraph
 from graphmode.graphs import DeviceGraph
 from graphmode.meta import GraphMeta
@@ -90,7 +90,7 @@ class FullGraphs:
         self.sizes = shared.capture_sizes
         # By graph variant (graphmode.variants; one key when none are declared), then (bucket, q_len).
         self.by_variant: dict[tuple[Any, ...], dict[tuple[int, int], CapturedGraph]] = {}
-        self._outputs = SharedOutputs(config.max_tokens)
+        self._outputs = SharedOutputs(config.max_tokens, adopt=False)
         # The replay path's hooks, without pluggy's dispatch where that changes nothing.
         self._fill_buffers = vendor.direct("graphmode_fill_buffers")
         self._get_outputs = vendor.direct("graphmode_get_outputs")
@@ -149,11 +149,17 @@ class FullGraphs:
         # The native step repeats steps whose tensors the engine gave as the fill read them (not moved).
         return self._replay(captured, inputs, batch, learn=inputs is given)
 
-    def pending(self, q_lens: Sequence[int]) -> int:
-        return len(self._todo(q_lens))
+    def todo(self, q_lens: Sequence[int]) -> list[tuple[int, int]]:
+        return self._todo(q_lens)
 
-    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report) -> None:
+    def tokens(self, key: tuple[int, int]) -> int:
+        return key[0] * key[1]
+
+    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
+               only: Sequence[tuple[int, int]] | None = None) -> None:
         todo = self._todo(q_lens)
+        if only is not None:
+            todo = [key for key in todo if key in only]
         if todo and not self._staging_decided:
             self._decide_staging(on_host=False)  # no step seen: host_staging=None means off
         for index, (bucket, q_len) in enumerate(todo):
@@ -179,7 +185,7 @@ class FullGraphs:
             for captured in graphs.values():
                 captured.graph.reset()
         self.by_variant.clear()
-        self._outputs = SharedOutputs(self.shared.config.max_tokens)
+        self._outputs = SharedOutputs(self.shared.config.max_tokens, adopt=False)
 
     def graph_keys(self) -> list[tuple[int, ...]]:
         return list(self.graphs)
@@ -338,7 +344,12 @@ class FullGraphs:
                 "them), never one kept in meta.vendor_state or a module"
             )
 
-    def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False) -> Any:
+    def _capture(self, inputs: StepInputs, batch: int, bucket: int, *, warmup: bool = False,
+                 warm: bool = False) -> Any:
+        """Capture the graph of ``bucket`` from ``inputs`` and return the
+        step's answer (None for a warm-up capture that ran no warm-up
+        forward). ``warm``: run the warm-up forward even where it may be
+        left out."""
         shared = self.shared
         ranks, hook, staging = shared.ranks, shared.vendor.hook, self.staging
         shared.agree_to_capture(batch, bucket)
@@ -363,21 +374,44 @@ class FullGraphs:
         if shared.variant_label != PLAIN:
             name += f", {shared.variant_label}"
         seen = guard_dropped_fields(inputs, static)  # what the model sees of the context
-        warm_output = shared.warm_up(lambda: forward(**seen.as_kwargs()))
-        self._outputs.prepare(warm_output, tokens)
+        shape = shared.forward_shape(self.name, bucket, q_len, inputs.past_key_values, inputs.extras)
+        # A warm-up capture (an inert step: its answer is dropped) of a shape the forward ran at
+        # before in this process needs no warm-up forward (family.FORWARDS_RUN); the first capture
+        # since reset() runs one all the same, whose result sizes the shared output buffers.
+        warmed = warm or not warmup or self._outputs.buffers is None or not shared.has_run_at(shape)
+        warm_output = None
+        if warmed:
+            warm_output = shared.warm_up(lambda: forward(**seen.as_kwargs()), shape)
+            self._outputs.prepare(warm_output, tokens)
         graph = hook.graphmode_make_graph(meta=meta)
         self._check_new_graph(graph, name)
         if shared.debug is not None:
             graph.enable_debug_mode()  # before capture, or CUDA and MLU graphs keep nothing to dump
         if ranks is not None:
             ranks.barrier()
+        changed = False
         try:
-            state = ModelState(shared.model, shared.config.host_bookkeeping)
+            state = ModelState(shared.model, shared.config.host_bookkeeping, before=shared.last_state)
+            shared.last_state = None
             with graph.capture(pool=shared.pool):
-                meta.output_buffers["output"] = self._outputs.publish(forward(**seen.as_kwargs()), tokens)
-            state.check(f"the decode graph of {name}")
+                output = forward(**seen.as_kwargs())
+                if not warmed:
+                    check_token_dimension(output, tokens)  # prepare()'s check, which no warm-up result met
+                meta.output_buffers["output"] = self._outputs.publish(output, tokens)
+            try:
+                state.check(f"the decode graph of {name}")
+            except CaptureError:
+                if warmed:
+                    raise
+                changed = True  # lazy state for this shape after all: captured again after a warm-up forward
         except Exception as error:
             capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting)
+        if changed:
+            graph.reset()
+            return self._capture(inputs, batch, bucket, warmup=warmup, warm=True)
+        shared.ran_at(shape)
+        if warmup:
+            shared.last_state = state  # the next warm-up capture's state before, if nothing runs the model first
         shared.adopt_pool(graph.pool())
         shared.weights.hold(shared.model)  # the first capture's addresses, which every graph step checks
         if self.native is not None:  # a new graph: steps learn again
@@ -396,5 +430,7 @@ class FullGraphs:
             shared.stats.warmup_captures += 1
         else:
             shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
+        if warm_output is None:
+            return None
         warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})
         return hook.graphmode_get_outputs(meta=warm_meta, batch_size=batch, num_tokens=batch * q_len)

@@ -9,10 +9,19 @@ step), so every graph instead ends by copying its result into the first
 largest bucket and allocated outside the pool. The graph's own result is then
 an intermediate like any other, whose memory later captures reuse.
 
-When the first graph captured is the largest bucket (warm-up captures largest
-first), its own result becomes the buffers instead: that graph copies
-nothing, which matters where its result is largest (32768 tokens of logits
-are 2 GiB, a 1.3 ms copy on an H100), and no buffer is allocated beside it.
+With ``adopt=True`` (the piecewise family), when the first graph captured is
+the largest bucket (warm-up captures largest first), its own result becomes
+the buffers instead: that graph copies nothing, which matters where its
+result is largest (32768 tokens of logits are 2 GiB, a 1.3 ms copy on an
+H100), and no buffer is allocated beside it. The full decode graphs do not
+adopt (``adopt=False``): an adopted result stays live in the pool, in a
+segment it shares with the largest graph's intermediates, and every later
+capture needs room beside it: on an H100 the pool of 48 buckets grew a
+second 20 MiB segment for it, 1.71x the largest graph alone
+(docs/performance.md, "the pool"). Their buffer (256 tokens of logits,
+16 MiB) is allocated outside the pool before the first capture, and the
+largest graph copies into it too (about 10 us of device time a step at 256
+tokens on an H100).
 """
 
 from __future__ import annotations
@@ -62,23 +71,24 @@ def check_token_dimension(output: Any, tokens: int) -> None:
 
 class SharedOutputs:
     """The shared buffers: allocated from the first warm-up result, or, when
-    the first graph captured is the largest, that graph's own result.
+    the first graph captured is the largest and ``adopt``, that graph's own result.
 
     An output tensor is shared when its second dimension is the step's token
     count (the model contract); any other output (a scalar, a tensor of
     another layout) stays the graph's own."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, adopt: bool = True) -> None:
         self.max_tokens = max_tokens
+        self.adopt = adopt
         self.buffers: list[torch.Tensor | None] | None = None
 
     def prepare(self, example: Any, tokens: int) -> None:
         """Allocate the buffers from a result computed outside any graph,
-        unless the graph about to be captured is the largest (:meth:`publish`
-        adopts its result). Refuses a result that is not per token
-        (:func:`check_token_dimension`)."""
+        unless the graph about to be captured is the largest and its result
+        is to be adopted (:meth:`publish`). Refuses a result that is not per
+        token (:func:`check_token_dimension`)."""
         check_token_dimension(example, tokens)
-        if self.buffers is not None or tokens == self.max_tokens:
+        if self.buffers is not None or (self.adopt and tokens == self.max_tokens):
             return
         self.buffers = [
             torch.empty((leaf.shape[0], self.max_tokens, *leaf.shape[2:]), dtype=leaf.dtype, device=leaf.device)

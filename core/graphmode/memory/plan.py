@@ -4,15 +4,26 @@ An engine sizes its KV cache from the device memory left after its weights;
 graphs captured afterwards need memory too (their pool's segments, the
 shared output buffers, the piecewise break-point buffers, the driver's graph
 objects). :func:`plan` gives that figure before any KV cache exists, by
-measuring: it warms the runner up with a small probe cache (a few blocks),
-reads what the graphs and their buffers took, then resets the runner, so
-that the real ``warmup()`` captures the same graphs again into the real
-cache. Why a measurement and not an account per bucket: the pool's size is
-the caching allocator's segments, shaped by the order of captures and by
-which blocks each capture finds free (docs/engines.md, "Graph memory before
-the KV cache"), and the driver's graph objects are outside any allocator;
-a capture of every configured graph measures all of it, for every family and
-with ``compile=True`` too, at the cost of capturing twice.
+measuring a sample: on a probe cache (a few blocks) each family captures
+its largest two graphs and a few more spread over its sizes, the memory
+read after each capture, then the runner is reset so that the real
+``warmup()`` captures every graph into the real cache. The largest two are
+measured whole (the first pays for the pool's segments and the shared
+buffers, the second for any segment the pool needs beside what the first
+left live); every other graph's part is a straight line in its tokens
+fitted through the sampled ones' parts (least squares), summed over the
+graphs not sampled. Why a line: what one more graph adds is its driver
+objects (a fixed cost per graph, per segment for piecewise graphs) and what
+it keeps alive (piecewise graphs keep their segments' outputs for the break
+points, in proportion to their tokens); its intermediates reuse the pool
+the first graphs made. What the line cannot see: a pool segment that a
+graph not sampled would add (the sampled second graph shows the one the
+shared logits caused before the full graphs' buffer moved out of the pool,
+docs/performance.md). Why a sample and not every graph: capturing every
+graph on the probe cost more than the warm-up it predicted (H200, 4.9 s
+against 2.9 s in graph mode, 2026-12-01); a sample of six or so per family
+costs a fraction (``scripts/graph_memory.py`` prints both, and the plan
+against the warm-up).
 
 The graphs read the cache by address only: no activation, buffer or output
 is sized by the number of cache blocks, so a probe of a few blocks takes the
@@ -32,7 +43,7 @@ import torch
 from graphmode.errors import ConfigError
 from graphmode.memory.meter import MemoryMeter
 
-__all__ = ["GraphMemory", "MemoryPlan", "WarmupMemory", "plan"]
+__all__ = ["EXACT", "FITTED", "GraphMemory", "MemoryPlan", "Sample", "WarmupMemory", "plan"]
 
 MiB = 2**20
 
@@ -60,25 +71,30 @@ class GraphMemory:
 class MemoryPlan:
     """The device memory ``warmup()`` will take, known before the KV cache.
 
-    bytes: what the graphs took in the planning warm-up and gave back at its
-        ``reset()``: what the real warm-up will take from the memory free
-        after planning. families: the planning warm-up's parts (as in
-        :class:`GraphMemory`), which add up to ``bytes + kept``: what each
-        family kept is not told apart. kept: what the planning left in use (buffers
+    bytes: what the sampled graphs took in the planning warm-up and gave
+        back at its ``reset()``, plus the estimate of the graphs not
+        sampled: what the real warm-up will take from the memory free after
+        planning. families: each family's part, sampled and estimated
+        (their parts as in :class:`GraphMemory`), which add up to
+        ``bytes + kept``: what each family kept is not told apart. sampled,
+        estimated: how many graphs the plan captured, and how many it
+        estimated (``graphs`` is both). kept: what the planning left in use (buffers
         the runner keeps across ``reset()``: the input buffers, the
         piecewise break-point and step-input buffers, host staging's arena;
         and one-time costs of a process's first capture, such as cuBLAS's
         workspace on the capture stream): already out of the free memory an
-        engine reads next. warmup: the planning warm-up itself."""
+        engine reads next. warmup: the planning warm-up itself (its sampled graphs only)."""
 
     bytes: int
     families: dict[str, int]
     kept: int
     warmup: GraphMemory
+    sampled: int = 0
+    estimated: int = 0
     graphs: int = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "graphs", self.warmup.graphs)
+        object.__setattr__(self, "graphs", self.sampled + self.estimated)
 
     def compare(self, actual: GraphMemory) -> str:
         """The plan against a warm-up's figure, in words."""
@@ -135,10 +151,75 @@ class WarmupMemory:
         return GraphMemory(self._end - self._start, dict(self._families), graphs, self.meter.method)
 
 
+#: Graphs of a family measured whole (the largest ones), and at most how many
+#: more are sampled for the fit, spread over the rest of its sizes.
+EXACT, FITTED = 2, 4
+
+
+class Sample:
+    """The planning warm-up's captures: per family the graphs :meth:`pick`
+    picks, each measured; :meth:`estimate` then adds the rest."""
+
+    def __init__(self, meter: MemoryMeter) -> None:
+        self.meter = meter
+        self.families: dict[str, int] = {}  # bytes per family, sampled and estimated
+        self.sampled = 0
+        self.estimated = 0  # graphs not captured, whose part is the fit's
+        self.estimated_bytes = 0
+
+    @staticmethod
+    def pick(todo: Sequence[Any]) -> list[Any]:
+        """The keys captured of a family's ``todo`` (largest first): the
+        first :data:`EXACT`, then up to :data:`FITTED` spread evenly over the
+        rest, its last (the smallest) included."""
+        head, rest = list(todo[:EXACT]), list(todo[EXACT:])
+        if len(rest) <= FITTED:
+            return head + rest
+        step = (len(rest) - 1) / (FITTED - 1)
+        return head + [rest[round(i * step)] for i in range(FITTED)]
+
+    def capture(self, family: Any, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int],
+                report: Any) -> None:
+        """Capture ``family``'s picked graphs one by one, each measured, and
+        estimate the graphs left out."""
+        todo = family.todo(q_lens)
+        picked = self.pick(todo)
+        parts: list[tuple[int, int]] = []  # (tokens, bytes) of the fitted graphs
+        total = 0
+        for index, key in enumerate(picked):
+            before = self.meter.used()
+            family.warmup(past_key_values, extras, q_lens, report, only=[key])
+            part = self.meter.used() - before
+            total += part
+            if index >= EXACT:
+                parts.append((family.tokens(key), part))
+        self.sampled += len(picked)
+        left = [key for key in todo if key not in picked]
+        estimate = sum(max(0, round(_line(parts, family.tokens(key)))) for key in left)
+        self.estimated += len(left)
+        self.estimated_bytes += estimate
+        self.families[family.name] = self.families.get(family.name, 0) + total + estimate
+
+
+def _line(points: list[tuple[int, int]], x: int) -> float:
+    """The least-squares line through ``points`` at ``x`` (their mean for one
+    distinct x; 0 for none)."""
+    if not points:
+        return 0.0
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((v - mean_x) ** 2 for v in xs)
+    if spread == 0:
+        return mean_y
+    slope = sum((a - mean_x) * (b - mean_y) for a, b in zip(xs, ys)) / spread
+    return mean_y + slope * (x - mean_x)
+
+
 def plan(runner: Any, past_key_values: Any, q_lens: Sequence[int] | None, extras: dict[str, Any]) -> MemoryPlan:
-    """Warm ``runner`` up on ``past_key_values`` (a probe cache of a few
-    blocks, in the layout of the real one), measure, and reset it: the
-    :class:`MemoryPlan` of its ``warmup(q_lens=q_lens, **extras)``."""
+    """Capture a sample of ``runner``'s graphs on ``past_key_values`` (a
+    probe cache of a few blocks, in the layout of the real one), measure,
+    estimate the rest, and reset it: the :class:`MemoryPlan` of its
+    ``warmup(q_lens=q_lens, **extras)``."""
     if any(family.captured() for family in runner.families):
         raise ConfigError(
             "plan_memory() on a runner that has captured graphs: the plan is what warmup() takes from "
@@ -151,11 +232,15 @@ def plan(runner: Any, past_key_values: Any, q_lens: Sequence[int] | None, extras
     counts = (stats.captures, stats.warmup_captures, stats.piecewise_captures)
     with MemoryMeter(runner.config.device) as meter:
         before = meter.used()
-        runner.warmup(past_key_values, progress=False, q_lens=q_lens, **extras)
+        sample = Sample(meter)
+        runner._warmup(past_key_values, False, q_lens, extras, sample)
         warmed = meter.used()
         runner.reset()
         after = meter.used()
     stats.captures, stats.warmup_captures, stats.piecewise_captures = counts
     warmup = runner.graph_memory
     assert warmup is not None  # a runner measures the warm-ups it plans
-    return MemoryPlan(warmed - after, dict(warmup.families), after - before, warmup)
+    measured = GraphMemory(warmup.bytes, warmup.families, warmup.graphs,
+                           f"{warmup.method}; {sample.sampled} graphs captured, {sample.estimated} estimated")
+    return MemoryPlan(warmed - after + sample.estimated_bytes, dict(sample.families), after - before, measured,
+                      sampled=sample.sampled, estimated=sample.estimated)

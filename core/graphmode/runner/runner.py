@@ -34,7 +34,7 @@ from graphmode.families.modes import build_families
 from graphmode.families.sleep import asleep_error, recapture, release
 from graphmode.families.stats import RunnerStats
 from graphmode.memory.meter import device_module
-from graphmode.memory.plan import GraphMemory, MemoryPlan, WarmupMemory, plan
+from graphmode.memory.plan import GraphMemory, MemoryPlan, Sample, WarmupMemory, plan
 from graphmode.meta import GraphMeta
 from graphmode.plugins import Vendor
 from graphmode.runner.guard import busy, one_at_a_time
@@ -243,6 +243,12 @@ class GraphRunner:
         memory it takes (:attr:`graph_memory`), synchronising and emptying
         the caching allocator's unused blocks before and after each family;
         on the CPU emulator, after :meth:`plan_memory` only."""
+        self._warmup(past_key_values, progress, q_lens, extras)
+
+    def _warmup(self, past_key_values: Any, progress: bool, q_lens: Sequence[int] | None, extras: dict[str, Any],
+                sample: Sample | None = None) -> None:
+        """:meth:`warmup`; with ``sample`` (the memory plan's), each family
+        captures the graphs the sample picks, measured one by one."""
         if self._shared.asleep is not None:
             raise asleep_error("runner.warmup()")
         if not self.families:
@@ -263,15 +269,18 @@ class GraphRunner:
         count = 0
         for _, key in variants:
             shared.use_variant(key)
-            count += sum(family.pending(wanted) for family in order)
-        with _frozen_gc(), torch.inference_mode(), \
+            count += sum(len(sample.pick(family.todo(wanted)) if sample else family.todo(wanted)) for family in order)
+        with _frozen_gc(), torch.inference_mode(), _fresh_state(shared), \
                 CaptureProgress(count, self.config.device, bar=progress) as report, \
                 WarmupMemory(self.config.device, self._measures_memory()) as memory:
             for variant_extras, key in variants:
                 shared.use_variant(key)
                 for family in order:
                     with memory.family(family.name):
-                        family.warmup(past_key_values, variant_extras, wanted, report)
+                        if sample is None:
+                            family.warmup(past_key_values, variant_extras, wanted, report)
+                        else:
+                            sample.capture(family, past_key_values, variant_extras, wanted, report)
         self._graph_memory = memory.result(count) or self._graph_memory
         if self._memory_plan is not None and self._graph_memory is not None and not self._planning:
             logger.info("%s", self._memory_plan.compare(self._graph_memory))
@@ -404,7 +413,7 @@ class GraphRunner:
         self._shared.asleep = None
         # Every graph is captured afresh from the model's tensors now: replacements seen before sleep are healed.
         self._rebinds = watched_rebinds(self)
-        with _frozen_gc(), torch.inference_mode(), \
+        with _frozen_gc(), torch.inference_mode(), _fresh_state(self._shared), \
                 CaptureProgress(asleep.count, self.config.device, bar=progress) as report:
             recapture(self._shared, asleep, past_key_values, report)
         self.stats.wakes += 1
@@ -467,6 +476,17 @@ def _rank_sync(process_group: Any, check_ranks: str) -> Any:
     if dist.get_world_size(process_group) == 1:
         return None
     return RankSync(process_group, check_replays=check_ranks == "always")
+
+
+@contextlib.contextmanager
+def _fresh_state(shared: Shared) -> Iterator[None]:
+    """No model state carried into or out of a warm-up: the engine may change
+    the model between calls (``Shared.last_state`` is for one capture loop)."""
+    shared.last_state = None
+    try:
+        yield
+    finally:
+        shared.last_state = None
 
 
 @contextlib.contextmanager

@@ -23,9 +23,10 @@ from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_sa
 from graphmode.checks.host_lengths import check_piecewise_step
 from graphmode.checks.model_state import ModelState
 from graphmode.context import StepInputs
+from graphmode.errors import CaptureError
 from graphmode.families.common import capture_failed, inert_step, live_columns, note_replay_failure
 from graphmode.families.family import Captured, Report, Shared
-from graphmode.families.outputs import SharedOutputs
+from graphmode.families.outputs import SharedOutputs, check_token_dimension
 from graphmode.families.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
 from graphmode.families.piecewise.compiled import SplitForward
 from graphmode.families.piecewise.ghosts import OPS_AT_OPS, READ_INSIDE_OPS, GhostReads, shape_only
@@ -97,6 +98,9 @@ class PiecewiseGraphs:
         allocated at the first capture that needs it)."""
         config, shared = self.shared.config, self.shared
         self._buffers = BreakBuffers(self.sizes[-1])
+        #: By graph variant, the last warm-up's break-point layout (EagerForward.layout), from which a later
+        #: bucket's capture takes its views without a warm-up forward of its own (BreakBuffers.views_for).
+        self._layouts: dict[tuple[Any, ...], list[tuple[Any, ...] | None]] = {}
         self._outputs = SharedOutputs(self.sizes[-1])
         declared = [spec for spec in shared.spec.buffers if spec.name in shared.declared_extras]
         # KV writes the ops let segments capture read the step's slots from a static buffer.
@@ -166,13 +170,20 @@ class PiecewiseGraphs:
         shared.count_tokens(tokens, bucket - tokens)
         return live_columns(graph.output, tokens)
 
-    def pending(self, q_lens: Sequence[int]) -> int:
-        return len(self._todo())
+    def todo(self, q_lens: Sequence[int]) -> list[int]:
+        return self._todo()
 
-    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report) -> None:
-        """Every token bucket not captured yet, largest first, from inert
-        steps of one token per sequence (query lengths do not matter here)."""
+    def tokens(self, key: int) -> int:
+        return key
+
+    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
+               only: Sequence[int] | None = None) -> None:
+        """Every token bucket not captured yet (of ``only``, when given),
+        largest first, from inert steps of one token per sequence (query
+        lengths do not matter here)."""
         todo = self._todo()
+        if only is not None:
+            todo = [bucket for bucket in todo if bucket in only]
         for index, bucket in enumerate(todo):
             self._capture_inert(past_key_values, extras, bucket, f"({index + 1}/{len(todo)})", report,
                                 index + 1 == len(todo))
@@ -247,42 +258,73 @@ class PiecewiseGraphs:
         graphs = self._current()
         return [bucket for bucket in reversed(self.sizes) if bucket not in graphs]
 
-    def _capture(self, inputs: StepInputs, live: LiveStep, *, warmup: bool = False) -> Any:
+    def _capture(self, inputs: StepInputs, live: LiveStep, *, warmup: bool = False, warm: bool = False) -> Any:
+        """Capture token bucket ``live.bucket`` from ``inputs`` and return the
+        step's answer (None for a warm-up capture that ran no warm-up
+        forward). ``warm``: run the warm-up forward even where it may be
+        left out."""
         bucket, shared, ranks = live.bucket, self.shared, self.shared.ranks
         shared.agree_to_capture(live.tokens, bucket, unit="tokens")
         shared.check_capture_cache(inputs.past_key_values, f"token bucket {bucket} (piecewise)")
         static = self._inputs.fill(inputs, bucket)
         static = dataclasses.replace(static, attn_metadata=shape_only(inputs.attn_metadata))
-        warm_up = EagerForward(live, self._buffers)
         forward = shared.model if self._split is None else self._split
-        try:
-            with intercepted(self.ops, warm_up), self._ghost_reads():
-                warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()))  # compiles, with compile=True
-        except RuntimeError as error:
-            if "meta" in str(error) and hasattr(error, "add_note"):
-                error.add_note(f"graphmode: {READ_INSIDE_OPS}, or use execute_mode='graph'. {OPS_AT_OPS}")
-            raise
-        self._outputs.prepare(warm_output, bucket)
+        shape = shared.forward_shape(self.name, bucket, 1, inputs.past_key_values, inputs.extras)
+        # As the full graphs' (family.FORWARDS_RUN): a warm-up capture of a shape the forward ran at
+        # needs no warm-up forward, when an earlier warm-up's break points give this bucket's views.
+        views, layout = None, self._layouts.get(shared.variant)
+        if warmup and not warm and layout is not None and self._outputs.buffers is not None \
+                and shared.has_run_at(shape):
+            views = self._buffers.views_for(layout, bucket)
+        warm_output = None
+        if views is None:
+            warm_up = EagerForward(live, self._buffers)
+            try:
+                with intercepted(self.ops, warm_up), self._ghost_reads():
+                    # compiles, with compile=True
+                    warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()), shape)
+            except RuntimeError as error:
+                if "meta" in str(error) and hasattr(error, "add_note"):
+                    error.add_note(f"graphmode: {READ_INSIDE_OPS}, or use execute_mode='graph'. {OPS_AT_OPS}")
+                raise
+            self._outputs.prepare(warm_output, bucket)
+            views, self._layouts[shared.variant] = warm_up.views, warm_up.layout
         # Plugins tell piecewise graphs from full ones (make_graph, capture
         # advice) by family "piecewise"; their capture sizes are token sizes.
         meta = dataclasses.replace(shared.graph_meta(), family=self.name, capture_sizes=tuple(self.sizes))
         slots_attn = None
         if self._inputs.with_slots:
             slots_attn = static.attn_metadata.replace(kv_start_indices=self._inputs.slot_rows(bucket))
-        capture = CaptureForward(warm_up.views, lambda: self._make_graph(meta), shared.pool, slots_attn)
+        capture = CaptureForward(views, lambda: self._make_graph(meta), shared.pool, slots_attn)
         if ranks is not None:
             ranks.barrier()  # every rank's device idle before any of them captures
+        changed = False
         try:
-            state = ModelState(shared.model, shared.config.host_bookkeeping)
+            state = ModelState(shared.model, shared.config.host_bookkeeping, before=shared.last_state)
+            shared.last_state = None
             # Below the capture's own modes: a segment's end pops the emulator's.
             with intercepted(self.ops, capture), self._ghost_reads(), capture:
-                output = self._outputs.publish(forward(**static.as_kwargs()), bucket)
-            state.check(f"the piecewise graph of token bucket {bucket}")
+                result = forward(**static.as_kwargs())
+                if warm_output is None:
+                    check_token_dimension(result, bucket)  # prepare()'s check, which no warm-up result met
+                output = self._outputs.publish(result, bucket)
+            try:
+                state.check(f"the piecewise graph of token bucket {bucket}")
+            except CaptureError:
+                if warm_output is not None:
+                    raise
+                changed = True  # lazy state for this shape after all: captured again after a warm-up forward
         except Exception as error:
             what = f"segment {len(capture.pieces.segments) + 1} of the piecewise graph of token bucket {bucket}"
             if shared.variant_label != PLAIN:
                 what += f", {shared.variant_label}"
             capture_failed(error, shared, meta, bucket, what, self.setting)
+        if changed:
+            capture.pieces.reset()
+            return self._capture(inputs, live, warmup=warmup, warm=True)
+        shared.ran_at(shape)
+        if warmup:
+            shared.last_state = state  # the next warm-up capture's state before, if nothing runs the model first
         shared.adopt_pool(capture.pool)  # one pool for every graph of the runner, full and piecewise
         shared.weights.hold(shared.model)  # the first capture's addresses, which every graph step checks
         flatten = cache_flattener(static.past_key_values)
@@ -297,7 +339,7 @@ class PiecewiseGraphs:
             for index, segment in enumerate(graph.pieces.segments, 1):
                 shared.debug.dump(segment, f"tokens{bucket}-segment{index}{suffix}", f"segment {index} of {graph.name}")
         shared.stats.piecewise_captures += 1
-        return live_columns(warm_output, live.tokens)
+        return None if warm_output is None else live_columns(warm_output, live.tokens)
 
     def _ghost_reads(self) -> Any:
         """Refuse the model's reads of the capture's ghost metadata (not with compile=True)."""

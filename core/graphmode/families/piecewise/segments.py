@@ -53,6 +53,22 @@ class BreakBuffers:
     def clear(self) -> None:
         self._buffers.clear()
 
+    def views_for(self, layout: list[tuple[Any, ...] | None], bucket: int) -> list[torch.Tensor | None] | None:
+        """The views a warm-up of token bucket ``bucket`` would hand the
+        capture, from another bucket's warm-up ``layout``
+        (:attr:`EagerForward.layout`): its attention results' rows, cut to
+        ``bucket``. None when one is a host break's whole result, whose
+        shape the layout cannot tell for another bucket."""
+        views: list[torch.Tensor | None] = []
+        for key in layout:
+            if key is None:
+                views.append(None)
+            elif key[0] == "rows" and key in self._buffers:
+                views.append(self._buffers[key][:bucket])
+            else:
+                return None
+        return views
+
 
 class EagerForward(Session):
     """The warm-up: every break point runs at once, on the live tokens, and
@@ -62,6 +78,8 @@ class EagerForward(Session):
     def __init__(self, live: LiveStep, buffers: BreakBuffers) -> None:
         self.live, self.buffers = live, buffers
         self.views: list[torch.Tensor | None] = []
+        #: Each view's buffer key (BreakBuffers), or None: what :meth:`BreakBuffers.views_for` takes.
+        self.layout: list[tuple[Any, ...] | None] = []
 
     def _run(self, call: BreakCall) -> None:
         with self.calling():
@@ -72,9 +90,11 @@ class EagerForward(Session):
 
     def attention(self, decode: Callable[..., Any], prefill: Callable[..., Any], query: torch.Tensor,
                   rest: tuple) -> torch.Tensor:
-        out = self.buffers.rows(len(self.views), query, self.live.bucket)
+        index = len(self.views)
+        out = self.buffers.rows(index, query, self.live.bucket)
         self._run(Attention(decode, prefill, query, rest, out))
         self.views.append(out)
+        self.layout.append(("rows", index, tuple(query.shape[1:]), query.dtype))
         return out
 
     def host_work(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -82,6 +102,7 @@ class EagerForward(Session):
             result = fn(*args, **kwargs)
         if result is None:
             self.views.append(None)
+            self.layout.append(None)
             return None
         if not isinstance(result, torch.Tensor):
             raise CaptureError(
@@ -91,6 +112,7 @@ class EagerForward(Session):
         out = self.buffers.whole(len(self.views), result)
         out.copy_(result)
         self.views.append(out)
+        self.layout.append(("whole",))
         return out
 
 
