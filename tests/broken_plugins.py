@@ -958,15 +958,23 @@ class _GraphChoosingItsUpdatePath(AscendGraph):
         super().__init__(device, resolve_update_path("auto", ascend.torch_npu_version()[0]), captured)
 
 
+def _ascend_graphs_of(graph_class: type[AscendGraph]) -> Any:
+    """Ascend's graphmode_make_graph, making ``graph_class`` graphs."""
+
+    @hookimpl
+    def make_graph(meta):
+        if meta.device.type not in ("npu", "cpu"):
+            return None
+        graph = graph_class(
+            meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
+        graph.piece = not meta.is_decoding
+        return graph
+
+    return make_graph
+
+
 # 57. A graph class choosing its own update path instead of the declared option.
-@hookimpl
-def _graph_choosing_its_update_path(meta):
-    if meta.device.type not in ("npu", "cpu"):
-        return None
-    graph = _GraphChoosingItsUpdatePath(
-        meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
-    graph.piece = not meta.is_decoding
-    return graph
+_graph_choosing_its_update_path = _ascend_graphs_of(_GraphChoosingItsUpdatePath)
 
 
 # 58. The vendor's collective library named for every accelerator ("cpu is
@@ -999,14 +1007,7 @@ class _WaitsOnTheHost(AscendGraph):
 
 
 # 60. A parameter update that waits on the host where it should wait on an event.
-@hookimpl
-def _graph_waiting_on_the_host(meta):
-    if meta.device.type not in ("npu", "cpu"):
-        return None
-    graph = _WaitsOnTheHost(
-        meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
-    graph.piece = not meta.is_decoding
-    return graph
+_graph_waiting_on_the_host = _ascend_graphs_of(_WaitsOnTheHost)
 
 
 # 61. FIA's limit of 16 query tokens per sequence checked against the draft
