@@ -1207,10 +1207,18 @@ CAUGHT_LATE_SUITE_B = {
     "output_copies_per_token_count": "every_batch_size_is_served",
     "one_pinned_buffer_for_every_step": "back_to_back",
 }
-BROKEN.update(BROKEN_SUITE_B)
-CAUGHT_LATE.update(CAUGHT_LATE_SUITE_B)
-OPTIONS.update({name: ["-k", keyword] for name, keyword in CAUGHT_LATE_SUITE_B.items()})
-globals().update(BROKEN_SUITE_B)
+
+
+def _register(broken: dict[str, Any], caught_late: dict[str, str]) -> None:
+    """A later probe's plugins into BROKEN (and this module's names, for
+    --plugin), the ones a late test catches into CAUGHT_LATE and OPTIONS."""
+    BROKEN.update(broken)
+    CAUGHT_LATE.update(caught_late)
+    OPTIONS.update({name: ["-k", keyword] for name, keyword in caught_late.items()})
+    globals().update(broken)
+
+
+_register(BROKEN_SUITE_B, CAUGHT_LATE_SUITE_B)
 
 
 # -- Suite C: realistic one-line vendor bugs of classes no plugin above holds
@@ -1334,7 +1342,4 @@ CAUGHT_LATE_SUITE_C = {
     "positions_of_one_token_per_sequence": "q_len_1_2_4_with_batch_churn",
     "one_query_per_sequence_in_every_graph": "q_len_1_2_4_with_batch_churn",
 }
-BROKEN.update(BROKEN_SUITE_C)
-CAUGHT_LATE.update(CAUGHT_LATE_SUITE_C)
-OPTIONS.update({name: ["-k", keyword] for name, keyword in CAUGHT_LATE_SUITE_C.items()})
-globals().update(BROKEN_SUITE_C)
+_register(BROKEN_SUITE_C, CAUGHT_LATE_SUITE_C)
