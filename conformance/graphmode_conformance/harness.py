@@ -345,7 +345,9 @@ class Harness:
                 raise
             except Exception as error:  # named with the hook it came from, as decode steps are
                 batch = len(inputs.attn_metadata.q_seqlens)
-                bound = query_bound_problem(self._captured_context, inputs.num_tokens // batch)
+                # The context recorded for this step: only a capture step of _compared records one.
+                recorded = self._captured_context if self._recording else None
+                bound = query_bound_problem(recorded, inputs.num_tokens // batch)
                 raise ConformanceFailure(
                     f"[{self.check}] vendor {self.vendor.name} on {self.device}{self.variant}, a step of "
                     f"{batch} sequences and {inputs.num_tokens} tokens: "
