@@ -27,26 +27,14 @@ import argparse
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
+from kv_pointer_cost import median_us  # scripts/, on the path when run as a script
 
 import graphmode
 from graphmode.bench.workload import Workload
 from graphmode.checks.weight_memory import WeightMemory
 from graphmode.model import ModelConfig
-
-
-def median_us(function: Callable[[], Any], repeats: int) -> float:
-    """Median microseconds of one call, from batches of 100 calls."""
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for _ in range(100):
-            function()
-        samples.append((time.perf_counter() - started) / 100)
-    return statistics.median(samples) * 1e6
 
 
 def sync(device: torch.device) -> None:

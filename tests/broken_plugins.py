@@ -13,6 +13,7 @@ package.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import types
 from typing import Any
@@ -33,7 +34,7 @@ from graphmode.buckets import next_power_of_2, smallest_bucket
 from graphmode.emulator import stream_order
 from graphmode.emulator.capture import named_arguments
 from graphmode.graphs import DeviceGraph, make_device_graph
-from graphmode.spec import BLOCKS, CUDA_VENDOR_SPEC, SEQUENCES
+from graphmode.spec import BLOCKS, CUDA_VENDOR_SPEC, SEQUENCES, TOKENS, BufferSpec
 from graphmode.vendor_info import probe_runtime
 from graphmode_ascend.advice import capture_advice
 from graphmode_ascend.graph import AscendGraph, resolve_update_path
@@ -957,15 +958,23 @@ class _GraphChoosingItsUpdatePath(AscendGraph):
         super().__init__(device, resolve_update_path("auto", ascend.torch_npu_version()[0]), captured)
 
 
+def _ascend_graphs_of(graph_class: type[AscendGraph]) -> Any:
+    """Ascend's graphmode_make_graph, making ``graph_class`` graphs."""
+
+    @hookimpl
+    def make_graph(meta):
+        if meta.device.type not in ("npu", "cpu"):
+            return None
+        graph = graph_class(
+            meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
+        graph.piece = meta.family == "piecewise"
+        return graph
+
+    return make_graph
+
+
 # 57. A graph class choosing its own update path instead of the declared option.
-@hookimpl
-def _graph_choosing_its_update_path(meta):
-    if meta.device.type not in ("npu", "cpu"):
-        return None
-    graph = _GraphChoosingItsUpdatePath(
-        meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
-    graph.piece = meta.family == "piecewise"
-    return graph
+_graph_choosing_its_update_path = _ascend_graphs_of(_GraphChoosingItsUpdatePath)
 
 
 # 58. The vendor's collective library named for every accelerator ("cpu is
@@ -998,14 +1007,7 @@ class _WaitsOnTheHost(AscendGraph):
 
 
 # 60. A parameter update that waits on the host where it should wait on an event.
-@hookimpl
-def _graph_waiting_on_the_host(meta):
-    if meta.device.type not in ("npu", "cpu"):
-        return None
-    graph = _WaitsOnTheHost(
-        meta.device, meta.vendor_options.update_path, meta.vendor_state.setdefault("captured_graphs", WeakSet()))
-    graph.piece = meta.family == "piecewise"
-    return graph
+_graph_waiting_on_the_host = _ascend_graphs_of(_WaitsOnTheHost)
 
 
 # 61. FIA's limit of 16 query tokens per sequence checked against the draft
@@ -1204,7 +1206,139 @@ CAUGHT_LATE_SUITE_B = {
     "output_copies_per_token_count": "every_batch_size_is_served",
     "one_pinned_buffer_for_every_step": "back_to_back",
 }
-BROKEN.update(BROKEN_SUITE_B)
-CAUGHT_LATE.update(CAUGHT_LATE_SUITE_B)
-OPTIONS.update({name: ["-k", keyword] for name, keyword in CAUGHT_LATE_SUITE_B.items()})
-globals().update(BROKEN_SUITE_B)
+
+
+def _register(broken: dict[str, Any], caught_late: dict[str, str]) -> None:
+    """A later probe's plugins into BROKEN (and this module's names, for
+    --plugin), the ones a late test catches into CAUGHT_LATE and OPTIONS."""
+    BROKEN.update(broken)
+    CAUGHT_LATE.update(caught_late)
+    OPTIONS.update({name: ["-k", keyword] for name, keyword in caught_late.items()})
+    globals().update(broken)
+
+
+_register(BROKEN_SUITE_B, CAUGHT_LATE_SUITE_B)
+
+
+# -- Suite C: realistic one-line vendor bugs of classes no plugin above holds
+#    (the probe of 2026-12-02) --
+
+
+# 62. Padding slots pointed at the batch's first block ("a slot we know is
+#     mapped", for a fill-cache kernel that does not skip -1): every padding
+#     token writes its keys and values over sequence 0's first cached token.
+@hookimpl(wrapper=True)
+def _padding_slots_in_the_first_block(meta, inputs, batch_size, bucket):
+    result = yield
+    slots, tokens = meta.input_buffers["kv_start_indices"], inputs.num_tokens
+    slots[tokens:bucket * (tokens // batch_size)] = meta.input_buffers["block_offsets"][0, 0] * meta.block_size
+    return result
+
+
+# 63. Block-table padding rows pointed at the first sequence's first block
+#     ("block 0 may be unmapped on our runtime"): padding rows read a live
+#     sequence's KV, and a kernel that writes by table writes there.
+@hookimpl(wrapper=True)
+def _table_padding_with_the_first_block(meta, inputs, batch_size, bucket):
+    result = yield
+    tables = meta.input_buffers["block_offsets"]
+    tables[batch_size:bucket] = tables[0, 0]
+    return result
+
+
+# 64. The bucket found with bisect_right where bisect_left was meant: a batch
+#     equal to a capture size takes the next graph (right results, twice the
+#     work at batch 1, and the largest batches' graphs never replay full).
+@hookimpl
+def _bucket_after_an_equal_size(batch_size, capture_sizes):
+    index = bisect.bisect_right(capture_sizes, batch_size)
+    return capture_sizes[index] if index < len(capture_sizes) else smallest_bucket(batch_size, capture_sizes)
+
+
+# 65. position_ids copied for the first batch rows only, as for one token per
+#     sequence: in a verify graph the later tokens keep an earlier step's
+#     positions, and their rotary embedding is another position's.
+@hookimpl(wrapper=True)
+def _positions_of_one_token_per_sequence(meta, inputs, batch_size, bucket):
+    positions, tokens = meta.input_buffers["position_ids"], inputs.num_tokens
+    kept = positions[:, batch_size:tokens].clone()
+    result = yield
+    positions[:, batch_size:tokens] = kept
+    return result
+
+
+# 66. MACA's int64 slot column written through an int32 view ("the engine's
+#     slots are int32"): the memory holds int32 slots, read as int64 pairs.
+@hookimpl(wrapper=True)
+def _slots_through_an_int32_view(meta, inputs, batch_size, bucket):
+    result = yield
+    slots, tokens = meta.input_buffers["kv_start_indices"], inputs.num_tokens
+    slots.view(-1).view(torch.int32)[:tokens] = inputs.attn_metadata.kv_start_indices.to(torch.int32)
+    return result
+
+
+# 67. The block table copied one column short (an off-by-one in the width,
+#     "the last column is the kernel's sentinel"): a sequence reads the
+#     reserved block 0 for the tokens of its last block.
+@hookimpl(wrapper=True)
+def _table_one_column_short(meta, inputs, batch_size, bucket):
+    result = yield
+    width = inputs.attn_metadata.block_offsets.shape[-1]
+    meta.input_buffers["block_offsets"][:batch_size, width - 1] = 0
+    return result
+
+
+# 68. kv lengths of the cached tokens only ("context length", as the engine's
+#     cache reports it before the step): a sequence's KV length counts its
+#     new tokens, so every sequence reads one key (q_len keys) too few.
+@hookimpl(wrapper=True)
+def _kv_lengths_without_the_new_tokens(meta, inputs, batch_size, bucket):
+    result = yield
+    meta.input_buffers["kv_seqlens"][:batch_size] -= inputs.num_tokens // batch_size
+    return result
+
+
+# 69. A graph context's max_q_seq_len of 1 for every decode graph ("decode is
+#     one query per sequence"): PPU's kernel bounds each query by it, and a
+#     verify graph of q_len 2 reads one.
+@hookimpl(wrapper=True)
+def _one_query_per_sequence_in_every_graph(meta, inputs, batch_size, bucket):
+    static = yield
+    static.attn_metadata.max_q_seq_len = 1
+    return static
+
+
+# 70. position_ids padded with -1, as the slots are ("-1 marks padding"):
+#     PyTorch's rotary gather wraps -1 to its table's last row, so results
+#     are right here; a fused rotary kernel indexing its cos/sin table by
+#     pointer reads before the table on a device.
+@hookimpl
+def _positions_padded_with_minus_one():
+    return ppu.PPU_SPEC.with_buffers(BufferSpec("position_ids", torch.int64, shape=(1, TOKENS), padding=-1))
+
+
+BROKEN_SUITE_C = {
+    "padding_slots_in_a_live_block": variant(
+        maca, "padding_slots_in_a_live_block", graphmode_fill_buffers=_padding_slots_in_the_first_block),
+    "table_padding_with_a_live_block": variant(
+        camb, "table_padding_with_a_live_block", graphmode_fill_buffers=_table_padding_with_the_first_block),
+    "bucket_after_an_equal_size": variant(
+        cuda, "bucket_after_an_equal_size", graphmode_compatible_size=_bucket_after_an_equal_size),
+    "positions_of_one_token_per_sequence": variant(
+        cuda, "positions_of_one_token_per_sequence", graphmode_fill_buffers=_positions_of_one_token_per_sequence),
+    "slots_through_an_int32_view": variant(
+        maca, "slots_through_an_int32_view", graphmode_fill_buffers=_slots_through_an_int32_view),
+    "table_one_column_short": variant(camb, "table_one_column_short", graphmode_fill_buffers=_table_one_column_short),
+    "kv_lengths_without_the_new_tokens": variant(
+        cuda, "kv_lengths_without_the_new_tokens", graphmode_fill_buffers=_kv_lengths_without_the_new_tokens),
+    "positions_padded_with_minus_one": variant(
+        ppu, "positions_padded_with_minus_one", graphmode_graph_spec=_positions_padded_with_minus_one),
+    "one_query_per_sequence_in_every_graph": variant(
+        ppu, "one_query_per_sequence_in_every_graph", graphmode_update_context=_one_query_per_sequence_in_every_graph),
+}
+# Caught by the multi-token decode test (every test before it passes them).
+CAUGHT_LATE_SUITE_C = {
+    "positions_of_one_token_per_sequence": "q_len_1_2_4_with_batch_churn",
+    "one_query_per_sequence_in_every_graph": "q_len_1_2_4_with_batch_churn",
+}
+_register(BROKEN_SUITE_C, CAUGHT_LATE_SUITE_C)

@@ -363,6 +363,53 @@ DIAGNOSES = {
         "with a float16 cache the same steps agree: the bfloat16 cache is read as float16",
         "Hook: graphmode_attention_ops must read the cache in its own dtype",
     ),
+    # Suite C (2026-12-02): realistic one-line bugs of classes no plugin above holds.
+    "padding_slots_in_a_live_block": (
+        "buffer kv_start_indices padding rows 45..47 hold",
+        "Hook: graphmode_fill_buffers wrote",
+        "cached before this step), so every padding token writes its keys and values over a live sequence's KV",
+    ),
+    "table_padding_with_a_live_block": (
+        "buffer block_offsets padding rows 45..47 hold",
+        "Hook: graphmode_fill_buffers wrote",
+        "padding rows read a live sequence's KV",
+    ),
+    "bucket_after_an_equal_size": (
+        "graphmode_compatible_size(1) returned 2 (the next capture size: a search that skips a size equal to the "
+        "batch, bisect_right where bisect_left is meant), but 1 is a capture size",
+    ),
+    "positions_of_one_token_per_sequence": (
+        "[declared buffers] vendor cuda on cpu, batch 8 x q_len 2",
+        "buffer position_ids live rows 8..15 hold",
+        "graphmode_fill_buffers did not copy the step's values into the live rows: its first 8 rows (one per "
+        "sequence) hold the step's values, rows past them do not",
+    ),
+    "slots_through_an_int32_view": (
+        "buffer kv_start_indices live rows",
+        "graphmode_fill_buffers did not copy the step's values into the live rows: its memory holds the step's "
+        "values as torch.int32 (written through a view of another dtype, where the buffer is declared torch.int64)",
+    ),
+    "table_one_column_short": (
+        "buffer block_offsets live rows",
+        "graphmode_fill_buffers did not copy the step's values into the live rows: only column 1 of this step's "
+        "2-column table differ, its last",
+    ),
+    "kv_lengths_without_the_new_tokens": (
+        "buffer kv_seqlens live rows 0..4 hold",
+        "graphmode_fill_buffers did not copy the step's values into the live rows: every live row is the step's "
+        "value -1: the lengths of the cached tokens only, without this step's 1 new token(s) per sequence",
+    ),
+    "positions_padded_with_minus_one": (
+        "[padding] vendor ppu: the declared padding is not neutral: buffer position_ids padding -1: it holds "
+        "positions",
+        "declare padding=0. Fix the plugin's GraphSpec (graphmode_graph_spec)",
+    ),
+    "one_query_per_sequence_in_every_graph": (
+        "the runner raised RuntimeError: PPU: a length is above max_q_seq_len=1",
+        "Likely cause: the graph context has max_q_seq_len=1, but every replay of this graph carries 2 new tokens "
+        "per sequence",
+        "Hook: graphmode_update_context",
+    ),
 }
 
 

@@ -280,7 +280,9 @@ SABOTAGES = {
         r"returned \[1, 3, 6\] at max_batches=16: it ends at 6, and the vendor declares no largest graph"),
     "graphmode_compatible_size": Sabotage(
         walkthrough, _next_size_up, compatible_size_is_a_fitting_capture_size,
-        r"graphmode_compatible_size\(1\) returned 3, but 1 is a capture size .*: each capture size must be its own bucket"),
+        r"graphmode_compatible_size\(1\) returned 3 \(the next capture size: a search that skips a size equal to the "
+        r"batch, bisect_right where bisect_left is meant\), but 1 is a capture size .*: each capture size must be its own "
+        r"bucket"),
     "graphmode_make_buffers": Sabotage(walkthrough, _without_padding, buffers_are_made_as_declared, "graphmode_make_buffers"),
     "graphmode_fill_buffers": Sabotage(cuda, _live_rows_only, padding_is_neutral, "padding left stale after the batch shrank"),
     "graphmode_update_context": Sabotage(

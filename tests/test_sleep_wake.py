@@ -94,6 +94,14 @@ def _device_graphs() -> int:
     return sum(isinstance(obj, DeviceGraph) for obj in gc.get_objects())
 
 
+def _warmed(model, mode):
+    """A runner warmed up on a cache of its own, and the tokens and logits it generates there."""
+    runner = graphmode.build_graph_runner(model, execute_mode=mode, **ARGS)
+    cache = _cache(model)
+    runner.warmup(cache, progress=False)
+    return runner, cache, _generate(runner, model, cache)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_sleep_gives_back_every_byte_the_warmup_took_and_holds_no_graph(model, mode):
     runner = graphmode.build_graph_runner(model, execute_mode=mode, **ARGS)
@@ -116,10 +124,7 @@ def test_sleep_gives_back_every_byte_the_warmup_took_and_holds_no_graph(model, m
 @pytest.mark.parametrize("mode", MODES)
 def test_steps_after_wake_equal_steps_before_and_eager(model, mode):
     eager = _generate(graphmode.build_graph_runner(model, execute_mode="eager", **ARGS), model, _cache(model))
-    runner = graphmode.build_graph_runner(model, execute_mode=mode, **ARGS)
-    cache = _cache(model)
-    runner.warmup(cache, progress=False)
-    before = _generate(runner, model, cache)
+    runner, cache, before = _warmed(model, mode)
     keys = [captured.name for captured in _graphs(runner)]
     runner.sleep()
     runner.wake(cache, progress=False)
@@ -189,10 +194,7 @@ def test_a_sleeping_runner_refuses_steps_and_warmups_naming_wake(model):
 
 
 def test_reset_while_asleep_forgets_the_sleep_and_steps_capture_again(model):
-    runner = graphmode.build_graph_runner(model, execute_mode="graph", **ARGS)
-    cache = _cache(model)
-    runner.warmup(cache, progress=False)
-    before = _generate(runner, model, cache)
+    runner, cache, before = _warmed(model, "graph")
     runner.sleep()
     runner.reset()
     assert not runner.asleep and runner.captured_graphs == []
@@ -278,10 +280,7 @@ def test_host_staging_comes_back_after_wake(model):
 
 def test_wake_takes_a_reallocated_cache(model):
     """The engine discarded the KV cache while asleep and made a new one: wake captures on it."""
-    runner = graphmode.build_graph_runner(model, execute_mode="full_and_piecewise", **ARGS)
-    cache = _cache(model)
-    runner.warmup(cache, progress=False)
-    before = _generate(runner, model, cache)
+    runner, cache, before = _warmed(model, "full_and_piecewise")
     runner.sleep()
     del cache
     cache = _cache(model)

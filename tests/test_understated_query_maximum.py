@@ -3,9 +3,13 @@ understates its real query lengths, its tokens equal to batch x the stated
 maximum (``q_seqlens`` [3, 1] under ``max_q_seq_len=2``), passes host facts
 as a uniform step of 2 tokens per sequence, and its full graph replays 2 for
 each: 0.04 to 0.37 off eager (issue 40). Refused from host values where the
-step is built on the host, and in debug mode; a device-built step's query
+step is built on the host, and in debug mode. A device-built step's query
 lengths are device values, which the runner does not read outside debug
-mode (a synchronisation per step): docs/engines.md, "Bad step inputs"."""
+mode (a synchronisation per step); it is refused where its host kv lengths
+prove it (a sequence whose kv_seqlens_cpu is below the stated maximum adds
+fewer tokens, so another adds more), and replays otherwise: docs/engines.md,
+"Bad step inputs". (More tokens than batch x the maximum is refused for every
+step, by host facts: tests/test_bad_step_inputs.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import torch
 from setups import tiny_setup
 
 from graphmode import InputError
+from graphmode.emulator import is_host
+from graphmode.model.engine import with_padding_rows
 
 # Camb graphs one token per sequence only (GraphSpec.max_q_len 1): its verify steps run eagerly.
 VERIFY_VENDORS = ["cuda", "ascend", "maca", "ppu"]
@@ -62,3 +68,34 @@ def test_debug_mode_refuses_a_device_built_one_naming_the_maximum(mode):
     setup, step, attn = _understated("cuda", mode, debug=True)
     with pytest.raises(InputError, match="^debug mode: " + _NAMED):
         _run(setup, step, attn)
+
+
+_PROVED = (r"max_q_seq_len=2, but sequence 1 has kv_seqlens_cpu=0: a sequence's KV length counts this step's new "
+           r"tokens, so it adds at most 0, and the step's 4 tokens for 2 sequences \(batch x max_q_seq_len\) need "
+           r"another sequence to add more than 2: the maximum understates.*Pass the step's real max_q_seq_len")
+
+
+@pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
+@pytest.mark.parametrize("vendor", VERIFY_VENDORS)
+def test_a_device_built_one_whose_host_kv_lengths_prove_it_is_refused_without_debug_mode(vendor, mode):
+    """q_seqlens [4, 0] (a padding row, kv length 0) under max_q_seq_len=2:
+    4 tokens for 2 sequences read as 2 each, but the padding row's host kv
+    length says it adds none. Before, its graph replayed 2 tokens for each."""
+    setup, _, _ = _understated(vendor, mode)
+    padded = with_padding_rows(setup.engine.decode(setup.engine.live()[:1], 4), [1])
+    assert not is_host(padded.attn_metadata.q_seqlens)  # device-built: query lengths on the device only
+    replays = setup.runner.stats.replays
+    with pytest.raises(InputError, match="^" + _PROVED):
+        _run(setup, padded, padded.attn_metadata.replace(max_q_seq_len=2))
+    assert setup.runner.stats.replays == replays
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "ascend"])
+def test_a_device_built_one_the_host_cannot_tell_replays_its_graph(vendor):
+    """The documented limit (docs/engines.md, "Bad step inputs"): [3, 1]
+    under max_q_seq_len=2, every host kv length at least 2, has the host
+    facts of [2, 2]; outside debug mode its graph replays."""
+    setup, step, attn = _understated(vendor, "graph")
+    replays = setup.runner.stats.replays
+    _run(setup, step, attn)
+    assert setup.runner.stats.replays == replays + 1

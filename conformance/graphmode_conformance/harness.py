@@ -39,6 +39,7 @@ from graphmode_conformance.structure import (
     DeclaredBuffers,
     check_context,
     check_unmodified,
+    query_bound_problem,
     step_tensors,
 )
 
@@ -317,11 +318,18 @@ class Harness:
         before = [tuple(t.clone() for t in pair) for pair in self.graph_cache]
         meta = self.runner.graph_meta() if full_graph is not None else None
         buffers_before = DeclaredBuffers.snapshot(meta) if meta is not None else {}
-        raw, graph, eager = self._graph_and_eager(inputs)
+        self._recording, self._captured_context = full_graph is not None and phase == "capture", None
+        try:
+            raw, graph, eager = self._graph_and_eager(inputs)
+        finally:
+            self._recording = False
         self.steps_run += 1
         where = f"[{self.check}] {describe(self.steps_run)}"
         if meta is not None and full_graph is not None:
             self.check_buffers(where.split("] ", 1)[1], meta, inputs, *full_graph, buffers_before)
+            bound = query_bound_problem(self._captured_context, inputs.num_tokens // full_graph[0])
+            if bound is not None:
+                raise ConformanceFailure(f"{where}: {bound}")
         self._check_outputs(where, graph, eager, per_token_seqs, phase, raw=raw)
         self._check_cache(where, before, owners)
         return where
@@ -335,10 +343,14 @@ class Harness:
             except ConformanceFailure:
                 raise
             except Exception as error:  # named with the hook it came from, as decode steps are
+                batch = len(inputs.attn_metadata.q_seqlens)
+                # The context recorded for this step: only a capture step of _compared records one.
+                recorded = self._captured_context if self._recording else None
+                bound = query_bound_problem(recorded, inputs.num_tokens // batch)
                 raise ConformanceFailure(
                     f"[{self.check}] vendor {self.vendor.name} on {self.device}{self.variant}, a step of "
-                    f"{len(inputs.attn_metadata.q_seqlens)} sequences and {inputs.num_tokens} tokens: "
-                    f"{self.describe_error(error)}"
+                    f"{batch} sequences and {inputs.num_tokens} tokens: "
+                    f"{self.describe_error(error)}" + (f". Likely cause: {bound}" if bound else "")
                 ) from error
             graph = raw.clone() if isinstance(raw, torch.Tensor) else raw
             return raw, graph, self._call_model(inputs)

@@ -107,6 +107,25 @@ def _copies_padded_unlike_their_source(spec, block_size: int) -> list[str]:
     return problems
 
 
+def _positions_outside_the_table(spec, positions: int) -> list[str]:
+    """Problems of every declared buffer holding positions (``position_ids``
+    or a copy of it) whose padding is no position of the model's rotary
+    table: a padding token's position indexes the table."""
+    problems = []
+    for buffer in spec.buffers:
+        fields = {buffer.name} | {path.rsplit(".", 1)[-1] for path in buffer.sources}
+        pad = buffer.padding
+        if "position_ids" in fields and isinstance(pad, (int, float)) and not 0 <= pad < positions:
+            problems.append(
+                f"buffer {buffer.name} padding {pad!r}: it holds positions, and the rotary embedding reads its "
+                f"cos/sin table at every padding token's position, outside the table's 0..{positions - 1} (results "
+                "here are right: PyTorch's indexing wraps -1 to the table's last row; a device kernel indexing the "
+                "table by pointer, as fused rotary kernels do, reads out of range). -1 is the slot buffer's padding "
+                "(no KV write), not a position's; declare padding=0"
+            )
+    return problems
+
+
 def _bytes(tensor: torch.Tensor) -> str:
     start = tensor.storage_offset() * tensor.element_size()
     return f"{start}..{start + _extent(tensor) - 1}"
@@ -300,6 +319,7 @@ class HookContractTests(ConformanceFixtures):
         if not isinstance(ids, int) or not 0 <= ids < harness.model.config.vocab_size:
             problems.append(f"input_ids padding {ids!r} outside the vocabulary")
         problems += _copies_padded_unlike_their_source(spec, block_size)
+        problems += _positions_outside_the_table(spec, harness.model.config.max_position_embeddings)
         if problems:
             raise ConformanceFailure(
                 f"[padding] vendor {vendor.name}: the declared padding is not neutral: " + "; ".join(problems)

@@ -28,7 +28,8 @@ from graphmode.context import StepInputs
 from graphmode.meta import GraphMeta
 from graphmode.spec import BLOCKS, BufferSpec, GraphSpec
 
-__all__ = ["ConformanceFailure", "DeclaredBuffers", "check_context", "check_unmodified", "step_tensors"]
+__all__ = ["ConformanceFailure", "DeclaredBuffers", "check_context", "check_unmodified", "query_bound_problem",
+           "step_tensors"]
 
 _ATTN_TENSORS = ("block_offsets", "q_start_loc", "q_seqlens", "kv_seqlens", "kv_start_indices", "kv_seqlens_cpu", "x_active_mask")
 
@@ -112,7 +113,7 @@ class DeclaredBuffers:
                     b.name: (step.num_tokens, bucket * per_seq) if b.per_token else (batch, bucket)
                     for b in self.spec.buffers if b.name in dict(problems)
                 }
-                danger = _live_slots_in_padding(meta, {b.name: b for b in self.spec.buffers if b.name in rows}, rows)
+                danger = _live_slots_in_padding(meta, step, {b.name: b for b in self.spec.buffers if b.name in rows}, rows)
                 raise ConformanceFailure(f"[declared buffers] {where}: {problems[0][1]}{more}{'.' if danger else ''}{danger}")
         finally:
             self.last = (batch, bucket)
@@ -218,10 +219,11 @@ class DeclaredBuffers:
                            "...)), which meta.spec holds beside the vendor's own buffers: a fill of the vendor's own "
                            "declarations only (its module's GraphSpec rather than meta.spec, or a fixed list of "
                            "names) leaves it. Fill every buffer of meta.spec")
+            how = skipped or _how_live_rows_differ(spec, buffer, live_rows, value, wrong, batch, step.num_tokens)
             return (
                 f"buffer {name} live rows {_span(wrong)} hold {_values(live_rows[wrong])}, but this step's "
                 f"{origin} is {_values(value[wrong])}: graphmode_fill_buffers did not copy the step's values "
-                f"into the live rows{skipped}"
+                f"into the live rows{how}"
             )
         return None
 
@@ -305,22 +307,109 @@ def _repeated_live_row(got: torch.Tensor, bad: list[int], live: int) -> int | No
     return None
 
 
-def _live_slots_in_padding(meta: GraphMeta, spec_of: dict[str, BufferSpec], live: dict[str, tuple[int, int]]) -> str:
+def _live_slots_in_padding(meta: GraphMeta, step: StepInputs, spec_of: dict[str, BufferSpec],
+                           live: dict[str, tuple[int, int]]) -> str:
     """A sentence naming the padding rows of a slot buffer that hold slots
-    this step's live tokens write (they would overwrite live KV), or ''."""
+    this step's live tokens write, or slots of a live sequence's cached
+    tokens (either way a padding token's write overwrites live KV), or the
+    padding rows of a block-table buffer holding a live sequence's block;
+    else ''."""
     for name, spec in spec_of.items():
-        fields = {path.rsplit(".", 1)[-1] for path in spec.sources}
-        if name != "kv_start_indices" and "kv_start_indices" not in fields:
-            continue
+        fields = {name} | {path.rsplit(".", 1)[-1] for path in spec.sources}
         start, stop = live[name]
         rows = _rows_first(meta.input_buffers[name].detach().cpu(), spec)
-        live_slots = {int(v) for v in rows[:start].flatten().tolist() if v >= 0}
-        hit = [r for r in range(start, stop) if any(int(v) in live_slots for v in rows[r].flatten().tolist())]
-        if hit:
+        if "kv_start_indices" in fields:
+            live_slots = {int(v) for v in rows[:start].flatten().tolist() if v >= 0}
+            hit = [r for r in range(start, stop) if any(int(v) in live_slots for v in rows[r].flatten().tolist())]
+            if hit:
+                return (
+                    f" Padding rows {_span(hit)} of {name} hold {_values(rows[hit])}: slots this step's live tokens "
+                    "write, so the graph writes padding tokens' keys and values into a live sequence's KV block."
+                )
+            cached = _owned_slots(step, meta.block_size)
+            hit = [r for r in range(start, stop) if any(int(v) in cached for v in rows[r].flatten().tolist())]
+            if hit:
+                slot = next(int(v) for v in rows[hit[0]].flatten().tolist() if int(v) in cached)
+                seq, position = cached[slot]
+                return (
+                    f" Padding rows {_span(hit)} of {name} hold {_values(rows[hit])}: slot {slot} is sequence {seq}'s "
+                    f"token at position {position} (block {slot // meta.block_size} of its table, cached before this "
+                    "step), so every padding token writes its keys and values over a live sequence's KV. Padding "
+                    "slots must be -1 (a fill-cache kernel skips them), never a slot of a block the engine gave "
+                    "to a sequence."
+                )
+        if "block_offsets" in fields and BLOCKS in spec.shape:
+            tables = step.attn_metadata.block_offsets.detach().cpu()
+            owner = {int(b): r for r in reversed(range(tables.shape[0])) for b in tables[r].tolist() if b > 0}
+            hit = [r for r in range(start, stop) if any(int(b) in owner for b in rows[r].flatten().tolist())]
+            if hit:
+                block = next(int(b) for b in rows[hit[0]].flatten().tolist() if int(b) in owner)
+                return (
+                    f" Padding rows {_span(hit)} of {name} point at block {block}, sequence {owner[block]}'s: "
+                    "padding rows read a live sequence's KV (and a kernel writing by table, or a padding slot "
+                    "derived from the table, writes there). Padding rows must read the reserved block 0, which "
+                    "the engine gives to no sequence."
+                )
+    return ""
+
+
+def _owned_slots(step: StepInputs, block_size: int) -> dict[int, tuple[int, int]]:
+    """slot -> (sequence, position) for every token the step's sequences
+    held before it (their kv lengths less this step's new tokens)."""
+    attn = step.attn_metadata
+    tables, kv, q = (t.detach().cpu().tolist() for t in (attn.block_offsets, attn.kv_seqlens, attn.q_seqlens))
+    owned: dict[int, tuple[int, int]] = {}
+    for seq, (table, length, new) in enumerate(zip(tables, kv, q)):
+        for position in range(max(0, min(length - new, len(table) * block_size))):
+            owned[table[position // block_size] * block_size + position % block_size] = (seq, position)
+    return owned
+
+
+def _how_live_rows_differ(spec: BufferSpec, buffer: torch.Tensor, live_rows: torch.Tensor, value: torch.Tensor,
+                          wrong: list[int], batch: int, tokens: int) -> str:
+    """A sentence naming how a buffer's live rows differ from the step's
+    values, where one pattern explains every wrong row; else ''."""
+    flat = value.flatten()
+    memory = buffer.detach().cpu().contiguous().view(-1)
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        if buffer.dtype.is_floating_point or buffer.dtype == torch.bool or dtype.itemsize == buffer.dtype.itemsize \
+                or memory.numel() * memory.element_size() % dtype.itemsize:
+            continue
+        seen = memory.view(dtype)[:flat.numel()]
+        if seen.numel() == flat.numel() and torch.equal(seen, flat.to(dtype)):
             return (
-                f" Padding rows {_span(hit)} of {name} hold {_values(rows[hit])}: slots this step's live tokens "
-                "write, so the graph writes padding tokens' keys and values into a live sequence's KV block."
+                f": its memory holds the step's values as {dtype} (written through a view of another dtype, "
+                f"where the buffer is declared {spec.dtype}), which its kernels read as {spec.dtype} values. "
+                f"Write the live rows as {spec.dtype} (buffer[:n].copy_(values) converts)"
             )
+    if spec.per_token and tokens > batch and wrong[0] >= batch:
+        return (
+            f": its first {batch} rows (one per sequence) hold the step's values, rows past them do not. "
+            f"A fill of {batch} rows, as for one token per sequence: a graph of {tokens // batch} tokens per "
+            f"sequence reads {tokens} token rows; copy num_tokens rows"
+        )
+    if BLOCKS in spec.shape and live_rows.dim() == 2:
+        columns = (live_rows != value).any(dim=0).nonzero().flatten().tolist()
+        width = live_rows.shape[1]
+        if columns and columns[0] > 0 and columns == list(range(columns[0], width)):
+            named = f"column {columns[0]}" if len(columns) == 1 else f"columns {_span(columns)}"
+            return (
+                f": only {named} of this step's {width}-column table differ, its last: the first {columns[0]} "
+                f"copied, where the step's table is {width} wide (an off-by-one in the width); a sequence reads "
+                "the reserved block for the tokens of its last blocks. Copy every column of the step's table"
+            )
+    offset = (live_rows.long() - value.long())
+    if offset.numel() and bool((offset == offset.flatten()[0]).all()) and int(offset.flatten()[0]) != 0:
+        by = int(offset.flatten()[0])
+        note = ""
+        fields = {spec.name} | {path.rsplit(".", 1)[-1] for path in spec.sources}
+        q_len = tokens // batch
+        if fields & {"kv_seqlens", "kv_seqlens_cpu"} and by == -q_len:
+            note = (
+                f": the lengths of the cached tokens only, without this step's {q_len} new token(s) per sequence. "
+                "A sequence's KV length counts them (attention reads them from the cache the step writes)"
+            )
+        return f": every live row is the step's value {by:+d}{note}"
     return ""
 
 
@@ -361,6 +450,23 @@ def check_context(
                     f"[step context] {where}: {path} has {got} rows for a batch of {batch} in bucket {bucket}; "
                     f"graphs must be captured at their bucket's size ({rows} rows). Hook: graphmode_update_context"
                 )
+
+
+def query_bound_problem(context: StepInputs | None, q_len: int) -> str | None:
+    """What is wrong with a captured graph context's ``max_q_seq_len`` below
+    the ``q_len`` new tokens per sequence every replay of its graph carries
+    (-1, "derive it", is not a bound); None when it holds or no context was
+    recorded."""
+    bound = context.attn_metadata.max_q_seq_len if context is not None else None
+    if not isinstance(bound, int) or not 0 <= bound < q_len:
+        return None
+    return (
+        f"the graph context has max_q_seq_len={bound}, but every replay of this graph carries {q_len} new tokens "
+        f"per sequence: a graph freezes host values, and a kernel bounding each query by it reads {bound} of them "
+        f"(or refuses the step). Graph contexts pass -1 where the kernel derives it on the device, or a bound valid "
+        f"at every replay: the graph's q_len, {q_len}. Hook: graphmode_update_context (or the GraphSpec's "
+        "max_q_seq_len policy)"
+    )
 
 
 def step_tensors(step: StepInputs) -> dict[str, torch.Tensor]:

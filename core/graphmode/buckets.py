@@ -283,10 +283,13 @@ def bucket_table(vendor: Vendor, max_batches: int, capture_sizes: tuple[int, ...
         table.append(bucket)
     for size in capture_sizes:
         if size <= max_batches and table[size] != size:
+            later = [s for s in capture_sizes if s > size]
+            skipped = (" (the next capture size: a search that skips a size equal to the batch, bisect_right "
+                       "where bisect_left is meant)" if later and table[size] == later[0] else "")
             raise ConfigError(
-                f"vendor {vendor.name!r}: graphmode_compatible_size({size}) returned {table[size]}, but {size} is a "
-                f"capture size of {list(capture_sizes)}: each capture size must be its own bucket, or its graph is "
-                f"captured and never replayed. {_ROUNDING}"
+                f"vendor {vendor.name!r}: graphmode_compatible_size({size}) returned {table[size]}{skipped}, but "
+                f"{size} is a capture size of {list(capture_sizes)}: each capture size must be its own bucket, or "
+                f"its graph is captured and never replayed. {_ROUNDING}"
             )
     return table
 

@@ -16,7 +16,7 @@ import torch
 from graphmode.context import AttnMetadata
 from graphmode.errors import InputError
 
-__all__ = ["check_kv_holds_q", "check_piecewise_step", "check_query_lengths", "check_uniform_step", "first_bad"]
+__all__ = ["check_host_kv_lengths", "check_kv_holds_q", "check_piecewise_step", "check_query_lengths", "check_uniform_step", "first_bad"]
 
 
 def check_uniform_step(attn: AttnMetadata, batch: int, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
@@ -52,6 +52,33 @@ def check_uniform_step(attn: AttnMetadata, batch: int, tokens: int, q_lens: torc
         f"sequence {r} has q_start_loc={int(q_starts[r])}; in a decode step of {q_len} token(s) per "
         f"sequence, sequence {r}'s tokens start at token {r * q_len}: q_start_loc must be "
         f"arange(batch) x {q_len}"), prefix)
+
+
+def check_host_kv_lengths(attn: AttnMetadata, batch: int, tokens: int, kv_lens: torch.Tensor) -> None:
+    """Refuse a device-built verify step that its host kv lengths prove is
+    not uniform: host facts read ``tokens == batch x max_q_seq_len`` as
+    ``q_len`` new tokens in every sequence, but a sequence's KV length counts
+    its new tokens, so one whose ``kv_seqlens_cpu`` is below ``q_len`` (a
+    padding row of kv length 0 among them) adds fewer, and another must add
+    more than the maximum. No device value is read: ``FullGraphs.run`` calls
+    this for verify steps whose query lengths are device values, where the
+    host holds ``kv_seqlens_cpu`` (the engine's, or Ascend's derived copy).
+    A step whose every host kv length is at least ``q_len`` (any sequence
+    with a cached prefix) is not told apart on the host: debug mode's."""
+    q_len = tokens // batch
+    if int(kv_lens.min()) >= q_len:
+        return
+    row = int((kv_lens < q_len).nonzero()[0])
+    kv = int(kv_lens[row])
+    raise InputError(
+        f"max_q_seq_len={attn.max_q_seq_len}, but sequence {row} has kv_seqlens_cpu={kv}: a sequence's KV length "
+        f"counts this step's new tokens, so it adds at most {kv}, and the step's {tokens} tokens for {batch} "
+        f"sequences (batch x max_q_seq_len) need another sequence to add more than {q_len}: the maximum "
+        f"understates the step's query lengths (or kv_seqlens_cpu is not the step's), and its graph would replay "
+        f"{q_len} tokens for every sequence while eager steps read the real lengths. Pass the step's real "
+        "max_q_seq_len (the largest q_seqlens): a step of unequal query lengths then runs eagerly (piecewise in "
+        "execute_mode='full_and_piecewise')"
+    )
 
 
 def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,

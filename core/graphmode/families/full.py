@@ -25,7 +25,7 @@ import torch
 from graphmode import default
 from graphmode.buffers import plan_key
 from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.checks.host_lengths import check_uniform_step
+from graphmode.checks.host_lengths import check_host_kv_lengths, check_uniform_step
 from graphmode.checks.host_reads import replay_guard
 from graphmode.checks.model_state import ModelState
 from graphmode.checks.validate import check_cache_layout
@@ -140,9 +140,12 @@ class FullGraphs:
             shared.ranks.agree_on_step(batch, bucket, "run", variant=shared.variant_index)
         if shared.debug is not None:
             shared.debug.check_step(inputs, batch)
-        elif q_len > 1 and on_host:  # host lengths: no synchronisation (q_len 1, the hot path, is debug mode's)
+        elif q_len > 1:  # host values only: no synchronisation (q_len 1, the hot path, is debug mode's)
             attn = given.attn_metadata
-            check_uniform_step(attn, batch, inputs.num_tokens, attn.q_seqlens, attn.q_start_loc)
+            if on_host:
+                check_uniform_step(attn, batch, inputs.num_tokens, attn.q_seqlens, attn.q_start_loc)
+            elif attn.kv_seqlens_cpu is not None:  # device query lengths: what the host kv lengths prove
+                check_host_kv_lengths(attn, batch, inputs.num_tokens, attn.kv_seqlens_cpu)
         captured = self._current().get((bucket, q_len))
         if captured is None:
             return self._capture(inputs, batch, bucket)
