@@ -30,7 +30,7 @@ def bound(ci_seconds: float) -> float:
 
 
 def _timed_out(what: str, seconds: float, ci_seconds: float, output: str = "") -> None:
-    pytest.fail(f"timeout (a hang catch, not a speed check): {what} did not finish in {seconds:.0f} s, "
+    pytest.fail(f"timeout (a hang catch, not a speed check): {what} did not finish in {seconds:g} s, "
                 f"{FACTOR}x the {ci_seconds:g} s it takes in CI" + (f"; its output so far:\n{output}" if output else ""),
                 pytrace=False)
 
