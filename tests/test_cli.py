@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import hangs
 import pytest
 
 import graphmode
@@ -33,8 +33,8 @@ print("torch imported:", "torch" in sys.modules)
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], []], ids=["--help", "--version", "no command"])
 def test_help_and_version_import_no_torch(argv):
-    result = subprocess.run([sys.executable, "-c", IMPORTS_TORCH.format(argv=argv)],
-                            capture_output=True, text=True, timeout=120)
+    result = hangs.run([sys.executable, "-c", IMPORTS_TORCH.format(argv=argv)], ci_seconds=3,
+                       capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "torch imported: False", result.stdout
 

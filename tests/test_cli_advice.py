@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hangs
 import pytest
 
 MISSING_LIBRARY = "libgraphmode_test_hccl.so"
@@ -39,7 +40,7 @@ def _run(command: list[str], site: Path, **env: str) -> subprocess.CompletedProc
     environ = {name: value for name, value in os.environ.items() if name != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     environ.update(env)
-    return subprocess.run(command, env=environ, capture_output=True, text=True, timeout=300)
+    return hangs.run(command, ci_seconds=10, env=environ, capture_output=True, text=True)
 
 
 def test_the_backend_really_breaks_import_torch(broken_backend):

@@ -312,6 +312,30 @@ def test_a_graph_without_a_debug_dump_is_named_and_skipped(tmp_path, monkeypatch
     torch.testing.assert_close(graph, eager)
 
 
+def test_a_cuda_graph_dump_without_cuda_bindings_is_named_and_skipped(tmp_path, monkeypatch):
+    """torch 2.14+ writes a CUDAGraph's DOT file through the cuda-bindings
+    package and raises without it (torch/cuda/graphs.py); the capture goes on."""
+
+    class NoBindings(_DumpsOnlyIfEnabled):
+        def debug_dump(self, path: str) -> None:
+            raise RuntimeError("This CUDAGraph API requires the cuda-bindings package; "
+                               "install it with `pip install cuda-bindings`.")
+
+    class Vendor(_DebugDumpVendor):
+        @staticmethod
+        @hookimpl
+        def graphmode_make_graph(meta):
+            return _HostTorchGraph(torch.device("cpu", 0), NoBindings())
+
+    monkeypatch.setenv("GRAPHMODE_DEBUG_DUMP", str(tmp_path))
+    setup = tiny_setup("dumps", plugin=Vendor(), capture_batch_sizes=[4], debug=True)
+    seqs = setup.prefill(3)
+    with pytest.warns(UserWarning, match=r"\$GRAPHMODE_DEBUG_DUMP: This CUDAGraph API requires the cuda-bindings "
+                                         r"package; .*; no dump of bucket 4"):
+        graph, eager = setup.decode(seqs)
+    torch.testing.assert_close(graph, eager)
+
+
 def test_torch_graph_enables_debug_mode_only_where_the_class_has_one():
     """torch_npu's NPUGraph has no enable_debug_mode (it dumps without): nothing to call."""
     with_it = _DumpsOnlyIfEnabled()

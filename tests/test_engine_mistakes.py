@@ -10,6 +10,7 @@ import re
 import threading
 import warnings
 
+import hangs
 import pytest
 import torch
 from setups import tiny_setup
@@ -47,7 +48,7 @@ class _Gate(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         self.entered.set()
-        assert self.release.wait(10), "the test never released the gate"
+        hangs.wait(self.release, "the test releasing the gate")
         return self.model(*args, **kwargs)
 
 
@@ -61,14 +62,14 @@ def test_reset_or_warmup_from_another_thread_during_a_step_is_refused(mode, meth
     step = setup.engine.prefill([setup.engine.add()], [20])  # eager in graph mode, above the token buckets
     first = threading.Thread(target=lambda: _run(setup, step))
     first.start()
-    assert gate.entered.wait(10)
+    hangs.wait(gate.entered, "the first call reaching the model's forward")
     try:
         call = {"reset": setup.runner.reset, "warmup": lambda: setup.runner.warmup(setup.graph_cache, progress=False)}
         with pytest.raises(InputError, match=rf"runner.{method}\(\) called while another call is running"):
             call[method]()
     finally:
         gate.release.set()
-        first.join()
+        hangs.join(first, "the first call")
     setup.runner.reset()  # free again
 
 

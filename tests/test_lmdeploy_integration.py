@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 
+import hangs
 import pytest
 import torch
 
@@ -147,9 +148,10 @@ def test_a_tensor_parallel_worker_process_builds_graph_runners_through_graphmode
     worker = _ReportingProc(proc_id=0, mp_ctx=context)
     worker.start(queue=queue)  # lmdeploy's own start, through graphmode's seam
     try:
-        assert queue.get(timeout=120) == (True, "full_and_piecewise", "graphmode_build_graph_runner")
+        seen = hangs.get(queue, "the spawned lmdeploy worker's report", ci_seconds=10)
+        assert seen == (True, "full_and_piecewise", "graphmode_build_graph_runner")
     finally:
-        worker.join()
+        hangs.join(worker, "the spawned lmdeploy worker", ci_seconds=5)
     assert worker.mp_ctx is context  # lmdeploy's context is given back
     gm_lmdeploy.disable()
     assert ExecutorProc.__dict__["start"].__name__ == "start"

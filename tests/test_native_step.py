@@ -9,6 +9,7 @@ import os
 import shutil
 import threading
 
+import hangs
 import pytest
 import torch
 from setups import tiny_setup
@@ -37,7 +38,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_one(tmp_path):
 
     killed = "from torch.utils.file_baton import FileBaton; import os, sys; " \
              "assert FileBaton(sys.argv[1] + '/lock').try_acquire(); os._exit(1)"
-    subprocess.run([sys.executable, "-c", killed, str(tmp_path)], check=False)
+    hangs.run([sys.executable, "-c", killed, str(tmp_path)], ci_seconds=3)
     assert (tmp_path / "lock").exists()  # what a killed build leaves
     with _build_lock(tmp_path):
         assert not (tmp_path / "lock").exists()
@@ -48,7 +49,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_one(tmp_path):
     assert child.stdout is not None and child.stdout.readline().strip() == "held"
     with _build_lock(tmp_path):
         assert (tmp_path / "done").exists()  # waited for the live build, its lock file untouched
-    assert child.wait() == 0
+    assert child.wait(hangs.bound(3)) == 0
 
 
 _seen: dict[int, int] = {}
@@ -165,17 +166,17 @@ def test_a_second_thread_is_refused_while_a_native_step_runs():
     def hold() -> None:
         with setup.runner._busy:
             holding.set()
-            release.wait(5)
+            hangs.wait(release, "the test releasing the runner's lock")
 
     thread = threading.Thread(target=hold)
     thread.start()
-    holding.wait(5)
+    hangs.wait(holding, "the thread taking the runner's lock")
     try:
         with torch.inference_mode(), pytest.raises(InputError, match="another call is running"):
             setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
     finally:
         release.set()
-        thread.join()
+        hangs.join(thread, "the thread holding the runner's lock")
 
 
 def test_runners_the_native_step_does_not_take(monkeypatch):

@@ -3,9 +3,9 @@ plugin manager involved) and vendor= (the vendor's ops, a convenience)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
+import hangs
 import pytest
 
 from graphmode import ConfigError
@@ -23,7 +23,7 @@ def test_ops_are_used_as_given_without_loading_any_plugin():
         "assert all(layer.self_attn.ops is ops for layer in model.layers)\n"
         "print(sorted(m for m in sys.modules if m.startswith(('graphmode.plugins', 'graphmode_'))))\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    result = hangs.run([sys.executable, "-c", script], ci_seconds=5, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
 

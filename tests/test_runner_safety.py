@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import hangs
 import pytest
 import torch
 from setups import tiny_setup
@@ -37,7 +38,7 @@ class _Gate(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         self.entered.set()
-        assert self.release.wait(10), "the test never released the gate"
+        hangs.wait(self.release, "the test releasing the gate")
         return self.model(*args, **kwargs)
 
 
@@ -51,12 +52,12 @@ def test_a_second_thread_calling_during_a_step_is_refused():
         target=lambda: setup.runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
     )
     first.start()
-    assert gate.entered.wait(10)
+    hangs.wait(gate.entered, "the first call reaching the model's forward")
     decode = setup.engine.decode(seqs)
     with pytest.raises(InputError, match="another call is running"):
         setup.runner(decode.input_ids, decode.position_ids, setup.graph_cache, decode.attn_metadata)
     gate.release.set()
-    first.join()
+    hangs.join(first, "the first call")
     setup.runner(decode.input_ids, decode.position_ids, setup.graph_cache, decode.attn_metadata)  # free again
 
 

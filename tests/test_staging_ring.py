@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+import hangs
 import pytest
 import torch
 
@@ -56,14 +57,6 @@ def test_the_ring_waits_for_every_copy_from_a_mirror_before_the_host_writes_it_a
     assert after_wait == copied[-1]
 
 
-def _returns(call, timeout=10.0):
-    """Whether ``call()`` returns within ``timeout`` seconds (it runs on a thread)."""
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return not thread.is_alive()
-
-
 @pytest.mark.parametrize("skipped", [None, GROUP - 1])
 def test_a_step_waits_only_for_the_copies_from_its_own_group(skipped):
     """The device held before every copy: the host runs a whole lap ahead
@@ -77,7 +70,7 @@ def test_a_step_waits_only_for_the_copies_from_its_own_group(skipped):
     with stream.asynchronous():
         try:
             for step in range(SLOTS):
-                assert _returns(ring.begin), f"step {step} of the first lap waited for the device"
+                hangs.returns(ring.begin, f"ring.begin() at step {step} of the first lap (it waited for the device)")
                 if step == skipped:  # the step stopped before its copy
                     gates[step].set()
                     continue
@@ -85,7 +78,7 @@ def test_a_step_waits_only_for_the_copies_from_its_own_group(skipped):
                 ring.copy(arena, mirrors[step])
             for gate in gates[:GROUP]:
                 gate.set()
-            assert _returns(ring.begin), "the step starting a group waited for more than that group's copies"
+            hangs.returns(ring.begin, "ring.begin() starting a group (it waited for more than that group's copies)")
         finally:
             for gate in gates:
                 gate.set()

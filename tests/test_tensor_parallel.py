@@ -1,6 +1,6 @@
 """Tensor parallel graph mode on the CPU: two processes on gloo, emulated
-graphs with the all-reduces recorded inside them. Each run is bounded by a
-timeout, so a hang fails the test instead of stalling CI."""
+graphs with the all-reduces recorded inside them. Each run is under a hang
+catch (tests/hangs.py), so a hang fails the test instead of stalling CI."""
 
 from __future__ import annotations
 
@@ -8,18 +8,23 @@ import re
 import subprocess
 import sys
 
+import hangs
 import pytest
 
 pytestmark = pytest.mark.slow
 
 
-def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+# The longest run here takes about this long in CI.
+CI_SECONDS = 40
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    # A collective that hangs times out inside the run, at half the run's
+    # bound, so gloo's own error says which collective waited.
+    collective = str(int(hangs.bound(CI_SECONDS) / 2))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "-m", "graphmode_conformance.tensor_parallel", "--device", "cpu", "--timeout", "60", *args]
-    try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"tensor-parallel run hung for {timeout}s: {error.stdout}")
+               "-m", "graphmode_conformance.tensor_parallel", "--device", "cpu", "--timeout", collective, *args]
+    return hangs.run(command, ci_seconds=CI_SECONDS, capture_output=True, text=True)
 
 
 def test_graph_equals_eager_at_tp2_and_tp2_matches_tp1():

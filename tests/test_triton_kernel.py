@@ -13,10 +13,10 @@ and the softmax weights before the product with V, to the input dtype).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import hangs
 import pytest
 import torch
 
@@ -291,7 +291,7 @@ def test_kernels_match_reference_in_the_triton_interpreter():
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
            "import test_triton_kernel as t; t.interpreter_check(); print('interpreter ok')"
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    done = hangs.run([sys.executable, "-c", code], ci_seconds=60, env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "interpreter ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -302,7 +302,7 @@ def test_the_kernel_module_imports_without_importing_triton():
     code = ("import sys, torch; before = 'triton' in sys.modules; "
             "import graphmode.kernels.triton_decode, graphmode.default; "
             "graphmode.default.graphmode_attention_ops(); print(before, 'triton' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = hangs.run([sys.executable, "-c", code], ci_seconds=5, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = done.stdout.split()
     assert after == before, "importing the kernel module, or choosing the ops, imported Triton"

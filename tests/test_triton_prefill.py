@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
+import hangs
 import pytest
 import torch
 
@@ -188,7 +188,7 @@ def test_prefill_kernel_equals_the_reference_in_the_triton_interpreter():
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
            "import test_triton_prefill as t; t.interpreter_check(); print('interpreter ok')"
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    done = hangs.run([sys.executable, "-c", code], ci_seconds=60, env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "interpreter ok" in done.stdout, done.stderr[-3000:]
 
 

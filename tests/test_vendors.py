@@ -50,6 +50,7 @@ from graphmode_ascend.plugin import AscendOptions
         ("2.10.0.post5", True),  # v26.2.0-beta.1-pytorch2.10.0
         ("2.12.0", True),  # v26.1.0-pytorch2.12.0
         ("2.13.0", True),  # v26.2.0-0day-pytorch2.13.0
+        ("2.14.0", True),  # the PyPI wheel: torch_npu/npu/graphs.py and _npugraph_handlers as 2.13.0's
         ("unknown", False),
         ("", False),
     ],

@@ -43,6 +43,8 @@ from graphmode.errors import InputError
 __all__ = ["ENV_DEBUG_DUMP", "StepChecker"]
 
 ENV_DEBUG_DUMP = "GRAPHMODE_DEBUG_DUMP"
+# What torch (2.14+) raises for a CUDA graph's dump without the cuda-bindings package.
+CUDA_BINDINGS_MISSING = "requires the cuda-bindings package"
 
 
 @dataclass
@@ -215,6 +217,13 @@ class StepChecker:
         try:
             graph.debug_dump(os.path.join(folder, f"{file}.dump"))
         except NotImplementedError as error:
+            warnings.warn(f"${ENV_DEBUG_DUMP}: {error}; no dump of {what}", stacklevel=2)
+        except RuntimeError as error:
+            # torch 2.14+ writes CUDA graphs' DOT files through the cuda-bindings
+            # package (torch/cuda/graphs.py, _require_cuda_bindings), which a
+            # torch built elsewhere than PyPI may lack: a missing dump, not a failed capture.
+            if CUDA_BINDINGS_MISSING not in str(error):
+                raise
             warnings.warn(f"${ENV_DEBUG_DUMP}: {error}; no dump of {what}", stacklevel=2)
 
     def check_addresses(self, graph: str, extras: dict[str, Any]) -> None:

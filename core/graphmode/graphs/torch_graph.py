@@ -2,7 +2,7 @@
 
 ``torch.accelerator.Graph`` (PyTorch 2.12+) is used where the device is the
 current accelerator and torch registered a graph implementation for its type
-(in 2.12 and 2.13, XPU only); otherwise the device module's own class, found by name
+(in 2.12 to 2.15, XPU only); otherwise the device module's own class, found by name
 (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``, ``torch.mlu.MLUGraph``,
 ``torch.xpu.XPUGraph``). Capture always runs on a side stream, one per device,
 shared by all graphs so that they can share one memory pool.
@@ -52,7 +52,13 @@ def _fresh_blas_workspace(device: torch.device) -> None:
     matmuls write into memory that is gone or holds other tensors. Seen on an
     H100: "an illegal memory access" at the first replay after a
     reduce-overhead compile, in 5 of 8 processes. A workspace in this graph's
-    pool stays mapped while the graph lives, whoever clears the map."""
+    pool stays mapped while the graph lives, whoever clears the map.
+
+    torch 2.15 caches no workspace by default: each cuBLAS(Lt) call takes its
+    workspace from the caching allocator (in a capture, from the graph's
+    pool), the map stays empty and this clears nothing. It still matters on
+    torch < 2.15 and with ``TORCH_CUBLAS_WORKSPACE_CACHE=1``, which brings the
+    cache back (docs/vendors/cuda.md, "torch 2.14 and 2.15")."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if device.type == "cuda" and clear is not None:
         clear()
@@ -211,7 +217,7 @@ def _accelerator_graph_impl_registered(device_type: str) -> bool:
 
     The class exists in torch 2.12+ for every device, but ATen's constructor
     checks ``at::has_graph_impl(device_type)`` and raises "Graph is not
-    supported on device type" where none is registered: in 2.12 and 2.13 only
+    supported on device type" where none is registered: in 2.12 to 2.15 only
     XPU registers one, not CUDA (and so not MACA or PPU, which run on torch's
     CUDA device type). torch exposes no predicate for it to Python, so this
     constructs one graph, once per device type, and keeps the answer. Any other
