@@ -17,6 +17,7 @@ import statistics
 
 import torch
 
+from graphmode.cli.devices import require_gpu
 from graphmode.context import AttnMetadata
 from graphmode.kernels.triton_decode import TritonAttentionOps
 from graphmode.model import ReferenceAttentionOps
@@ -47,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,8,64,256")
     args = parser.parse_args()
+    require_gpu(__file__)
     heads, kv_heads, dim, block_size, context = 14, 2, 64, 64, 1024
     width = -(-(context + 64) // block_size)
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from graphmode.cli.devices import script_device
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener
 
 
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
+    script_device(__file__, args.device)
     cache = [(torch.zeros(4, 16, 2, 8, device=args.device), torch.zeros(4, 16, 2, 8, device=args.device))
              for _ in range(args.layers)]
     flatten = cache_flattener(cache)

@@ -34,6 +34,7 @@ import torch
 
 import graphmode
 from graphmode.bench.workload import Workload
+from graphmode.cli.devices import script_device
 from graphmode.model import ModelConfig
 from graphmode.runner.weight_memory import WeightMemory
 
@@ -62,7 +63,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--steps", type=int, default=2000, help="native step calls per arm in part 2")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = script_device(__file__, args.device)
     config = ModelConfig.bench()
     if args.narrow:
         config = dataclasses.replace(config, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
