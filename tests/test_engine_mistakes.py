@@ -236,7 +236,7 @@ def test_a_declared_step_input_of_the_wrong_shape_type_or_device_is_refused_at_t
     setup = _setup(mode=mode)
     scaled = _Scaled(setup.model)
     runner = graphmode.build_graph_runner(
-        scaled, max_batches=16, num_blocks=8, block_size=16, device="cpu", capture_batch_sizes=[1, 2, 4],
+        scaled, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu", capture_batch_sizes=[1, 2, 4],
         execute_mode=mode, capture_token_sizes=[4, 8, 16],
         step_inputs=[BufferSpec("token_scale", torch.float32, shape=(TOKENS,), padding=1.0)],
     )
