@@ -111,7 +111,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_one(tmp_path):
     subprocess.run([sys.executable, "-c", killed, str(home)], check=False, timeout=300)
     assert (home / "build-killed" / "lock").exists()  # what a killed build leaves
     _finish(_fake_build(tmp_path, 0))
-    assert (home / "graphmode_native_step.so").exists()
+    assert (home / "graphmode_native_step.so").exists() and not (home / "build-killed").exists()
     live = ("import pathlib, sys, time; from graphmode.native import _build_lock; d = pathlib.Path(sys.argv[1])\n"
             "with _build_lock(d):\n    print('held', flush=True); time.sleep(0.5); (d / 'done').touch()")
     child = subprocess.Popen([sys.executable, "-c", live, str(home)], stdout=subprocess.PIPE, text=True)

@@ -110,7 +110,9 @@ def _load(home: Path) -> Any:
     if not built.exists():
         home.mkdir(parents=True, exist_ok=True)
         with _build_lock(home):
-            if not built.exists():  # another process's build while this one waited
+            if not built.exists():  # else another process built it while this one waited
+                for dead in home.glob("build-*"):  # killed builds': a live one would hold the lock
+                    shutil.rmtree(dead, ignore_errors=True)
                 return _build(home, built)
     spec = importlib.util.spec_from_file_location(_NAME, built)
     if spec is None or spec.loader is None:
