@@ -17,8 +17,8 @@ import statistics
 
 import torch
 
-from graphmode.cli.devices import require_gpu
 from graphmode.context import AttnMetadata
+from graphmode.devices import require_gpu
 from graphmode.kernels.triton_decode import TritonAttentionOps
 from graphmode.model import ReferenceAttentionOps
 

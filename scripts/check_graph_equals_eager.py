@@ -30,7 +30,7 @@ import torch
 
 import graphmode
 from graphmode.buckets import parse_sizes
-from graphmode.cli.devices import script_device
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine, pad_step
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import graphmode
-from graphmode.cli.devices import script_device
+from graphmode.devices import script_device
 from graphmode.integrations.huggingface import PRESETS, load_model, random_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import graphmode
-from graphmode.cli.devices import script_device
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig, build_reference_model
 
 MiB = 2**20

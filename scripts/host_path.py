@@ -69,7 +69,7 @@ from host_bound import HOST_BOUND, HandWritten
 
 import graphmode
 from graphmode.bench.workload import Workload
-from graphmode.cli.devices import script_device
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig
 from graphmode.staging import to_host
 

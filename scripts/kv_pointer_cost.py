@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from graphmode.cli.devices import script_device
+from graphmode.devices import script_device
 from graphmode.runner.cache_checks import CacheMemory, cache_flattener
 
 

@@ -30,7 +30,7 @@ import torch
 
 import graphmode
 from graphmode.bench.workload import Workload
-from graphmode.cli.devices import require_gpu
+from graphmode.devices import require_gpu
 from graphmode.model import ModelConfig
 from graphmode.runner.cache_checks import check_same_objects
 from graphmode.runner.validate import check_inputs

@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument("--turn-round", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--turn-json", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from graphmode.cli.devices import require_gpu
+    from graphmode.devices import require_gpu
 
     require_gpu(__file__)
     args.batches = [int(b) for b in args.batches.split(",")]

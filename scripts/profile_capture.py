@@ -23,7 +23,7 @@ import torch
 
 from graphmode.bench.cli import capture_cost
 from graphmode.bench.workload import Workload
-from graphmode.cli.devices import require_gpu
+from graphmode.devices import require_gpu
 from graphmode.model import ModelConfig
 
 

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import graphmode
 from graphmode.bench.workload import Workload
-from graphmode.cli.devices import script_device
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig
 
 

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphmode.bench.cases import PrefillWorkload, parse_cases
 from graphmode.bench.modes import GraphmodeRunner
-from graphmode.cli.devices import require_gpu
+from graphmode.devices import require_gpu
 from graphmode.model import ModelConfig
 
 

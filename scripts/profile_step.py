@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphmode.bench.modes import GraphmodeRunner
 from graphmode.bench.workload import Workload
-from graphmode.cli.devices import require_gpu
+from graphmode.devices import require_gpu
 from graphmode.model import ModelConfig
 
 

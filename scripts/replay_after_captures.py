@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from graphmode.cli.devices import require_gpu
+from graphmode.devices import require_gpu
 
 CASES = ("another-runner", "one-kernel-graphs", "eager-forwards", "allocations")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from graphmode.cli.devices import require_gpu
+from graphmode.devices import require_gpu
 
 # (rows, block_n, warps, stages, query heads per program; None: the whole group)
 CONFIGS = [(128, 64, 8, 2, None), (128, 64, 4, 2, None), (64, 64, 4, None, 1), (128, 64, 4, 2, 1),

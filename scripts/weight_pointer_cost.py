@@ -34,7 +34,7 @@ import torch
 
 import graphmode
 from graphmode.bench.workload import Workload
-from graphmode.cli.devices import script_device
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig
 from graphmode.runner.weight_memory import WeightMemory
 

@@ -1,6 +1,6 @@
 """The scripts under scripts/ that measure a GPU (docs/performance.md tells
 users to run them) stop on a machine without one with one line saying so
-(graphmode.cli.devices), not a traceback from inside torch; every script
+(graphmode.devices), not a traceback from inside torch; every script
 is classed here, so a new one is too."""
 
 from __future__ import annotations

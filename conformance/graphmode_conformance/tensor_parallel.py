@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import graphmode
 from graphmode.buckets import parse_sizes
-from graphmode.cli.devices import usable_device
+from graphmode.devices import usable_device
 from graphmode.distributed import init_process_group, torchrun_rank
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine, pad_step

@@ -35,7 +35,7 @@ from graphmode.bench.startup import measure_startup, startup_modes
 from graphmode.bench.tp import run_tp
 from graphmode.bench.workload import Workload
 from graphmode.buckets import padding_waste, parse_sizes
-from graphmode.cli.devices import usable_device
+from graphmode.devices import usable_device
 from graphmode.model import ModelConfig
 from graphmode.native import native_module
 from graphmode.plugins import installed_vendor_names, load_vendor

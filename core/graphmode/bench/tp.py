@@ -19,7 +19,7 @@ from graphmode.bench.common import add_arguments, median_step
 from graphmode.bench.modes import Eager, GraphmodeRunner
 from graphmode.bench.workload import Workload
 from graphmode.buckets import parse_sizes
-from graphmode.cli.devices import usable_device
+from graphmode.devices import usable_device
 from graphmode.distributed import init_process_group, torchrun_rank
 from graphmode.model import ModelConfig
 
