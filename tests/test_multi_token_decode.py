@@ -212,7 +212,7 @@ def test_ascend_refuses_multi_token_graphs_beyond_the_tnd_kernel_limits_at_build
     """FIA in TND layout (op-plugin's constraints, vllm-ascend's q_len limit):
     refused when the runner is built, not at the first multi-token step."""
     model = tiny_setup("ascend").model
-    settings = {"max_batches": 8, "num_blocks": 4, "block_size": 16, "max_q_len": 4, **options}
+    settings = {"max_batches": 8, "max_blocks_per_seq": 4, "block_size": 16, "max_q_len": 4, **options}
     with pytest.raises(ConfigError) as error:
         graphmode.build_graph_runner(model, device="cpu", vendor="ascend", **settings)
     assert str(error.value).startswith(
