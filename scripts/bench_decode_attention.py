@@ -19,6 +19,7 @@ import torch
 
 from graphmode.attention import ReferenceAttentionOps
 from graphmode.context import AttnMetadata
+from graphmode.devices import require_gpu
 from graphmode.kernels.triton_decode import TritonAttentionOps
 
 
@@ -47,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,8,64,256")
     args = parser.parse_args()
+    require_gpu(__file__)
     heads, kv_heads, dim, block_size, context = 14, 2, 64, 64, 1024
     width = -(-(context + 64) // block_size)
     torch.manual_seed(0)

@@ -30,6 +30,7 @@ import torch
 
 import graphmode
 from graphmode.buckets import parse_sizes
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine, pad_step
 
@@ -51,7 +52,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    device = torch.device(args.device)
+    device = script_device(__file__, args.device)
     config = ModelConfig.bench() if args.config == "bench" else ModelConfig.tiny()
     vendor = graphmode.select_vendor(args.vendor, device)
     model = build_reference_model(config, vendor, device)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 import graphmode
+from graphmode.devices import script_device
 from graphmode.integrations.huggingface import PRESETS, load_model, random_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculate", type=int, default=3, metavar="K", help="drafts per verify step")
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
+    script_device(__file__, args.device)
 
     dtype = getattr(torch, args.dtype)
     target = load_model(args.model or random_config(args.config), args.device, dtype)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 import graphmode
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig, build_reference_model
 
 MiB = 2**20
@@ -223,7 +224,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test on the emulator (--models tiny,llama-tiny "
                         "--compile off --no-pool --max-batches 8)")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = script_device(__file__, args.device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU emulator"
     print(f"{name}, torch {torch.__version__}", flush=True)
     results = []

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import graphmode
+from graphmode.devices import script_device
 from graphmode.integrations.huggingface import ATTENTION, PRESETS, load_model, random_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -164,6 +165,7 @@ def main() -> int:
     parser.add_argument("--speculate", type=int, default=0, metavar="K",
                         help="verify up to K n-gram drafted tokens per step (decode graphs of K+1 tokens per sequence)")
     args = parser.parse_args()
+    script_device(__file__, args.device)
 
     dtype = getattr(torch, args.dtype)
     model = load_model(args.model or random_config(args.config), args.device, dtype)

@@ -69,6 +69,7 @@ from host_bound import HOST_BOUND, HandWritten
 
 import graphmode
 from graphmode.bench.workload import Workload
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig
 from graphmode.staging import to_host
 
@@ -364,7 +365,7 @@ def main() -> None:
                         help="host work per step in the loops (default: the step's device time)")
     parser.add_argument("--model", choices=("host-bound", "bench"), default="host-bound")
     args = parser.parse_args()
-    device = Device(torch.device(args.device))
+    device = Device(script_device(__file__, args.device))
     batches = [int(b) for b in args.batches.split(",")]
     config = HOST_BOUND if args.model == "host-bound" else ModelConfig.bench()
     workload = Workload.build(config, device.device, max_batches=max(batches), steps=args.steps + 8)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from graphmode.checks.cache_checks import CacheMemory, cache_flattener
+from graphmode.devices import script_device
 
 
 def median_us(function: Callable[[], Any], repeats: int) -> float:
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
+    script_device(__file__, args.device)
     cache = [(torch.zeros(4, 16, 2, 8, device=args.device), torch.zeros(4, 16, 2, 8, device=args.device))
              for _ in range(args.layers)]
     flatten = cache_flattener(cache)

@@ -32,6 +32,7 @@ import graphmode
 from graphmode.bench.workload import Workload
 from graphmode.checks.cache_checks import check_same_objects
 from graphmode.checks.validate import check_inputs
+from graphmode.devices import require_gpu
 from graphmode.model import ModelConfig
 
 
@@ -59,7 +60,7 @@ def main() -> None:
     else:
         config = ModelConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=512, vocab_size=1024, dtype=torch.bfloat16)
-    device = torch.device("cuda")
+    device = require_gpu(__file__)
     workload = Workload.build(config, device, max_batches=max(batches), steps=4)
     runner = graphmode.build_graph_runner(workload.model, max_batches=workload.max_batches, max_blocks_per_seq=workload.width,
                                           block_size=workload.block_size, device=device, capture_batch_sizes=batches)

@@ -370,6 +370,9 @@ def main() -> None:
     parser.add_argument("--serve", choices=list(TURN_ENGINES), help=argparse.SUPPRESS)  # a timing child
     parser.add_argument("--serve-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from graphmode.devices import require_gpu
+
+    require_gpu(__file__)
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.serve:
         serve(args.serve_model, args.serve, args)

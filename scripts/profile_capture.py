@@ -23,11 +23,12 @@ import torch
 
 from graphmode.bench.cli import capture_cost
 from graphmode.bench.workload import Workload
+from graphmode.devices import require_gpu
 from graphmode.model import ModelConfig
 
 
 def main() -> None:
-    device = torch.device("cuda")
+    device = require_gpu(__file__)
     workload = Workload.build(ModelConfig.bench(), device, steps=2)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for run in range(3):

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import graphmode
 from graphmode.bench.workload import Workload
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200, help="calls per measurement (--host-bound)")
     parser.add_argument("--device", default="cuda", help="cuda; cpu (the emulator) only checks --host-bound runs")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = script_device(__file__, args.device)
     if args.host_bound:
         from host_bound import run
 

@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphmode.bench.cases import PrefillWorkload, parse_cases
 from graphmode.bench.modes import GraphmodeRunner
+from graphmode.devices import require_gpu
 from graphmode.model import ModelConfig
 
 
@@ -33,8 +34,9 @@ def main() -> None:
     parser.add_argument("--cases", default="1x128,16x2048")
     parser.add_argument("--mode", default="full_and_piecewise", choices=["piecewise", "full_and_piecewise"])
     args = parser.parse_args()
+    device = require_gpu(__file__)
     cases = parse_cases(args.cases, decode_context=1024)
-    workload = PrefillWorkload.build(ModelConfig.bench(), torch.device("cuda"), cases, block_size=64)
+    workload = PrefillWorkload.build(ModelConfig.bench(), device, cases, block_size=64)
     mode = GraphmodeRunner(workload.model, workload, "cuda", execute_mode=args.mode, compile=True,
                            capture_token_sizes=sorted({case.tokens for case in cases}))
     started = time.perf_counter()

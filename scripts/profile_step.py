@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphmode.bench.modes import GraphmodeRunner
 from graphmode.bench.workload import Workload
+from graphmode.devices import require_gpu
 from graphmode.model import ModelConfig
 
 
@@ -37,7 +38,7 @@ def main() -> None:
     parser.add_argument("--compile-mode", default="default", help="torch.compile mode (default, max-autotune-no-cudagraphs)")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    device = torch.device("cuda")
+    device = require_gpu(__file__)
     workload = Workload.build(ModelConfig.bench(), device, steps=args.steps)
     options = {"compile_options": {"mode": args.compile_mode}} if args.compile else {}
     mode = GraphmodeRunner(workload.model, workload, "cuda", compile=args.compile, **options)

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from graphmode.devices import require_gpu
+
 CASES = ("another-runner", "one-kernel-graphs", "eager-forwards", "allocations")
 
 
@@ -81,6 +83,7 @@ def run_case(case: str) -> None:
 
 
 def main() -> None:
+    require_gpu(__file__)
     if len(sys.argv) > 1:
         run_case(sys.argv[1])
         return

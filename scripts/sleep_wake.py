@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 import graphmode
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 
@@ -142,6 +143,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
+    script_device(__file__, args.device)
     cpu = torch.device(args.device).type == "cpu"
     args.max_batches = args.max_batches or (4 if cpu else 256)
     if cpu:  # the emulator: small enough to finish in minutes

@@ -14,9 +14,8 @@ result (relative error; BLOCK_N changes the summation order) and timed with
 from __future__ import annotations
 
 import torch
-import triton.testing
 
-from graphmode.kernels import triton_prefill
+from graphmode.devices import require_gpu
 
 # (rows, block_n, warps, stages, query heads per program; None: the whole group)
 CONFIGS = [(128, 64, 8, 2, None), (128, 64, 4, 2, None), (64, 64, 4, None, 1), (128, 64, 4, 2, 1),
@@ -25,6 +24,11 @@ CONFIGS = [(128, 64, 8, 2, None), (128, 64, 4, 2, None), (64, 64, 4, None, 1), (
 
 
 def main() -> None:
+    require_gpu(__file__)
+    import triton.testing  # after the check: a CPU-only torch comes without triton
+
+    from graphmode.kernels import triton_prefill
+
     torch.manual_seed(0)
     seqs, length, heads, kv_heads, dim, page = 16, 2048, 14, 2, 64, 64
     tokens, per_seq = seqs * length, length // page

@@ -34,6 +34,7 @@ from kv_pointer_cost import median_us  # scripts/, on the path when run as a scr
 import graphmode
 from graphmode.bench.workload import Workload
 from graphmode.checks.weight_memory import WeightMemory
+from graphmode.devices import script_device
 from graphmode.model import ModelConfig
 
 
@@ -50,7 +51,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--steps", type=int, default=2000, help="native step calls per arm in part 2")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = script_device(__file__, args.device)
     config = ModelConfig.bench()
     if args.narrow:
         config = dataclasses.replace(config, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -59,7 +59,7 @@ def test_the_protocol_names_what_graphmode_calls_and_nothing_else():
     assert used == PROTOCOL, f"AttentionOps names {sorted(PROTOCOL - used)}, which nothing here reads"
 
 
-VENDOR_OPS = {name: lambda name=name: graphmode.load_vendor(name).hook.graphmode_attention_ops() for name in installed_vendor_names()}
+VENDOR_OPS = {name: lambda name=name: graphmode.load_vendor(name).attention_ops() for name in installed_vendor_names()}
 VENDOR_OPS["walkthrough"] = walkthrough.AcmeAttentionOps
 
 

@@ -21,6 +21,7 @@ from graphmode.bench.common import add_arguments
 from graphmode.bench.report import print_costs
 from graphmode.bench.startup import startup_modes
 from graphmode.cli.main import main
+from graphmode.plugins import installed_vendor_names
 
 CASES = "1x8,4x8,mix16+4,decode4"
 
@@ -222,3 +223,45 @@ def test_a_startup_mode_without_graphs_is_refused_naming_the_choices():
     with pytest.raises(SystemExit, match=r"--startup-modes 'eager': \['eager'\] is not an execute mode with graphs; "
                                          r"pass some of graph,piecewise,full_and_piecewise, or none"):
         startup_modes("eager", torch.device("cpu"))
+
+
+def test_a_vendor_that_is_not_installed_is_one_clear_error_with_a_guess():
+    """`--vendors cdua` printed "Installed vendors:." with nothing after it."""
+    installed = ", ".join(installed_vendor_names())
+    with pytest.raises(SystemExit, match=re.escape(
+        f"graphmode bench: --vendors cdua: no vendor of that name is installed; did you mean cuda? (installed: "
+        f"{installed}; `graphmode vendors` lists them)"
+    )):
+        main(["bench", "--device", "cpu", "--vendors", "cdua", "--batches", "1"])
+
+
+@pytest.mark.parametrize("text, guess", [("gpu", "cuda"), ("gpu:1", "cuda:1"), ("cdua", "cuda"), ("ascend", "npu")])
+def test_a_device_name_torch_does_not_know_gets_a_guess(text, guess):
+    with pytest.raises(SystemExit, match=re.escape(
+        f"graphmode bench: --device {text!r} is not a device torch {torch.__version__} knows; did you mean {guess}? "
+    )):
+        main(["bench", "--device", text])
+
+
+def test_modes_that_cannot_run_on_the_cpu_say_so_instead_of_vanishing(capsys, tmp_path):
+    """`--modes graphmode,hand` on the CPU dropped hand without a word."""
+    out, results = run_bench(capsys, tmp_path, "--modes", "graphmode,hand", "--vendors", "cuda", "--batches", "1",
+                             "--steps", "1", "--warmup", "1", "--startup-modes", "none")
+    assert list(results["latency_ms"]) == ["graphmode[cuda]"]
+    assert "not timed: hand: CUDA only, not on cpu (hand: a hand-written CUDA graph); pass --device cuda on a GPU" in out
+
+
+def test_the_native_step_is_built_before_anything_is_timed(monkeypatch, capsys, tmp_path):
+    """Its build (half a minute, once per torch build) was timed as the first
+    replay step of whichever mode came first: "batch 1: 11003.191 ms"."""
+    import graphmode.bench.cli as bench
+
+    events: list[str] = []
+    real_native, real_turns = bench.native_module, bench.taking_turns
+    monkeypatch.setattr(bench, "native_module", lambda: events.append("native") or real_native())
+    monkeypatch.setattr(bench, "measure_startup", lambda *args: events.append("timed") or {})
+    monkeypatch.setattr(bench, "taking_turns", lambda *args: events.append("timed") or real_turns(*args))
+    out, _ = run_bench(capsys, tmp_path, "--modes", "graphmode", "--vendors", "cuda", "--batches", "1",
+                       "--steps", "1", "--warmup", "1")
+    assert events[0] == "native" and "timed" in events
+    assert re.search(r"^native step: (loaded in [\d.]+ s, before any timing|off \()", out, re.M), out

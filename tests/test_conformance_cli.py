@@ -174,3 +174,48 @@ def test_a_plugin_module_not_on_the_path_is_one_clear_error(capsys, monkeypatch,
     assert f"in the current directory ({tmp_path})" in err, err
     assert cli.run(_args("--device", "cpu", "--plugin", "graphmode_conformance:no_such_object")) == 2
     assert "module graphmode_conformance has no object 'no_such_object'" in capsys.readouterr().err
+
+
+def test_an_xfails_file_that_is_not_there_is_one_clear_error(capsys, tmp_path):
+    """docs/conformance.md's own example, `--xfails known.txt`, without the
+    file: one line, no pytest process (each stopped in an INTERNALERROR)."""
+    missing = tmp_path / "known.txt"
+    assert cli.run(_args("--xfails", str(missing))) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        f"graphmode conformance: --xfails {missing}: no such file (a file of test ids expected to fail, one per "
+        "line, '#' comments; docs/conformance.md)"
+    )
+
+
+def test_the_plugin_given_an_xfails_file_that_is_not_there_is_a_usage_error(tmp_path):
+    """The pytest plugin alone (pytest -p graphmode_conformance.plugin): a
+    usage error of one line, not an INTERNALERROR traceback."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "known.txt"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(cli.SUITE), "-p", "graphmode_conformance.plugin", "-p", "no:cacheprovider",
+         "--rootdir", str(tmp_path), "--graphmode-xfails", str(missing), "--collect-only", "-q"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "INTERNALERROR" not in result.stdout + result.stderr
+    assert result.stderr.strip() == f"ERROR: --graphmode-xfails {missing}: no such file (a file of test ids expected to fail)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_tensor_parallel_on_cuda_without_a_cuda_device_is_one_clear_error():
+    """`torchrun ... graphmode_conformance.tensor_parallel --device cuda` on a
+    CPU-only torch: each rank stops saying there is no GPU, as the graphmode
+    command does (it raised AttributeError '_cuda_setDevice' at set_device)."""
+    from graphmode_conformance import tensor_parallel
+
+    with pytest.raises(SystemExit) as stop:
+        tensor_parallel.main(["--device", "cuda"])
+    assert str(stop.value).startswith(
+        "graphmode_conformance.tensor_parallel: --device cuda: no cuda device is available to torch here (torch ")
+    assert str(stop.value).endswith("; pass --device cpu to run it on the CPU graph emulator over gloo")
+    assert "\n" not in str(stop.value)

@@ -130,5 +130,5 @@ def test_the_example_prints_graphmode_errors_in_one_line(tmp_path, capsys):
     missing = tmp_path / "no-such-dir"
     assert serve_hf.main(["--model", str(missing)]) == 2
     captured = capsys.readouterr()
-    assert captured.err == (f"serve_hf.py: {str(missing)!r} is not a model directory (no config.json); pass a "
-                            "local HF model directory\n")
+    assert captured.err == (f"serve_hf.py: {str(missing)!r} is not a model directory (no config.json) nor a .gguf "
+                            "file; pass a local HF model directory or GGUF file\n")

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import hangs
 import pytest
@@ -26,29 +29,96 @@ def test_the_native_step_builds_here():
     assert native_module() is not None, "graphmode.native could not be built; see the graphmode logger's INFO record"
 
 
+# A child process whose build is torch's load replaced by a copy of the module
+# this process has (argv: that module, seconds the "build" takes), so that the
+# build's locking and caching are tested without compiling.
+_FAKE_BUILD = """
+import importlib.util, pathlib, shutil, sys, time
+import torch.utils.cpp_extension as ext
+built = pathlib.Path(sys.argv[1])
+def load(name, sources, build_directory, **kwargs):
+    if float(sys.argv[2]) < 0:
+        raise AssertionError("built again")
+    with open(pathlib.Path(build_directory).parent.parent / "builds.txt", "a") as log:
+        log.write("built\\n")
+    time.sleep(float(sys.argv[2]))
+    shutil.copy(built, pathlib.Path(build_directory) / built.name)
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(build_directory) / built.name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+ext.load = load
+from graphmode.native import native_module
+assert native_module() is not None, "no native module"
+"""
+
+
+def _built_module() -> Path:
+    """The module this process loaded, where the native step keeps it."""
+    assert native_module() is not None
+    return graphmode.native.native_dir() / graphmode.native.build_key() / "graphmode_native_step.so"
+
+
+def _fake_build(home: Path, seconds: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _FAKE_BUILD, str(_built_module()), str(seconds)],
+                            env={**os.environ, graphmode.native.ENV_NATIVE_DIR: str(home)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(child: subprocess.Popen) -> str:
+    try:
+        _, stderr = child.communicate(timeout=300)  # a hang here is a lock never released
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise AssertionError("a native-step build process ran past its 300 s timeout (a hang?)") from None
+    assert child.returncode == 0, stderr[-3000:]
+    return stderr
+
+
+def test_processes_build_the_module_once_and_say_so_once(tmp_path):
+    """Two processes starting at once on an empty cache: one builds (one line
+    on stderr says so), the other waits for its module; a later process loads
+    it without building (the fake build raises if asked)."""
+    first, second = _fake_build(tmp_path, 2), _fake_build(tmp_path, 2)
+    said = _finish(first) + _finish(second)
+    assert (tmp_path / "builds.txt").read_text().splitlines() == ["built"]
+    assert said.count("graphmode: building the native replay step") == 1, said
+    assert len(said.strip().splitlines()) == 1, said
+    assert _finish(_fake_build(tmp_path, -1)) == ""
+
+
+def test_the_build_key_names_what_the_module_was_built_against_not_where(monkeypatch):
+    """An environment with the same torch shares the module: its key holds no
+    path (a second virtual environment has another sys.prefix and torch path)."""
+    key = graphmode.native.build_key()
+    assert torch.__version__ in key
+    monkeypatch.setattr(sys, "prefix", "/elsewhere/venv")
+    monkeypatch.setattr(sys, "executable", "/elsewhere/venv/bin/python")
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/torch/__init__.py")
+    assert graphmode.native.build_key() == key
+
+
 def test_a_build_killed_mid_way_does_not_hang_the_next_one(tmp_path):
     """PyTorch's build lock is a file its baton waits on forever: a build killed
-    before removing it hung every later process at its first replay. The build
-    now holds an OS lock (dropped when its process dies) and clears a dead
-    build's file; a live build's is waited for, not cleared."""
-    import subprocess
-    import sys
-
+    before removing it hung every later process at its first replay. A build
+    holds an OS lock (dropped when its process dies) and builds in a new
+    directory, so the next process builds; a live build is waited for."""
     from graphmode.native import _build_lock
 
-    killed = "from torch.utils.file_baton import FileBaton; import os, sys; " \
-             "assert FileBaton(sys.argv[1] + '/lock').try_acquire(); os._exit(1)"
-    hangs.run([sys.executable, "-c", killed, str(tmp_path)], ci_seconds=3)
-    assert (tmp_path / "lock").exists()  # what a killed build leaves
-    with _build_lock(tmp_path):
-        assert not (tmp_path / "lock").exists()
+    home = tmp_path / graphmode.native.build_key()
+    killed = ("import os, pathlib, sys; from graphmode.native import _build_lock; d = pathlib.Path(sys.argv[1])\n"
+              "d.mkdir(parents=True)\n"
+              "with _build_lock(d):\n    (d / 'build-killed').mkdir(); (d / 'build-killed' / 'lock').touch(); os._exit(1)")
+    hangs.run([sys.executable, "-c", killed, str(home)], ci_seconds=3)
+    assert (home / "build-killed" / "lock").exists()  # what a killed build leaves
+    _finish(_fake_build(tmp_path, 0))
+    assert (home / "graphmode_native_step.so").exists() and not (home / "build-killed").exists()
     live = ("import pathlib, sys, time; from graphmode.native import _build_lock; d = pathlib.Path(sys.argv[1])\n"
-            "with _build_lock(d):\n    (d / 'lock').touch(); print('held', flush=True); time.sleep(0.5)\n"
-            "    assert (d / 'lock').exists(); (d / 'lock').unlink(); (d / 'done').touch()")
-    child = subprocess.Popen([sys.executable, "-c", live, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+            "with _build_lock(d):\n    print('held', flush=True); time.sleep(0.5); (d / 'done').touch()")
+    child = subprocess.Popen([sys.executable, "-c", live, str(home)], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None and child.stdout.readline().strip() == "held"
-    with _build_lock(tmp_path):
-        assert (tmp_path / "done").exists()  # waited for the live build, its lock file untouched
+    with _build_lock(home):
+        assert (home / "done").exists()  # waited for the live build
     assert child.wait(hangs.bound(3)) == 0
 
 

@@ -32,7 +32,7 @@ def test_graph_context_passes_the_block_table_capacity():
 
 
 def test_the_ppu_kernel_is_the_enforcing_reference():
-    assert isinstance(graphmode.load_vendor("ppu").hook.graphmode_attention_ops(), PPUAttentionOps)
+    assert isinstance(graphmode.load_vendor("ppu").attention_ops(), PPUAttentionOps)
 
 
 @pytest.mark.parametrize("field, value", [("max_kv_seq_len", -1), ("max_kv_seq_len", 0), ("max_q_seq_len", -1)])

@@ -331,7 +331,7 @@ def test_attention_choice(monkeypatch):
     auto = TritonAttentionOps if (CUDA and triton_available()) else ReferenceAttentionOps
     assert type(cuda_attention_ops()) is auto
     monkeypatch.setenv("GRAPHMODE_ATTENTION", "reference")
-    assert type(graphmode.load_vendor("cuda").hook.graphmode_attention_ops()) is ReferenceAttentionOps
+    assert type(graphmode.load_vendor("cuda").attention_ops()) is ReferenceAttentionOps
     monkeypatch.setenv("GRAPHMODE_ATTENTION", "flash")
     with pytest.raises(ValueError, match=r"attention='flash'.*GRAPHMODE_ATTENTION.*auto, triton, reference"):
         cuda_attention_ops()

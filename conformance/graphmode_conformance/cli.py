@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     # clear line, not the same error from every test of a pytest process.
     try:
         sizes = given_sizes(args)
+        if args.xfails:
+            check_xfails(Path(args.xfails))
         if args.plugin and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # as `python -m` does: a plugin module here imports
         plan = targets(args.vendor, args.device, args.plugin)
@@ -205,6 +207,14 @@ def print_summary(runs: list[dict]) -> None:
         result = "PASS" if status == 0 else "NO TEST MATCHED" if status == NO_TESTS else f"FAIL (exit {status})"
         print(f"{run['vendor']:16s} {str(run.get('device')):8s} " + " ".join(f"{counts[o]:8d}" for o in outcomes)
               + f" {run['seconds']:6.1f}s  {result}")
+
+
+def check_xfails(path: Path) -> None:
+    """Refuse an ``--xfails`` file that is not there (each vendor's pytest
+    process would stop in an INTERNALERROR traceback)."""
+    if not path.is_file():
+        raise ConfigError(f"--xfails {path}: no such file (a file of test ids expected to fail, one per line, "
+                          "'#' comments; docs/conformance.md)")
 
 
 def check_variant(target: Target, wanted: str) -> None:

@@ -289,7 +289,9 @@ def capture_list(vendor: graphmode.Vendor, sizes: Sizes) -> str:
 
 def _read_xfails(path: Path) -> dict[str, str]:
     """Test ids from a file: one per line; '#' starts a comment, which
-    becomes the reason."""
+    becomes the reason. A file that is not there is a usage error (one line)."""
+    if not path.is_file():
+        raise pytest.UsageError(f"--graphmode-xfails {path}: no such file (a file of test ids expected to fail)")
     ids = {}
     for line in path.read_text().splitlines():
         text, _, comment = line.partition("#")

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import graphmode
 from graphmode.buckets import parse_sizes
+from graphmode.devices import usable_device
 from graphmode.distributed import init_process_group, torchrun_rank
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine, pad_step
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="full_and_piecewise: prefills in piecewise graphs (token buckets to 512), decodes in full graphs")
     args = parser.parse_args(argv)
 
+    # One line where the device is missing (a CPU-only torch), not torch's AttributeError at set_device.
+    usable_device(args.device, "graphmode_conformance.tensor_parallel",
+                  hint="pass --device cpu to run it on the CPU graph emulator over gloo")
     rank, world, device = torchrun_rank(args.device)
     on_gpu = device.type != "cpu"
     config = ModelConfig.bench() if (args.config or ("bench" if on_gpu else "tiny")) == "bench" else ModelConfig.tiny()

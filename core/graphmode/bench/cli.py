@@ -14,6 +14,7 @@ Prints a table, and writes a JSON file and a plot when asked.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import statistics
 import sys
@@ -35,12 +36,13 @@ from graphmode.bench.startup import measure_startup, startup_modes
 from graphmode.bench.tp import run_tp
 from graphmode.bench.workload import Workload
 from graphmode.buckets import padding_waste, parse_sizes
+from graphmode.devices import usable_device
 from graphmode.families.full import FullGraphs
 from graphmode.model import ModelConfig
+from graphmode.native import native_module
 from graphmode.plugins import installed_vendor_names, load_vendor
 from graphmode.runner.setup import default_capture_sizes
 from graphmode.staging import to_host
-from graphmode.vendor_info import device_available
 
 # The timed steps of a batch size come in this many runs, the modes taking
 # turns (bench.common.taking_turns): no mode is timed minutes after another.
@@ -149,18 +151,9 @@ def vendor_padding_waste(names: list[str], max_batches: int) -> dict[str, dict[s
 def bench_device(text: str) -> torch.device:
     """``--device`` as a torch device, or a stop naming what is missing:
     torch cannot make that device, or has none of its kind here."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise SystemExit(f"graphmode bench: --device {text!r} is not a device torch {torch.__version__} knows "
-                         "(its vendor extension is not installed or failed to load); pass --device cpu for "
-                         "the CPU graph emulator") from None
-    usable, why = device_available(device)
-    if not usable:
-        raise SystemExit(f"graphmode bench: --device {text}: {why} (torch {torch.__version__}). The bench times "
-                         "a real device: run it where one is visible, or pass --device cpu for the CPU graph "
-                         "emulator (the tiny model; its times say nothing about a GPU)")
-    return device
+    return usable_device(text, "graphmode bench", hint=(
+        "the bench times a real device: run it where one is visible, or pass --device cpu for the CPU graph "
+        "emulator (the tiny model; its times say nothing about a GPU)"))
 
 
 def bench_vendors(requested: str | None, model: Any, device: torch.device) -> tuple[list[str], list[str]]:
@@ -171,7 +164,14 @@ def bench_vendors(requested: str | None, model: Any, device: torch.device) -> tu
     left out with their reason; a vendor named in ``--vendors`` that cannot
     run stops the command with the reason."""
     contract = getattr(model.ops, "contract", None)
-    names = [name for name in (requested or "").split(",") if name] or installed_vendor_names()
+    installed = installed_vendor_names()
+    names = [name for name in (requested or "").split(",") if name] or installed
+    for name in names:
+        if name not in installed:
+            close = difflib.get_close_matches(name, installed, n=1)
+            raise SystemExit(f"graphmode bench: --vendors {name}: no vendor of that name is installed"
+                             f"{f'; did you mean {close[0]}?' if close else ''} (installed: {', '.join(installed)}; "
+                             "`graphmode vendors` lists them)")
     timed, skipped = [], []
     for name in names:
         try:
@@ -195,8 +195,40 @@ def bench_vendors(requested: str | None, model: Any, device: torch.device) -> tu
     return timed, skipped
 
 
+# The decode modes that run on CUDA only, and why.
+CUDA_MODES = {
+    "hand": "a hand-written CUDA graph", "hand-exact": "a hand-written CUDA graph",
+    "compile": "torch.compile's CUDA graphs", "graphmode-compile": "graphmode over torch.compile's kernels",
+}
+COMPILE_MODES = ("compile", "graphmode-compile")
+def untimed_modes(wanted: list[str], device: torch.device, no_compile: bool) -> list[str]:
+    """A line per wanted decode mode that this run leaves out, and why."""
+    lines = []
+    if device.type != "cuda":
+        off = [mode for mode in wanted if mode in CUDA_MODES]
+        if off:
+            why = "; ".join(f"{mode}: {CUDA_MODES[mode]}" for mode in off)
+            lines.append(f"{', '.join(off)}: CUDA only, not on {device.type} ({why}); pass --device cuda on a GPU")
+    elif no_compile:
+        off = [mode for mode in wanted if mode in COMPILE_MODES]
+        if off:
+            lines.append(f"{', '.join(off)}: --no-compile")
+    return lines
+
+
+def native_ready() -> str:
+    """The native step loaded, and built first where this torch has none yet
+    (half a minute), before anything is timed: else the first runner's
+    first replay step pays for the build (11 s for batch 1 with --warmup 1)."""
+    started = time.perf_counter()
+    if native_module() is None:
+        return "off (GRAPHMODE_NATIVE=0, or it cannot be built here): every step takes the Python path"
+    return f"loaded in {time.perf_counter() - started:.1f} s, before any timing"
+
+
 def run(args: argparse.Namespace) -> int:
     bench_device(args.device)
+    print(f"native step: {native_ready()}", flush=True)
     if args.tp > 1:
         if args.workload != "decode":
             raise SystemExit(f"graphmode bench: --tp {args.tp} measures the decode workload only, not "
@@ -254,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         for line in skipped:
             print(f"not timed: {line}", flush=True)
         modes += [GraphmodeRunner(workload.model, workload, v) for v in vendors]
+    for line in untimed_modes(wanted, device, args.no_compile):
+        print(f"not timed: {line}", flush=True)
     if device.type == "cuda":
         if "hand" in wanted:
             modes.append(HandWrittenGraph(workload.model, workload))

@@ -19,6 +19,7 @@ from graphmode.bench.common import add_arguments, median_step
 from graphmode.bench.modes import Eager, GraphmodeRunner
 from graphmode.bench.workload import Workload
 from graphmode.buckets import parse_sizes
+from graphmode.devices import usable_device
 from graphmode.distributed import init_process_group, torchrun_rank
 from graphmode.model import ModelConfig
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphmode bench --tp")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    usable_device(args.device, "graphmode bench --tp")
     rank, world, device = torchrun_rank(args.device)
     vendor = graphmode.select_vendor((args.vendors or "cuda").split(",")[0], device)
     init_process_group(vendor, device)

@@ -300,8 +300,10 @@ def load_model(
     for the vendor graphmode selects on ``device``).
 
     path_or_config: a local model directory (``config.json`` and weights; read
-    with ``local_files_only=True``, nothing is downloaded), or a transformers
-    config, which gets random weights drawn with ``seed``.
+    with ``local_files_only=True``, nothing is downloaded), a GGUF file
+    (transformers dequantizes its weights to ``dtype``; needs the ``gguf``
+    and ``accelerate`` packages: ``pip install 'graphmode[gguf]'``), or a
+    transformers config, which gets random weights drawn with ``seed``.
     vendor_options: the vendor's options for its attention ops (what the
     engine passes the runner too).
     """
@@ -321,10 +323,15 @@ def load_model(
         hf_model = AutoModelForCausalLM.from_config(path_or_config, **options)
     else:
         path = os.fspath(path_or_config)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"{path!r} is not a model directory (no config.json); pass a local HF model directory")
-        refuse_config(AutoConfig.from_pretrained(path, local_files_only=True))  # before the weights are read
-        hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **options)
+        where: dict[str, Any] = {"local_files_only": True}
+        if path.endswith(".gguf") and os.path.isfile(path):
+            _check_gguf(path)
+            path, where["gguf_file"] = os.path.split(os.path.abspath(path))
+        elif not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{path!r} is not a model directory (no config.json) nor a .gguf file; pass a local "
+                              "HF model directory or GGUF file")
+        refuse_config(AutoConfig.from_pretrained(path, **where))  # before the weights are read
+        hf_model = AutoModelForCausalLM.from_pretrained(path, **where, **options)
     return HuggingFaceModel(hf_model.to(device), ops)
 
 
@@ -344,6 +351,17 @@ def _check_transformers() -> None:
             f"transformers {'.'.join(map(str, found))} is installed; the HF adapter needs >= {MIN_TRANSFORMERS} "
             "(its models build no attention mask for a custom attention): pip install 'graphmode[hf]'"
         )
+
+
+def _check_gguf(path: str) -> None:
+    """transformers reads GGUF files with the ``gguf`` package, and loads them
+    only with ``accelerate`` installed."""
+    import importlib.util
+
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"{path!r} is a GGUF file, which transformers reads only with {' and '.join(missing)} "
+                          "installed: pip install 'graphmode[gguf]'")
 
 
 def _dtype_argument() -> str:

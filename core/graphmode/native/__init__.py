@@ -24,20 +24,29 @@ keeps the Python path. (The host-read guard, ``graphmode.checks.host_reads``,
 watches vendor hooks, which a native step never calls.)
 
 Built on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
-ninja), per torch version; where it cannot be built, or with
-``GRAPHMODE_NATIVE=0``, every step takes the Python path: the same results,
-more host time.
+ninja), once per torch build and Python ABI: the module lands in
+``~/.cache/graphmode`` (``$GRAPHMODE_NATIVE_DIR``) under a key of what it was
+built against, and every environment with that torch loads it from there
+without asking ninja (whose build file names one environment's include
+paths, so two environments took turns rebuilding it). Where it cannot be
+built, or with ``GRAPHMODE_NATIVE=0``, every step takes the Python path: the
+same results, more host time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import importlib.util
 import logging
 import operator
 import os
+import platform
 import shutil
 import sys
+import sysconfig
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,9 +59,14 @@ from graphmode.emulator.host import is_host
 if TYPE_CHECKING:
     from graphmode.buffers import FillPlan
 
-__all__ = ["ENV_NATIVE", "NativeSteps", "native_module"]
+__all__ = ["ENV_NATIVE", "ENV_NATIVE_DIR", "NativeSteps", "build_key", "native_dir", "native_module"]
 
 ENV_NATIVE = "GRAPHMODE_NATIVE"
+ENV_NATIVE_DIR = "GRAPHMODE_NATIVE_DIR"
+_NAME = "graphmode_native_step"
+_CFLAGS = ("-O2",)
+# The file name torch's load gives a module it builds (cpp_extension.LIB_EXT).
+_LIB_SUFFIX = ".pyd" if sys.platform == "win32" else ".so"
 _SEQUENCES = (list, tuple)
 logger = logging.getLogger("graphmode")
 _SOURCE = Path(__file__).with_name("step.cpp")
@@ -60,43 +74,90 @@ _SOURCE = Path(__file__).with_name("step.cpp")
 
 @functools.cache
 def native_module() -> Any | None:
-    """The compiled module, built once per process (and cached on disk per
-    torch and Python version), or None where it is off or cannot be built."""
+    """The compiled module, loaded once per process and built once per torch
+    build (:func:`build_key`), or None where it is off or cannot be built."""
     if os.environ.get(ENV_NATIVE, "").strip() == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        root = Path(os.environ.get("GRAPHMODE_NATIVE_DIR", Path.home() / ".cache" / "graphmode"))
-        # Per torch version: an extension built against one torch crashes another.
-        build = root / f"native-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-        build.mkdir(parents=True, exist_ok=True)
-        with _ninja_on_path(), _build_lock(build):
-            return load(name="graphmode_native_step", sources=[str(_SOURCE)], build_directory=str(build),
-                        extra_cflags=["-O2"], verbose=False)
+        return _load(native_dir() / build_key())
     except Exception as error:  # no compiler, no ninja, a read-only home: the Python path
         logger.info("graphmode: the native replay step could not be built (%s); every step takes the Python path",
                     str(error).splitlines()[0] if str(error) else type(error).__name__)
         return None
 
 
+def native_dir() -> Path:
+    """Where built modules are kept: ``$GRAPHMODE_NATIVE_DIR``, else ``~/.cache/graphmode``."""
+    return Path(os.environ.get(ENV_NATIVE_DIR) or Path.home() / ".cache" / "graphmode")
+
+
+def build_key() -> str:
+    """The name of the directory of the module built for this process: the
+    torch release, a digest of what the module's binary depends on (torch's
+    build and C++ ABI, the Python ABI, step.cpp, the flags), never of where
+    torch is installed. Two environments with the same torch share it."""
+    parts = [
+        torch.__version__, str(torch.version.git_version), str(torch._C._GLIBCXX_USE_CXX11_ABI),
+        str(torch.version.cuda), str(torch.version.hip), sys.implementation.cache_tag,
+        str(sysconfig.get_config_var("EXT_SUFFIX")), platform.machine(), os.environ.get("CXX", ""),
+        " ".join(_CFLAGS), hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
+    ]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return f"native-torch{torch.__version__}-{sys.implementation.cache_tag}-{digest}"
+
+
+def _load(home: Path) -> Any:
+    """The module from ``home``, built there first when it is not: by one
+    process at a time (an OS lock), the others waiting for its module."""
+    built = home / f"{_NAME}{_LIB_SUFFIX}"
+    if not built.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        with _build_lock(home):
+            if not built.exists():  # else another process built it while this one waited
+                for dead in home.glob("build-*"):  # killed builds': a live one would hold the lock
+                    shutil.rmtree(dead, ignore_errors=True)
+                return _build(home, built)
+    spec = importlib.util.spec_from_file_location(_NAME, built)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {built}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(home: Path, built: Path) -> Any:
+    """Build the module in a directory of its own under ``home`` and move it
+    to ``built`` once it imported, so that no process finds half a module;
+    the module torch's ``load`` imported is this process's."""
+    from torch.utils.cpp_extension import load
+
+    print(f"graphmode: building the native replay step for torch {torch.__version__} (once per torch build, "
+          f"about half a minute; kept in {home})", file=sys.stderr, flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="build-", dir=home))
+    try:
+        with _ninja_on_path():
+            module = load(name=_NAME, sources=[str(_SOURCE)], build_directory=str(scratch),
+                          extra_cflags=list(_CFLAGS), verbose=False)
+        os.replace(scratch / built.name, built)
+        return module
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def _build_lock(build: Path) -> Iterator[None]:
-    """Hold an OS lock on ``build`` while PyTorch builds or loads the module,
-    and remove PyTorch's ``lock`` file found there: PyTorch's file baton waits
-    forever for that file, so a build killed before removing it (Ctrl-C, a
-    timeout) hung every later process at its first replay, silently. Every
-    graphmode build holds this lock, which the OS drops when its process dies,
-    so a ``lock`` file found while holding it is a dead build's."""
+def _build_lock(home: Path) -> Iterator[None]:
+    """Hold an OS lock on ``home`` while building there: one build at a time,
+    and a process killed mid-way drops it (PyTorch's own lock is a file that
+    its baton waits on forever when a killed build leaves it: each build has
+    a new directory, so no later one finds that file)."""
     try:
         import fcntl
-    except ImportError:  # not POSIX: PyTorch's baton alone
+    except ImportError:  # not POSIX: the final rename alone keeps half a module out of reach
         yield
         return
-    with open(build / "graphmode.lock", "w") as handle:
+    with open(home / "graphmode.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            (build / "lock").unlink(missing_ok=True)
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
