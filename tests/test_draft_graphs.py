@@ -43,6 +43,12 @@ class TestDraftConformance(DraftModelTests):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    @pytest.fixture
+    def vendor_options(self) -> None:
+        """Each vendor's default options: its option variants run through
+        ``graphmode conformance`` (tests/test_conformance_suite.py)."""
+        return None
+
 
 # -- the pool -------------------------------------------------------------------
 

@@ -151,7 +151,7 @@ def test_a_tensor_parallel_worker_process_builds_graph_runners_through_graphmode
         seen = hangs.get(queue, "the spawned lmdeploy worker's report", ci_seconds=10)
         assert seen == (True, "full_and_piecewise", "graphmode_build_graph_runner")
     finally:
-        hangs.join(worker, "the spawned lmdeploy worker", ci_seconds=5)
+        hangs.join(worker._proc, "the spawned lmdeploy worker", ci_seconds=5)  # ExecutorProc.join takes no timeout
     assert worker.mp_ctx is context  # lmdeploy's context is given back
     gm_lmdeploy.disable()
     assert ExecutorProc.__dict__["start"].__name__ == "start"

@@ -25,7 +25,8 @@ NEEDS_GPU = {
     "sleep_wake": ["--device", "cuda"],
 }
 # Scripts that run on the CPU (their CUDA side, if any, only where CUDA is), or are modules of others.
-CPU = {"compare_graph_semantics", "debug_cost", "fuzz_steps", "hf_families", "replay_guard_cost", "host_bound"}
+CPU = {"compare_graph_semantics", "debug_cost", "fuzz_steps", "hf_families", "replay_guard_cost", "host_bound",
+       "capture_time"}
 
 
 def test_every_script_is_classed():
