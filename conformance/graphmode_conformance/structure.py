@@ -312,8 +312,10 @@ def _live_slots_in_padding(meta: GraphMeta, step: StepInputs, spec_of: dict[str,
     """A sentence naming the padding rows of a slot buffer that hold slots
     this step's live tokens write, or slots of a live sequence's cached
     tokens (either way a padding token's write overwrites live KV), or the
-    padding rows of a block-table buffer holding a live sequence's block;
-    else ''."""
+    padding rows of a block-table buffer holding a live sequence's block
+    (named only where no slot buffer writes live KV: a write is the worse
+    harm); else ''."""
+    reads_live = ""
     for name, spec in spec_of.items():
         fields = {name} | {path.rsplit(".", 1)[-1] for path in spec.sources}
         start, stop = live[name]
@@ -338,19 +340,19 @@ def _live_slots_in_padding(meta: GraphMeta, step: StepInputs, spec_of: dict[str,
                     "slots must be -1 (a fill-cache kernel skips them), never a slot of a block the engine gave "
                     "to a sequence."
                 )
-        if "block_offsets" in fields and BLOCKS in spec.shape:
+        if "block_offsets" in fields and BLOCKS in spec.shape and not reads_live:
             tables = step.attn_metadata.block_offsets.detach().cpu()
             owner = {int(b): r for r in reversed(range(tables.shape[0])) for b in tables[r].tolist() if b > 0}
             hit = [r for r in range(start, stop) if any(int(b) in owner for b in rows[r].flatten().tolist())]
             if hit:
                 block = next(int(b) for b in rows[hit[0]].flatten().tolist() if int(b) in owner)
-                return (
+                reads_live = (
                     f" Padding rows {_span(hit)} of {name} point at block {block}, sequence {owner[block]}'s: "
                     "padding rows read a live sequence's KV (and a kernel writing by table, or a padding slot "
                     "derived from the table, writes there). Padding rows must read the reserved block 0, which "
                     "the engine gives to no sequence."
                 )
-    return ""
+    return reads_live
 
 
 def _owned_slots(step: StepInputs, block_size: int) -> dict[int, tuple[int, int]]:
