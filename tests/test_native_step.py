@@ -75,6 +75,13 @@ def _finish(child: subprocess.Popen) -> str:
     return stderr
 
 
+def _said_by_graphmode(stderr: str) -> list[str]:
+    """stderr's lines less torch's own: a CUDA build of torch on a machine
+    without a GPU logs "No CUDA runtime is found" when its C++ extension
+    module is imported, which every child here does."""
+    return [line for line in stderr.splitlines() if line.strip() and "torch/utils/cpp_extension.py" not in line]
+
+
 def test_processes_build_the_module_once_and_say_so_once(tmp_path):
     """Two processes starting at once on an empty cache: one builds (one line
     on stderr says so), the other waits for its module; a later process loads
@@ -83,8 +90,8 @@ def test_processes_build_the_module_once_and_say_so_once(tmp_path):
     said = _finish(first) + _finish(second)
     assert (tmp_path / "builds.txt").read_text().splitlines() == ["built"]
     assert said.count("graphmode: building the native replay step") == 1, said
-    assert len(said.strip().splitlines()) == 1, said
-    assert _finish(_fake_build(tmp_path, -1)) == ""
+    assert len(_said_by_graphmode(said)) == 1, said
+    assert _said_by_graphmode(_finish(_fake_build(tmp_path, -1))) == []
 
 
 def test_the_build_key_names_what_the_module_was_built_against_not_where(monkeypatch):
