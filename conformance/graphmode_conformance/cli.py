@@ -8,7 +8,9 @@ cuda`` the runs set ``GRAPHMODE_CHECK_HOST_READS=1`` (unless set), so that a
 host read on the replay path fails there too.
 
 Each vendor runs in its own pytest process, so one vendor's failure (or
-crash) cannot hide another's result. Exit status: 0 when every run passed.
+crash) cannot hide another's result (``graphmode_conformance.processes``:
+on the CPU emulator forked from a server that imported torch once). Exit
+status: 0 when every run passed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +30,7 @@ from graphmode.checks.host_reads import ENV_CHECK_HOST_READS
 from graphmode.errors import ConfigError, GraphModeError
 from graphmode.plugins import BUILTIN_VENDOR, installed_vendor_names, select_vendor
 from graphmode_conformance.plugin import Target, describe, pick_variant, resolve_target
+from graphmode_conformance.processes import run_pytest
 from graphmode_conformance.sizes import DTYPES, Sizes, parse_capture_sizes
 
 SUITE = Path(__file__).with_name("test_conformance.py")
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory() as scratch:
             report = Path(scratch) / "report.json"
             command = [
-                sys.executable, "-m", "pytest", str(SUITE), "-p", "graphmode_conformance.plugin",
+                str(SUITE), "-p", "graphmode_conformance.plugin",
                 "-p", "no:cacheprovider", *_verbosity(args.pytest_args), "--rootdir", str(SUITE.parent),
                 "--graphmode-report", str(report),
             ]
@@ -178,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 command += ["--graphmode-variant", args.variant]
             command += args.pytest_args
             started = time.perf_counter()
-            status = subprocess.call(command, env=env)
+            status = run_pytest(command, env, fork=target.device.type == "cpu")
             elapsed = time.perf_counter() - started
             data = json.loads(report.read_text()) if report.exists() else {"records": [], "device": device}
         data.update(vendor=data.get("vendor") or target.vendor.name, exit_status=status, seconds=round(elapsed, 1))
