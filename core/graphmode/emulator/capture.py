@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from graphmode.emulator.host import PAGEABLE_MOVE, is_host, is_pinned_host, mark_derived, mark_host, pageable_move
 from graphmode.emulator.recording import OpRecord, frozen_view, is_mutating, written_tensors
 from graphmode.errors import CaptureError
+from graphmode.tensor_trees import map_tensors, tensors_in
 
 if TYPE_CHECKING:
     from graphmode.emulator.graph import EmulatedGraph
@@ -99,10 +99,6 @@ def call_site(*also_skip: str) -> str:
 
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 def _bound(value: Any) -> Any:
@@ -210,7 +206,7 @@ class CaptureSession:
           is restored when the capture stops (a device capture runs
           nothing); memory the call allocates belongs to the graph.
         """
-        tensors = _tensors((args, kwargs))
+        tensors = tensors_in((args, kwargs))
         host = [t for t in tensors if is_host(t)]
         if host and len(host) == len(tensors):
             # Work on host memory runs on the host, at capture time only: its
@@ -220,7 +216,7 @@ class CaptureSession:
                 outputs = func(*args, **kwargs)
             finally:
                 self.in_operator = False
-            for tensor in _tensors(outputs):
+            for tensor in tensors_in(outputs):
                 mark_host(tensor)
             return outputs
         # A copy between host and device memory is a memcpy node: it reads (or
@@ -242,15 +238,15 @@ class CaptureSession:
         # tensor given to device work is read when the work is launched, so
         # the graph keeps the value it had at capture.
         if host and not transfer:
-            args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) and is_host(x) else x, (args, kwargs))
+            args, kwargs = map_tensors(lambda x: x.clone() if is_host(x) else x, (args, kwargs))
         # A device kernel is launched with the memory its tensors had at
         # capture: memory given to a tensor object later (``k.set_(other)``,
         # ``k.data = other``) is not what the graph reads.
-        args, kwargs = tree_map(_bound, (args, kwargs))
-        targets = tree_map(lambda x: frozen_view(x) if isinstance(x, torch.Tensor) else x, outputs)
+        args, kwargs = map_tensors(_bound, (args, kwargs))
+        targets = map_tensors(frozen_view, outputs)
         self.append(OpRecord(func, args, kwargs, outputs, targets))
         if not is_mutating(func):
-            for tensor in _tensors(outputs):
+            for tensor in tensors_in(outputs):
                 key = _storage_key(tensor)
                 if key not in input_keys:
                     self.allocated.add(key)
@@ -320,7 +316,7 @@ def value_sized(func: Any, args: tuple, kwargs: dict) -> str | None:
     if func in _DATA_DEPENDENT:
         return str(func)
     indices = args[1] if len(args) > 1 else kwargs.get("indices")
-    if func in _BOOL_INDEXED and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(indices)):
+    if func in _BOOL_INDEXED and any(t.dtype in (torch.bool, torch.uint8) for t in tensors_in(indices)):
         return f"{func} with a boolean mask"
     return None
 

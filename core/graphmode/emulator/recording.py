@@ -26,17 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from graphmode.tensor_trees import tensors_in
 
 __all__ = ["OpRecord", "compile_steps", "is_mutating", "is_view", "written_tensors"]
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 _out_variants: dict[Any, tuple[Any, list[str]] | None] = {}
@@ -90,7 +87,7 @@ def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> l
         value = kwargs.get(argument.name) if argument.name in kwargs else (
             args[index] if index < len(args) else None
         )
-        written.extend(_tensors(value))
+        written.extend(tensors_in(value))
     return written
 
 
@@ -118,12 +115,12 @@ class OpRecord:
             return None
         if is_mutating(func) or not func._schema.returns:
             return _bind(func, args, kwargs)
-        outputs = _tensors(self.outputs)
+        outputs = tensors_in(self.outputs)
         if not outputs:
             return None  # a host-side answer (sizes, strides): frozen
         # Views keep aliasing the same fixed memory: nothing to recompute. The
         # memory decides, not the schema: ``to`` or ``reshape`` may alias or copy.
-        inputs = {_storage_key(t) for t in _tensors((args, kwargs))}
+        inputs = {_storage_key(t) for t in tensors_in((args, kwargs))}
         if all(_storage_key(t) in inputs for t in outputs):
             return None
         targets = self.targets if self.targets is not None else self.outputs

@@ -24,13 +24,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from graphmode.emulator import in_flight
 from graphmode.emulator.capture import HostReadGuard, call_site
 from graphmode.emulator.host import is_host, is_pinned_host
 from graphmode.emulator.stream_order import note_inputs_written
 from graphmode.errors import ReplayError
+from graphmode.tensor_trees import tensors_in
 
 __all__ = ["ReplayHostReadGuard", "copies_to_host", "host_read_error"]
 
@@ -108,20 +108,16 @@ def copies_to_host(func: Any, args: tuple, kwargs: dict) -> str | None:
     (``Tensor.copy_() into host memory``), or None for any other call."""
     name = getattr(func, "__name__", str(func))
     if func is torch._foreach_copy_:
-        pairs = list(zip(_tensors(args[0]), _tensors(args[1] if len(args) > 1 else kwargs.get("src"))))
+        pairs = list(zip(tensors_in(args[0]), tensors_in(args[1] if len(args) > 1 else kwargs.get("src"))))
     elif name == "__setitem__" and len(args) == 3 and isinstance(args[0], torch.Tensor):
-        pairs = [(args[0], t) for t in _tensors(args[1:])]
+        pairs = [(args[0], t) for t in tensors_in(args[1:])]
     elif name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor):
-        pairs = [(args[0], t) for t in _tensors((args[1:], kwargs))]  # in place: copy_, add_, index_copy_, ...
+        pairs = [(args[0], t) for t in tensors_in((args[1:], kwargs))]  # in place: copy_, add_, index_copy_, ...
     elif isinstance(kwargs.get("out"), torch.Tensor):
-        pairs = [(kwargs["out"], t) for t in _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))]
+        pairs = [(kwargs["out"], t) for t in tensors_in((args, {k: v for k, v in kwargs.items() if k != "out"}))]
     else:
         return None
     if any(is_host(destination) and not is_host(source) for destination, source in pairs):
         prefix = "torch." if func is torch._foreach_copy_ else "Tensor."
         return f"{prefix}{name}() into host memory"
     return None
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from graphmode.tensor_trees import tensors_in
 
 __all__ = ["MemoryMeter", "device_module"]
 
@@ -95,8 +96,8 @@ class _Allocations(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         outputs = func(*args, **kwargs)
-        inputs = {key for key in map(_key, _tensors((args, kwargs))) if key is not None}
-        for tensor in _tensors(outputs):
+        inputs = {key for key in map(_key, tensors_in((args, kwargs))) if key is not None}
+        for tensor in tensors_in(outputs):
             key = _key(tensor)
             if key is None or key in inputs:
                 continue
@@ -108,10 +109,6 @@ class _Allocations(TorchDispatchMode):
 
     def live_bytes(self) -> int:
         return sum(nbytes for ref, nbytes in self._storages.values() if not ref.expired())
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 def _key(tensor: torch.Tensor) -> int | None:

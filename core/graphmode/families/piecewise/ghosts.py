@@ -26,11 +26,11 @@ from typing import Any, NoReturn
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from graphmode.context import AttnMetadata
 from graphmode.emulator.capture import call_site
 from graphmode.errors import CaptureError
+from graphmode.tensor_trees import tensors_in
 
 __all__ = ["OPS_AT_OPS", "READ_INSIDE_OPS", "GhostReads", "GhostValue", "shape_only"]
 
@@ -103,7 +103,7 @@ class GhostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        tensors = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
+        tensors = tensors_in((args, kwargs))
         if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
             raise CaptureError(
                 f"{func} mixed a tensor on the 'meta' device with tensors of the model's device, at "
