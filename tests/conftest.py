@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # its subprocesses') would only compete with the other workers for cores.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+# Imported once, then frozen: torch imports Dynamo at a TorchDispatchMode's first dispatch (the
+# emulator's), and every warm-up starts with gc.collect(), which then walks only what tests made.
+import torch._dynamo  # noqa: E402
+
+gc.freeze()
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
