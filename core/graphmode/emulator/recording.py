@@ -74,17 +74,8 @@ def frozen_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
-_mutating: dict[Any, bool] = {}
-
-
 def is_mutating(func: torch._ops.OpOverload) -> bool:
-    """Whether the operator writes into an argument, per its schema (asked
-    for every operator an emulated graph records: kept per operator)."""
-    mutating = _mutating.get(func)
-    if mutating is None:
-        mutating = _mutating[func] = any(a.alias_info is not None and a.alias_info.is_write
-                                         for a in func._schema.arguments)
-    return mutating
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
 def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
