@@ -265,18 +265,17 @@ def test_runners_the_native_step_does_not_take(monkeypatch):
     for _ in range(3):
         setup.decode(seqs[:3])
     assert setup.runner.family("full").native is None
-    native_module.cache_clear()
-    monkeypatch.setenv(graphmode.native.ENV_NATIVE, "0")
-    try:
-        assert native_module() is None
-        setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
-        seqs = setup.prefill(4)
-        for _ in range(3):
-            graph, eager = setup.decode(seqs[:3])
-            torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
-        assert setup.runner.family("full").native is None
-    finally:
-        native_module.cache_clear()
+    assert native_module() is not None
+    monkeypatch.setenv(graphmode.native.ENV_NATIVE, "0")  # read at every call
+    assert native_module() is None
+    setup = tiny_setup(max_batches=8, capture_batch_sizes=[4, 8])
+    seqs = setup.prefill(4)
+    for _ in range(3):
+        graph, eager = setup.decode(seqs[:3])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert setup.runner.family("full").native is None
+    monkeypatch.delenv(graphmode.native.ENV_NATIVE)
+    assert native_module() is not None  # switched off for a while, not for the rest of the process
 
 
 def test_host_inputs_the_runner_copies_to_the_device_are_not_learned():

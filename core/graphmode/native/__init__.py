@@ -72,12 +72,18 @@ logger = logging.getLogger("graphmode")
 _SOURCE = Path(__file__).with_name("step.cpp")
 
 
-@functools.cache
 def native_module() -> Any | None:
     """The compiled module, loaded once per process and built once per torch
-    build (:func:`build_key`), or None where it is off or cannot be built."""
+    build (:func:`build_key`), or None where it is off (``$GRAPHMODE_NATIVE``
+    is 0, read at every call) or cannot be built."""
     if os.environ.get(ENV_NATIVE, "").strip() == "0":
-        return None
+        return None  # not remembered: a process that turns it off for a while gets it back after
+    return _loaded_module()
+
+
+@functools.cache
+def _loaded_module() -> Any | None:
+    """:func:`native_module` once switched on: loaded (or found unbuildable) once per process."""
     try:
         return _load(native_dir() / build_key())
     except Exception as error:  # no compiler, no ninja, a read-only home: the Python path
