@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # its subprocesses') would only compete with the other workers for cores.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+elif importlib.util.find_spec("yapf") is not None:
+    # lmdeploy imports yapf, which caches its grammar as a pickle in the user's cache directory,
+    # written in place (not atomically) when missing or older than the installed grammar: two
+    # workers importing it at once for the first time, one reads the other's half-written file
+    # (CI, 2026-12-02: "EOFError: Ran out of input" collecting tests/test_lmdeploy_integration.py).
+    # The controller, which imports this file before it starts the workers, writes it first.
+    import yapf  # noqa: F401
 
 # Imported once, then frozen: torch imports Dynamo at a TorchDispatchMode's first dispatch (the
 # emulator's), and every warm-up starts with gc.collect(), which then walks only what tests made.
