@@ -1,6 +1,6 @@
 """What every graph family needs, once: the inert warm-up step, how a
-captured cache is listed, the output cut to the live tokens, and what a
-failed capture or replay raises."""
+captured cache is listed, the output cut to the live tokens, how a graph is
+named, and what a failed capture or replay raises."""
 
 from __future__ import annotations
 
@@ -15,8 +15,25 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import CaptureError, GraphModeError
 from graphmode.families.family import Shared
 from graphmode.meta import GraphMeta
+from graphmode.variants import PLAIN
 
-__all__ = ["capture_failed", "inert_step", "live_columns", "guard_dropped_fields", "note_replay_failure"]
+__all__ = ["capture_failed", "graph_name", "inert_step", "live_columns", "guard_dropped_fields", "note_replay_failure"]
+
+#: What one of a family's buckets counts, in a graph's name, by ``GraphFamily.unit``.
+_BUCKET_WORDS = {"batch": "bucket", "tokens": "token bucket"}
+
+
+def graph_name(family: str, unit: str, bucket: int, q_len: int | None = None, variant: str = PLAIN) -> str:
+    """How errors, debug mode and warm-up name one graph of a family: by its
+    bucket, then its query length (when given) and graph variant (when not
+    the plain one). A family of batch buckets (full decode graphs) is the
+    default and goes unnamed: "bucket 8", "bucket 8, q_len 2", "bucket 8,
+    lora=True"; any other names itself: "token bucket 16 (piecewise)",
+    "token bucket 16 (piecewise, lora=True)"."""
+    details = ([f"q_len {q_len}"] if q_len is not None else []) + ([variant] if variant != PLAIN else [])
+    if unit == "batch":
+        return ", ".join([f"bucket {bucket}", *details])
+    return f"{_BUCKET_WORDS.get(unit, unit + ' bucket')} {bucket} ({', '.join([family, *details])})"
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(AttnMetadata))
 

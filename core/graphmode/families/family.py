@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from graphmode.checks.cache_checks import CacheMemory
     from graphmode.checks.model_state import ModelState
     from graphmode.distributed import RankSync
+    from graphmode.families.decision import StepDecision
     from graphmode.families.sleep import Asleep, SleptGraph
     from graphmode.staging import HostStaging
 
@@ -94,6 +95,10 @@ class GraphFamily(Protocol):
     stages_host: bool
     #: Whether it learns a native replay step (at most one family of a mode does).
     steps_natively: bool
+    #: Whether every step it takes carries the same new tokens per sequence
+    #: (proved on the host), which debug mode checks as such
+    #: (``graphmode.checks.debug.StepChecker.check_step``).
+    uniform_steps: bool
 
     @property
     def staging(self) -> HostStaging | None:
@@ -113,10 +118,17 @@ class GraphFamily(Protocol):
         ``q_len``: the tokens of every sequence, or None when they differ."""
         ...
 
-    def run(self, inputs: StepInputs, batch: int, q_len: int | None, on_host: bool) -> Any:
-        """Run a step it takes: capture its graph on first use (the answer is
-        the warm-up forward's), replay it after. ``on_host``: the step's
-        tensors are host tensors."""
+    def graph_for(self, inputs: StepInputs, batch: int, q_len: int | None) -> tuple[int, Any]:
+        """For a step it takes: the bucket (in its ``unit``) of the graph that
+        runs it, and that graph's key (as :meth:`todo` lists keys)."""
+        ...
+
+    def run(self, inputs: StepInputs, decision: StepDecision, on_host: bool) -> Any:
+        """Run a step the runner decided it takes (``graphmode.families.decision``;
+        the runner has had ranks agree on it, checked it in debug mode and
+        counts its tokens): capture its graph on first use (the answer is the
+        warm-up forward's), replay it after. ``on_host``: the step's tensors
+        are host tensors."""
         ...
 
     def todo(self, q_lens: Sequence[int]) -> list[Any]:
@@ -336,10 +348,11 @@ class Shared:
         if not any(family.captured() for member in others for family in member.families):
             self.pool_share.token = None
 
-    def count_tokens(self, live: int, padding: int) -> None:
-        """A graph step's live and padding tokens, in ``stats``."""
-        self.stats.real_tokens += live
-        self.stats.padded_tokens += padding
+    def count_tokens(self, family: str, live: int, padding: int) -> None:
+        """A graph step's live and padding tokens, in its family's ``stats``."""
+        counts = self.stats.family(family)
+        counts.real_tokens += live
+        counts.padded_tokens += padding
 
     def agree_to_capture(self, size: int, bucket: int, unit: str = "batch") -> None:
         """Tensor-parallel ranks agree on a capture before its warm-up's

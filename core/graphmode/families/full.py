@@ -31,7 +31,14 @@ from graphmode.checks.model_state import ModelState
 from graphmode.checks.validate import check_cache_layout
 from graphmode.context import StepInputs
 from graphmode.errors import CaptureError, InputError
-from graphmode.families.common import capture_failed, guard_dropped_fields, inert_step, note_replay_failure
+from graphmode.families.common import (
+    capture_failed,
+    graph_name,
+    guard_dropped_fields,
+    inert_step,
+    note_replay_failure,
+)
+from graphmode.families.decision import StepDecision
 from graphmode.families.family import Captured, Report, Shared
 from graphmode.families.outputs import SharedOutputs, check_token_dimension
 from graphmode.families.sleep import SleptGraph
@@ -61,8 +68,8 @@ class CapturedGraph:
 
     def __post_init__(self) -> None:
         self.memory = CacheMemory(self.cache_tensors, self.flatten_cache)  # their data pointers, checked at every replay
-        self._name = f"bucket {self.bucket}" + (f", q_len {self.q_len}" if self.q_len > 1 else "") + \
-            (f", {self.variant}" if self.variant != PLAIN else "")  # made once
+        self._name = graph_name(FullGraphs.name, FullGraphs.unit, self.bucket, self.q_len if self.q_len > 1 else None,
+                                self.variant)  # made once
         self.replay_label = f"the replay of {type(self.graph).__name__}"  # what the replay guard names
         self.results: dict[int, torch.Tensor] = {}  # the built-in outputs hook's view, by token count
 
@@ -82,6 +89,7 @@ class FullGraphs:
     unit = "batch"
     stages_host = True
     steps_natively = True
+    uniform_steps = True
 
     def __init__(self, shared: Shared) -> None:
         config, vendor = shared.config, shared.vendor
@@ -116,6 +124,9 @@ class FullGraphs:
         """The graphs of the variant of the step or warm-up in progress."""
         return self.by_variant.setdefault(self.shared.variant, {})
 
+    def _name_of(self, bucket: int, q_len: int | None, variant: str = PLAIN) -> str:
+        return graph_name(self.name, self.unit, bucket, q_len, variant)
+
     # -- the protocol ----------------------------------------------------------
 
     def refusal(self, inputs: StepInputs, batch: int, q_len: int | None) -> str | None:
@@ -129,24 +140,25 @@ class FullGraphs:
             return "no_bucket"
         return None
 
-    def run(self, inputs: StepInputs, batch: int, q_len: int | None, on_host: bool) -> Any:
-        given = inputs
-        inputs = self._placed(inputs, on_host)
+    def graph_for(self, inputs: StepInputs, batch: int, q_len: int | None) -> tuple[int, tuple[int, int]]:
         bucket = self.bucket_of[batch]
         assert bucket is not None and q_len is not None  # refusal() said why otherwise
-        shared = self.shared
-        if shared.ranks is not None and shared.ranks.check_replays:
-            # Before any collective: a rank on another graph would hang the rest.
-            shared.ranks.agree_on_step(batch, bucket, "run", variant=shared.variant_index)
-        if shared.debug is not None:
-            shared.debug.check_step(inputs, batch)
-        elif q_len > 1:  # host values only: no synchronisation (q_len 1, the hot path, is debug mode's)
+        return bucket, (bucket, q_len)
+
+    def run(self, inputs: StepInputs, decision: StepDecision, on_host: bool) -> Any:
+        given = inputs
+        inputs = self._placed(inputs, on_host)
+        batch, bucket, q_len = decision.batch, decision.bucket, decision.q_len
+        assert bucket is not None and q_len is not None  # graph_for() set them
+        if self.shared.debug is None and q_len > 1:
+            # Host values only: no synchronisation (q_len 1, the hot path, is debug mode's, which checks
+            # every step's device values itself).
             attn = given.attn_metadata
             if on_host:
                 check_uniform_step(attn, batch, inputs.num_tokens, attn.q_seqlens, attn.q_start_loc)
             elif attn.kv_seqlens_cpu is not None:  # device query lengths: what the host kv lengths prove
                 check_host_kv_lengths(attn, batch, inputs.num_tokens, attn.kv_seqlens_cpu)
-        captured = self._current().get((bucket, q_len))
+        captured = self._current().get(decision.key)
         if captured is None:
             return self._capture(inputs, batch, bucket)
         # The native step repeats steps whose tensors the engine gave as the fill read them (not moved).
@@ -172,9 +184,8 @@ class FullGraphs:
     def _capture_inert(self, past_key_values: Any, extras: dict[str, Any], bucket: int, q_len: int, count: str,
                        report: Report, last: bool) -> None:
         """Capture the graph of (bucket, q_len) from an inert step (warm-up, wake)."""
-        many, variant = self.shared.config.max_q_len > 1, self.shared.variant_label
-        name = f"bucket {bucket}" + (f", q_len {q_len}" if many else "") + (f", {variant}" if variant != PLAIN else "")
-        report(f"capturing {name} {count}", last)
+        shown = q_len if self.shared.config.max_q_len > 1 else None
+        report(f"capturing {self._name_of(bucket, shown, self.shared.variant_label)} {count}", last)
         step = inert_step(self.shared, bucket, past_key_values, extras, q_len)
         # With host staging the step comes from the host, as an engine's steps do.
         if self.staging is not None:  # declared step inputs too: their padding was made on the device
@@ -286,11 +297,10 @@ class FullGraphs:
             except Exception as error:
                 note_replay_failure(error, shared, captured.name)
                 raise
-            stats = shared.stats
+            stats = shared.stats.family(self.name)
             stats.replays += 1
             stats.replays_by_q_len[q_len] += 1
             stats.replays_by_variant[captured.variant] += 1
-            shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
             guard.running("graphmode_get_outputs")
             output = self.result(captured, batch)
         if learn and not self._native_decided:
@@ -316,7 +326,7 @@ class FullGraphs:
             return
         config = shared.config
         self.native = NativeSteps(module, shared.lock, self.staging, config.device.type == "cpu",
-                                  (config.max_blocks_per_seq, config.block_size), shared.stats, PLAIN,
+                                  (config.max_blocks_per_seq, config.block_size), shared.stats.family(self.name), PLAIN,
                                   shared.weights.addresses)
         self.native_step = self.native.step
 
@@ -357,7 +367,8 @@ class FullGraphs:
         ranks, hook, staging = shared.ranks, shared.vendor.hook, self.staging
         shared.agree_to_capture(batch, bucket)
         q_len = inputs.num_tokens // batch  # proved uniform by the caller
-        shared.check_capture_cache(inputs.past_key_values, f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else ""))
+        shown = q_len if q_len > 1 else None
+        shared.check_capture_cache(inputs.past_key_values, self._name_of(bucket, shown))
         flatten = cache_flattener(inputs.past_key_values)
         check_cache_layout(shared.model, flatten(inputs.past_key_values), shared.config.block_size)
         tokens = bucket * q_len  # the graph's, padding rows included
@@ -373,9 +384,7 @@ class FullGraphs:
         # step's answer, and it leaves lazy initialisation (and compilation)
         # out of the graph.
         forward = shared.forward
-        name = f"bucket {bucket}" + (f", q_len {q_len}" if q_len > 1 else "")
-        if shared.variant_label != PLAIN:
-            name += f", {shared.variant_label}"
+        name = self._name_of(bucket, shown, shared.variant_label)
         seen = guard_dropped_fields(inputs, static)  # what the model sees of the context
         shape = shared.forward_shape(self.name, bucket, q_len, inputs.past_key_values, inputs.extras)
         # A warm-up capture (an inert step: its answer is dropped) of a shape the forward ran at
@@ -428,11 +437,10 @@ class FullGraphs:
         if shared.debug is not None:
             shared.debug.record(captured.name, captured.extras)
             shared.debug.dump(graph, f"bucket{bucket}-q{q_len}{file_suffix(captured.variant)}", f"bucket {bucket}")
-        shared.stats.captures += 1
-        if warmup:  # an inert step: no served tokens
-            shared.stats.warmup_captures += 1
-        else:
-            shared.count_tokens(batch * q_len, (bucket - batch) * q_len)
+        counts = shared.stats.family(self.name)
+        counts.captures += 1
+        if warmup:  # an inert step
+            counts.warmup_captures += 1
         if warm_output is None:
             return None
         warm_meta = dataclasses.replace(meta, output_buffers={"output": warm_output})

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from graphmode.variants import PLAIN
 
-__all__ = ["EAGER_REASONS", "RunnerStats"]
+__all__ = ["EAGER_REASONS", "FamilyStats", "RunnerStats"]
 
 EAGER_REASONS = {
     "eager_mode": "execute_mode is eager",
@@ -23,19 +23,43 @@ EAGER_REASONS = {
 
 
 @dataclass
+class FamilyStats:
+    """What one graph family did, the same counters for every family.
+
+    captures: graphs captured, warm-up included. warmup_captures: those
+    captured by ``warmup()`` (and wakes) from inert steps, which serve no
+    tokens. replays: steps served by replaying a graph (the native step's
+    included). real_tokens / padded_tokens: the live and padding tokens of
+    its graph steps (a padding row of a graph of q_len tokens per sequence
+    counts q_len). replays_by_q_len: replays by the graph's new tokens per
+    sequence, for a family whose graphs have one (full decode graphs: 1 for
+    one-token decode, 1 + k for speculative verify of k draft tokens).
+    replays_by_variant: replays by graph variant label (``graph_variants``)."""
+
+    captures: int = 0
+    warmup_captures: int = 0
+    replays: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    replays_by_q_len: Counter = field(default_factory=Counter)
+    replays_by_variant: Counter = field(default_factory=Counter)
+
+
+@dataclass
 class RunnerStats:
-    """captures: graphs captured, warm-up included. warmup_captures: those
-    captured by ``warmup()`` from inert steps, which serve no tokens. replays: steps served by replaying a graph.
-    eager_steps: steps run eagerly, by reason (see ``EAGER_REASONS``).
-    real_tokens / padded_tokens: live and padding tokens of graph steps
-        (a padding row of a graph of q_len tokens per sequence counts q_len).
-    replays_by_q_len: replays by the graph's new tokens per sequence (1 for
-        one-token decode; 1 + k for speculative verify of k draft tokens).
-    piecewise_captures / piecewise_replays: the same for piecewise graphs
-        (one per token bucket, however many segments), warm-up included.
-    replays_by_variant: replays of either family by graph variant
+    """What graph mode did. ``families``: each graph family's own counters
+    (:class:`FamilyStats`), by family name ("full", "piecewise"), made at
+    its first count; the runner-wide figures below are read from them.
+
+    captures, warmup_captures, replays, replays_by_q_len: the full decode
+        graphs' (``families["full"]``). piecewise_captures / piecewise_replays:
+        the piecewise graphs' (one per token bucket, however many segments),
+        warm-up included.
+    real_tokens / padded_tokens: live and padding tokens of graph steps, every family's.
+    replays_by_variant: replays of every family by graph variant
         (``graph_variants``): "plain" for steps with every variant keyword at
         its default (all of them when none is declared), "lora=True" for others.
+    eager_steps: steps run eagerly, by reason (see ``EAGER_REASONS``).
     derived_host_copies: steps whose host field (``kv_seqlens_cpu``) a
         vendor reads but the engine omitted, so that graphmode copied its
         device field to the host (one device-to-host copy each: pass the
@@ -47,25 +71,64 @@ class RunnerStats:
     sleeps / wakes: ``runner.sleep()`` calls that released graphs (a
         runner asleep through a runner sharing its pool counts its own), and
         ``runner.wake()`` calls that captured them again.
-        recaptures: graphs (full and piecewise) captured again by wakes,
-        counted as warm-up's inert captures are too (full graphs in
-        ``captures`` and ``warmup_captures``, piecewise in ``piecewise_captures``)."""
+        recaptures: graphs (of every family) captured again by wakes,
+        counted as warm-up's inert captures are too (in their family's
+        ``captures`` and ``warmup_captures``)."""
 
-    captures: int = 0
-    warmup_captures: int = 0
-    replays: int = 0
+    families: dict[str, FamilyStats] = field(default_factory=dict)
     eager_steps: Counter = field(default_factory=Counter)
-    real_tokens: int = 0
-    padded_tokens: int = 0
     compile_seconds: float = 0.0
-    piecewise_captures: int = 0
-    piecewise_replays: int = 0
-    replays_by_q_len: Counter = field(default_factory=Counter)
-    replays_by_variant: Counter = field(default_factory=Counter)
     derived_host_copies: int = 0
     sleeps: int = 0
     wakes: int = 0
     recaptures: int = 0
+
+    def family(self, name: str) -> FamilyStats:
+        """The counters of the family of that name (made at first use)."""
+        counts = self.families.get(name)
+        if counts is None:
+            counts = self.families[name] = FamilyStats()
+        return counts
+
+    def _of(self, name: str) -> FamilyStats:
+        """The counters of that family to read (zeros before its first count, made nowhere)."""
+        return self.families.get(name) or FamilyStats()
+
+    @property
+    def captures(self) -> int:
+        return self._of("full").captures
+
+    @property
+    def warmup_captures(self) -> int:
+        return self._of("full").warmup_captures
+
+    @property
+    def replays(self) -> int:
+        return self._of("full").replays
+
+    @property
+    def replays_by_q_len(self) -> Counter:
+        return self._of("full").replays_by_q_len
+
+    @property
+    def piecewise_captures(self) -> int:
+        return self._of("piecewise").captures
+
+    @property
+    def piecewise_replays(self) -> int:
+        return self._of("piecewise").replays
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(counts.real_tokens for counts in self.families.values())
+
+    @property
+    def padded_tokens(self) -> int:
+        return sum(counts.padded_tokens for counts in self.families.values())
+
+    @property
+    def replays_by_variant(self) -> Counter:
+        return sum((counts.replays_by_variant for counts in self.families.values()), Counter())
 
     @property
     def padding_fraction(self) -> float:
@@ -76,8 +139,9 @@ class RunnerStats:
     def summary(self) -> str:
         eager = ", ".join(f"{n} {reason}" for reason, n in sorted(self.eager_steps.items())) or "none"
         compiled = f"; compile {self.compile_seconds:.1f} s" if self.compile_seconds else ""
-        if self.piecewise_captures or self.piecewise_replays:
-            compiled += f"; piecewise: {self.piecewise_captures} captures, {self.piecewise_replays} replays"
+        for name, counts in self.families.items():  # every family beside the full graphs, by name
+            if name != "full" and (counts.captures or counts.replays):
+                compiled += f"; {name}: {counts.captures} captures, {counts.replays} replays"
         replays = f"{self.replays} replays"
         if any(q_len > 1 for q_len in self.replays_by_q_len):
             by_q_len = ", ".join(f"{n} of q_len {q_len}" for q_len, n in sorted(self.replays_by_q_len.items()))

@@ -229,7 +229,7 @@ def plan(runner: Any, past_key_values: Any, q_lens: Sequence[int] | None, extras
         return MemoryPlan(0, {}, 0, GraphMemory(0, {}, 0, "no graphs (execute mode 'eager')"))
     # The planning warm-up's graphs serve nothing and are dropped: leave them out of the statistics.
     stats = runner.stats
-    counts = (stats.captures, stats.warmup_captures, stats.piecewise_captures)
+    counts = {name: (family.captures, family.warmup_captures) for name, family in stats.families.items()}
     with MemoryMeter(runner.config.device) as meter:
         before = meter.used()
         sample = Sample(meter)
@@ -237,7 +237,8 @@ def plan(runner: Any, past_key_values: Any, q_lens: Sequence[int] | None, extras
         warmed = meter.used()
         runner.reset()
         after = meter.used()
-    stats.captures, stats.warmup_captures, stats.piecewise_captures = counts
+    for name, family in stats.families.items():
+        family.captures, family.warmup_captures = counts.get(name, (0, 0))
     warmup = runner.graph_memory
     assert warmup is not None  # a runner measures the warm-ups it plans
     measured = GraphMemory(warmup.bytes, warmup.families, warmup.graphs,

@@ -29,6 +29,7 @@ from graphmode.config import RunnerConfig
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
 from graphmode.families.common import note_replay_failure
+from graphmode.families.decision import decide
 from graphmode.families.family import Shared
 from graphmode.families.modes import build_families
 from graphmode.families.sleep import asleep_error, recapture, release
@@ -189,19 +190,24 @@ class GraphRunner:
         batch, on_host = self._check_inputs(inputs)
         inputs = self._shared.host_fields.complete(inputs, on_host)
         self._cache_fit(inputs.past_key_values)
+        shared = self._shared
         q_len = uniform_q_len(inputs.attn_metadata, batch, inputs.num_tokens)
-        reason: str | None = "eager_mode"
-        for family in self.families:
-            reason = family.refusal(inputs, batch, q_len)
-            if reason is None:
-                self._rebinds.check()  # new tensor objects (registration hooks)
-                if self._shared.debug is None:  # debug mode checks every captured address itself, naming the graph
-                    self._shared.weights.check()  # new memory under the same objects (param.data = new)
-                return family.run(inputs, batch, q_len, on_host)
-        ranks = self._shared.ranks
+        decision = decide(self.families, inputs, batch, q_len, shared.variant_index)
+        family, ranks = decision.family, shared.ranks
         if ranks is not None and ranks.check_replays and self.families:
-            ranks.agree_on_step(batch, None, "run", variant=self._shared.variant_index)  # a rank replaying while this one runs eagerly would hang
-        self.stats.eager_steps[reason] += 1  # the last family's reason, never None here
+            # Before any collective: a rank on another graph, or running eagerly, would hang the rest.
+            unit = "batch" if family is None else family.unit
+            ranks.agree_on_step(decision.size, decision.bucket, "run", unit=unit, variant=decision.variant)
+        if family is not None:
+            self._rebinds.check()  # new tensor objects (registration hooks)
+            if shared.debug is None:  # debug mode checks every captured address itself, naming the graph
+                shared.weights.check()  # new memory under the same objects (param.data = new)
+            else:  # the step's device values, against what its graph would read and write
+                shared.debug.check_step(inputs, batch, uniform=family.uniform_steps)
+            output = family.run(inputs, decision, on_host)
+            shared.count_tokens(family.name, decision.tokens, decision.padding)
+            return output
+        self.stats.eager_steps[decision.reason] += 1
         if on_host:
             inputs = to_device(inputs, self.config.device)
         graphs = any(family.captured() for family in self.families)

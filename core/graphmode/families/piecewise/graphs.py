@@ -24,7 +24,8 @@ from graphmode.checks.host_lengths import check_piecewise_step
 from graphmode.checks.model_state import ModelState
 from graphmode.context import StepInputs
 from graphmode.errors import CaptureError
-from graphmode.families.common import capture_failed, inert_step, live_columns, note_replay_failure
+from graphmode.families.common import capture_failed, graph_name, inert_step, live_columns, note_replay_failure
+from graphmode.families.decision import StepDecision
 from graphmode.families.family import Captured, Report, Shared
 from graphmode.families.outputs import SharedOutputs, check_token_dimension
 from graphmode.families.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
@@ -62,7 +63,7 @@ class PiecewiseGraph:
     @property
     def name(self) -> str:
         """How errors name it: "token bucket 8 (piecewise)", "token bucket 8 (piecewise, lora=True)"."""
-        return f"token bucket {self.bucket} (piecewise{', ' + self.variant if self.variant != PLAIN else ''})"
+        return graph_name(PiecewiseGraphs.name, PiecewiseGraphs.unit, self.bucket, variant=self.variant)
 
 
 class PiecewiseGraphs:
@@ -75,6 +76,7 @@ class PiecewiseGraphs:
     #: Host steps are copied to the device: the break points run eagerly on the step's own metadata.
     stages_host = False
     steps_natively = False
+    uniform_steps = False
     staging = None
     native_step = None
 
@@ -135,27 +137,22 @@ class PiecewiseGraphs:
             )
         return "per_sequence_input"
 
-    def run(self, inputs: StepInputs, batch: int, q_len: int | None, on_host: bool) -> Any:
+    def graph_for(self, inputs: StepInputs, batch: int, q_len: int | None) -> tuple[int, int]:
+        bucket = token_bucket(inputs.num_tokens, self.sizes)
+        assert bucket is not None  # refusal() said so otherwise
+        return bucket, bucket
+
+    def run(self, inputs: StepInputs, decision: StepDecision, on_host: bool) -> Any:
         """Replay the step's token bucket, or capture it first."""
-        shared, stats = self.shared, self.shared.stats
+        shared, stats = self.shared, self.shared.stats.family(self.name)
         check_piecewise_step(inputs.attn_metadata, inputs.num_tokens, on_host)  # host values: no synchronisation
         if on_host:  # the break points run eagerly on the step's metadata: on the device
             inputs = to_device(inputs, shared.config.device)
-        tokens = inputs.num_tokens
-        bucket = token_bucket(tokens, self.sizes)
-        assert bucket is not None  # refusal() said so otherwise
+        tokens, bucket = decision.tokens, decision.key
         live = LiveStep(inputs.attn_metadata, tokens, bucket)
-        ranks = shared.ranks
-        if ranks is not None and ranks.check_replays:
-            # Before any collective: a rank in another token bucket would hang the rest.
-            ranks.agree_on_step(tokens, bucket, "run", unit="tokens", variant=self.shared.variant_index)
         graph, debug = self._current().get(bucket), shared.debug
-        if debug is not None:  # the same checks as a full graph's steps (graphmode.checks.debug)
-            debug.check_step(inputs, batch, uniform=False)
         if graph is None:
-            output = self._capture(inputs, live)
-            shared.count_tokens(tokens, bucket - tokens)
-            return output
+            return self._capture(inputs, live)
         check_same_objects(graph, inputs)
         if debug is not None:
             debug.check_addresses(graph.name, graph.extras)
@@ -165,9 +162,8 @@ class PiecewiseGraphs:
         except Exception as error:
             note_replay_failure(error, shared, graph.name)
             raise
-        stats.piecewise_replays += 1
+        stats.replays += 1
         stats.replays_by_variant[graph.variant] += 1
-        shared.count_tokens(tokens, bucket - tokens)
         return live_columns(graph.output, tokens)
 
     def todo(self, q_lens: Sequence[int]) -> list[int]:
@@ -265,7 +261,7 @@ class PiecewiseGraphs:
         left out."""
         bucket, shared, ranks = live.bucket, self.shared, self.shared.ranks
         shared.agree_to_capture(live.tokens, bucket, unit="tokens")
-        shared.check_capture_cache(inputs.past_key_values, f"token bucket {bucket} (piecewise)")
+        shared.check_capture_cache(inputs.past_key_values, graph_name(self.name, self.unit, bucket))
         static = self._inputs.fill(inputs, bucket)
         static = dataclasses.replace(static, attn_metadata=shape_only(inputs.attn_metadata))
         forward = shared.model if self._split is None else self._split
@@ -338,7 +334,10 @@ class PiecewiseGraphs:
             suffix = file_suffix(graph.variant)
             for index, segment in enumerate(graph.pieces.segments, 1):
                 shared.debug.dump(segment, f"tokens{bucket}-segment{index}{suffix}", f"segment {index} of {graph.name}")
-        shared.stats.piecewise_captures += 1
+        counts = shared.stats.family(self.name)
+        counts.captures += 1
+        if warmup:  # an inert step
+            counts.warmup_captures += 1
         return None if warm_output is None else live_columns(warm_output, live.tokens)
 
     def _ghost_reads(self) -> Any:

@@ -103,6 +103,7 @@ class LmdeployGraphRunner(GraphRunner):
         self.capture_sizes = capture_sizes(self.vendor, self.config, spec)
         self._bucket_of = bucket_table(self.vendor, max_batches, self.capture_sizes)
         self.stats = RunnerStats()
+        self._counts = self.stats.family("full")  # its decode graphs are full graphs' counters
         #: bytes the decode graphs' pool took from the device, by bucket key
         self.graph_memory: dict[tuple[Any, ...], int] = {}
         #: host seconds spent capturing (the warm-up forward included), since the last reset
@@ -148,13 +149,13 @@ class LmdeployGraphRunner(GraphRunner):
         if graph is None:
             output = self._capture(key, kwargs, batch, num_tokens)
             if context.is_dummy:  # lmdeploy's warm-up (and a data-parallel rank's dummy step): no tokens served
-                self.stats.warmup_captures += 1
+                self._counts.warmup_captures += 1
         else:
             output = graph.replay(kwargs)
-            self.stats.replays += 1
-            self.stats.replays_by_q_len[q_len] += 1
-        self.stats.real_tokens += num_tokens
-        self.stats.padded_tokens += (bucket - batch) * q_len
+            self._counts.replays += 1
+            self._counts.replays_by_q_len[q_len] += 1
+        self._counts.real_tokens += num_tokens
+        self._counts.padded_tokens += (bucket - batch) * q_len
         return output
 
     def _eager(self, reason: str, kwargs: dict[str, Any]) -> Any:
@@ -190,7 +191,7 @@ class LmdeployGraphRunner(GraphRunner):
             self._pool = device_graph.pool()
         self.graph_memory[key] = _reserved(self.device) - reserved
         self._graphs[key] = graph
-        self.stats.captures += 1
+        self._counts.captures += 1
         return output
 
     # -- what lmdeploy's engine asks of its runner ---------------------------
