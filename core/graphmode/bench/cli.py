@@ -273,11 +273,9 @@ def run(args: argparse.Namespace) -> int:
         first = capture_cost(workload, None)
         results["capture"] = {"first_in_process": first, "all_buckets": capture_cost(workload, None),
                               "largest_alone": capture_cost(workload, [workload.max_batches])}
-        print(f"capture: {results['capture']}", flush=True)
     # After the capture figures: the first mode here is not the process's first capture on a device.
     results["startup_batch"] = batches[0]
     results["startup"] = measure_startup(workload, startup_modes(args.startup_modes, device), batches[0])
-    print(f"start-up: {results['startup']}", flush=True)
 
     modes: list[Any] = [Eager(workload.model)] if "eager" in wanted else []
     vendors: list[str] = []
