@@ -45,6 +45,7 @@ import torch
 
 import graphmode
 from graphmode.bench.workload import Workload
+from graphmode.devices import usable_device
 from graphmode.model import ModelConfig
 
 MiB = 2**20
@@ -258,7 +259,7 @@ def main() -> None:
     parser.add_argument("--max-batches", type=int, default=None, help="default 256 on a GPU, 8 on the CPU")
     parser.add_argument("--per-graph", action="store_true", help="every graph's phases, not only the totals")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = usable_device(args.device, "scripts/capture_time.py")
     cpu = device.type == "cpu"
     name = args.model or ("tiny" if cpu else "bench")
     config = ModelConfig.bench() if name == "bench" else ModelConfig.tiny()

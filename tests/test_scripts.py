@@ -22,11 +22,10 @@ NEEDS_GPU = {
     "profile_step": [], "replay_after_captures": [], "sweep_triton_prefill": [], "lmdeploy_side_by_side": [],
     "check_graph_equals_eager": [], "draft_speed": [], "graph_memory": [], "hf_parity": [], "host_path": [],
     "profile_host_cost": [], "kv_pointer_cost": ["--device", "cuda"], "weight_pointer_cost": ["--device", "cuda"],
-    "sleep_wake": ["--device", "cuda"],
+    "sleep_wake": ["--device", "cuda"], "capture_time": [],
 }
 # Scripts that run on the CPU (their CUDA side, if any, only where CUDA is), or are modules of others.
-CPU = {"compare_graph_semantics", "debug_cost", "fuzz_steps", "hf_families", "replay_guard_cost", "host_bound",
-       "capture_time"}
+CPU = {"compare_graph_semantics", "debug_cost", "fuzz_steps", "hf_families", "replay_guard_cost", "host_bound"}
 
 
 def test_every_script_is_classed():
