@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # Summed on the runner's gloo group: host values need no device collective.
     totals = torch.tensor([failures])
-    dist.all_reduce(totals, group=runner.rank_sync.control)
+    ranks = runner.rank_sync  # None on a single rank: its own count is the total
+    if ranks is not None:
+        dist.all_reduce(totals, group=ranks.control)
     if rank == 0:
         print(f"\n{len(rows)} batch sizes x {args.steps} steps on {world} ranks in {time.perf_counter() - started:.0f}s; "
               f"{runner.stats.summary()}")
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     runner.reset()
     if on_gpu:
         torch.cuda.synchronize(device)
-    dist.barrier(group=runner.rank_sync.control)
+    if ranks is not None:
+        dist.barrier(group=ranks.control)
     dist.destroy_process_group()
     return 0 if totals.item() == 0 else 1
 

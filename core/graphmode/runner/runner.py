@@ -16,7 +16,7 @@ import dataclasses
 import gc
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +30,7 @@ from graphmode.context import AttnMetadata, StepInputs
 from graphmode.errors import ConfigError, InputError
 from graphmode.families.common import note_replay_failure
 from graphmode.families.decision import decide
-from graphmode.families.family import Shared
+from graphmode.families.family import GraphFamily, Shared
 from graphmode.families.modes import build_families
 from graphmode.families.sleep import asleep_error, recapture, release
 from graphmode.families.stats import RunnerStats
@@ -42,6 +42,9 @@ from graphmode.runner.guard import busy, one_at_a_time
 from graphmode.runner.progress import CaptureProgress, logger
 from graphmode.runner.setup import capture_sizes, configure
 from graphmode.staging import HostStaging, to_device
+
+if TYPE_CHECKING:
+    from graphmode.distributed import RankSync
 
 __all__ = ["GraphRunner"]
 
@@ -130,7 +133,7 @@ class GraphRunner:
         """The full graphs' host staging (docs/architecture.md), when on."""
         return next((family.staging for family in self.families if family.staging is not None), None)
 
-    def family(self, name: str) -> Any:
+    def family(self, name: str) -> GraphFamily | None:
         """The execute mode's family of that name (``GraphFamily.name``), or None."""
         return next((family for family in self.families if family.name == name), None)
 
@@ -140,7 +143,7 @@ class GraphRunner:
         return self.family("piecewise")
 
     @property
-    def rank_sync(self) -> Any:
+    def rank_sync(self) -> RankSync | None:
         """The :class:`graphmode.distributed.RankSync` of a tensor-parallel
         runner (its gloo ``control`` group carries host-side agreement), or None."""
         return self._shared.ranks
@@ -470,7 +473,7 @@ class GraphRunner:
         )
 
 
-def _rank_sync(process_group: Any, check_ranks: str) -> Any:
+def _rank_sync(process_group: Any, check_ranks: str) -> RankSync | None:
     if check_ranks not in ("capture", "always"):
         raise ConfigError(f"check_ranks={check_ranks!r}: use 'capture' (start-up and captures) or 'always' (every step)")
     if process_group is None:
