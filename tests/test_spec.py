@@ -14,7 +14,7 @@ import graphmode
 from graphmode import ConfigError, InputError
 from graphmode.attention import ReferenceAttentionOps, write_slots
 from graphmode.buckets import FixedSizes, graded_sizes
-from graphmode.spec import CUDA_SPEC, ROW_INDEX, SEQUENCES, TOKENS, BufferSpec, GraphSpec
+from graphmode.spec import BLOCKS, CUDA_SPEC, ROW_INDEX, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 
 
 class SlotBlockOps(ReferenceAttentionOps):
@@ -416,3 +416,27 @@ def test_the_step_tensors_are_declared_once_on_attn_metadata():
     assert REQUIRED_TENSORS == ("block_offsets", "q_start_loc", "q_seqlens", "kv_seqlens", "kv_start_indices")
     derived = ("input_ids", "position_ids", *(f"attn_metadata.{n}" for n in REQUIRED_TENSORS))
     assert derived == REQUIRED_CONTEXT
+
+
+@pytest.mark.parametrize("padding", [1, 7, ROW_INDEX])
+def test_a_block_table_padded_with_a_block_a_sequence_may_own_is_refused(padding):
+    """Padding rows read their table row (and a kernel writing through the
+    table writes there): a block id above 0 may be a live sequence's
+    (an outsider's plugin declared padding=1, 2026-12-02, and the suite passed it)."""
+    with pytest.raises(ConfigError) as error:
+        BufferSpec("my_table", torch.int32, shape=(SEQUENCES, BLOCKS), padding=padding)
+    message = str(error.value)
+    assert f"BufferSpec('my_table'): padding={padding!r} in a block table" in message, message
+    assert "a block a live sequence may own" in message and "Pad a table with 0, the reserved block, or a negative " \
+        "sentinel your kernels skip" in message, message
+
+
+@pytest.mark.parametrize("padding", [0, -1, -3])
+def test_a_block_table_padded_with_the_reserved_block_or_a_sentinel_is_taken(padding):
+    assert BufferSpec("my_table", torch.int32, shape=(SEQUENCES, BLOCKS), padding=padding).padding == padding
+
+
+def test_a_per_block_value_that_is_not_a_block_id_may_pad_with_anything():
+    """Floating and boolean per-block buffers hold no block ids."""
+    assert BufferSpec("block_scale", torch.float32, shape=(SEQUENCES, BLOCKS), padding=1.0).padding == 1.0
+    assert BufferSpec("block_used", torch.bool, shape=(SEQUENCES, BLOCKS), padding=True).padding is True

@@ -157,6 +157,15 @@ class BufferSpec:
             raise ConfigError(f"{where}: shape={self.shape} has {bad}; use ints >= 1, {TOKENS!r}, {SEQUENCES!r}, {BLOCKS!r}")
         if isinstance(self.padding, str) and self.padding not in (ROW_INDEX, ROW_NUMBER):
             raise ConfigError(f"{where}: padding={self.padding!r}; use a number, {ROW_INDEX!r} or {ROW_NUMBER!r}")
+        holds_block_ids = BLOCKS in self.shape and not self.dtype.is_floating_point and self.dtype != torch.bool
+        if holds_block_ids and (isinstance(self.padding, str) or self.padding > 0):
+            # A padding row's table entry is a block it reads, and where a kernel writes through the
+            # table, one it writes: block N > 0 may be a live sequence's.
+            raise ConfigError(
+                f"{where}: padding={self.padding!r} in a block table (shape {self.shape}, {self.dtype}): padding "
+                "rows would read (and a kernel writing through the table would write) a block a live sequence "
+                "may own. Pad a table with 0, the reserved block, or a negative sentinel your kernels skip"
+            )
         if self.live is not None and self.source not in ("default", None):
             raise ConfigError(f"{where}: give a source or a live value, not both")
         if self.live is not None and self.source == "default":
