@@ -610,8 +610,20 @@ def test_a_kernel_indexing_the_cache_with_its_sentinel_is_caught(tmp_path):
     assert status != 0
     message = failures(report)[0]["message"]
     assert "give non-finite outputs" in message, message
-    assert "the cache's last block, which no sequence owns" in message, message
-    assert "indexing the cache with a block-table sentinel of -1" in message, message
+    assert "with NaN in blocks " in message and " (sentinel -1) of the cache's " in message, message
+    assert "which no sequence owns" in message and "indexing the cache with a block-table sentinel" in message, message
+
+
+def test_a_kernel_indexing_the_cache_with_a_declared_sentinel_of_minus_three_is_caught(tmp_path):
+    """The same slip with the table's declared sentinel -3 (an outsider's
+    plugin, 2026-12-02): it reads the third block from the end, which a test
+    poisoning only the last block passed."""
+    status, report = run_suite(tmp_path, "--device", "cpu", "--plugin", "plugins.vexa:minus_three_indexed",
+                               "-k", "read_no_block")
+    assert status != 0
+    message = failures(report)[0]["message"]
+    assert "give non-finite outputs" in message, message
+    assert " (sentinel -3) of the cache's " in message, message
 
 
 def test_a_fused_cache_vendor_pushing_a_length_bound_passes(tmp_path):

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from graphmode.spec import BLOCKS
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure
 from graphmode_conformance.modes import EXECUTE_MODES, build_in_mode
@@ -84,21 +85,32 @@ class KVCacheIntegrityTests(ConformanceFixtures):
                 ) from failure
 
     def test_padding_rows_read_no_block_but_the_reserved_one(self, harness):
-        """The cache's last block, which no sequence is given here, holds
-        NaN: padded decode steps keep finite padding outputs and eager's
-        live results. A kernel that indexes the cache with a block-table
-        sentinel of -1 reads that block in PyTorch, where a device kernel
-        reads out of range; block 0's tests cannot see it."""
+        """The blocks a block-table sentinel reaches when used as an index
+        (-1: the cache's last block; a declared sentinel -k: the k-th from
+        last), which no sequence is given here, hold NaN: padded decode
+        steps keep finite padding outputs and eager's live results. A kernel
+        that indexes the cache with its table's sentinel reads that block in
+        PyTorch, where a device kernel reads out of range; block 0's tests
+        cannot see it."""
         if not harness.model.config.dtype.is_floating_point:
             pytest.skip("the model's dtype has no NaN")
         head_dim = harness.model.config.head_dim
-        last = harness.model.ops.block_view(harness.graph_cache[0][0], head_dim).shape[0] - 1
-        if last not in harness.engine.free_blocks:
-            pytest.skip(f"the engine has handed out the cache's last block {last}")
-        harness.engine.free_blocks.remove(last)
+        blocks = harness.model.ops.block_view(harness.graph_cache[0][0], head_dim).shape[0]
+        # -1, and every negative padding the vendor declares for a table (an integer buffer with a BLOCKS dimension).
+        sentinels = {-1} | {spec.padding for spec in harness.runner.spec.buffers
+                            if BLOCKS in spec.shape and not spec.dtype.is_floating_point and spec.dtype != torch.bool
+                            and isinstance(spec.padding, int) and spec.padding < 0}
+        poisoned = sorted({blocks + sentinel for sentinel in sentinels if blocks + sentinel > 0})
+        handed_out = [block for block in poisoned if block not in harness.engine.free_blocks]
+        if handed_out:
+            pytest.skip(f"the engine has handed out blocks {handed_out}, which table sentinels {sorted(sentinels)} reach")
+        for block in poisoned:
+            harness.engine.free_blocks.remove(block)
         for pair in (*harness.graph_cache, *harness.eager_cache):
             for cache in pair:
-                harness.model.ops.block_view(cache, head_dim)[last].fill_(float("nan"))
+                view = harness.model.ops.block_view(cache, head_dim)
+                for block in poisoned:
+                    view[block].fill_(float("nan"))
         seqs = harness.start(11)
         for batch in (11, 5, 9, 2, 11, 7):
             try:
@@ -106,12 +118,14 @@ class KVCacheIntegrityTests(ConformanceFixtures):
             except ConformanceFailure as failure:
                 if "non-finite" not in str(failure) and "= nan" not in str(failure):
                     raise
+                reached = ", ".join(f"{blocks + s} (sentinel {s})" for s in sorted(sentinels, reverse=True)
+                                    if blocks + s in poisoned)
                 raise ConformanceFailure(
-                    f"{str(failure).split(' Likely cause:')[0].rstrip('.')}, with NaN in block {last}, the cache's "
-                    "last block, which no sequence owns. Padding rows and unused table columns may read only the "
-                    "reserved block 0. Likely cause: a kernel (graphmode_attention_ops) indexing the cache with a "
-                    "block-table sentinel of -1 (PyTorch's index -1 is the last block; a device kernel reads out of "
-                    "range); skip the sentinel in the kernel, or pad the table with block 0"
+                    f"{str(failure).split(' Likely cause:')[0].rstrip('.')}, with NaN in blocks {reached} of the "
+                    f"cache's {blocks}, which no sequence owns. Padding rows and unused table columns may read only "
+                    "the reserved block 0. Likely cause: a kernel (graphmode_attention_ops) indexing the cache with "
+                    "a block-table sentinel (PyTorch's index -k is the k-th block from the end; a device kernel "
+                    "reads out of range); skip the sentinel in the kernel, or pad the table with block 0"
                 ) from failure
 
     def test_sequences_left_out_of_a_step_keep_their_cache(self, harness):

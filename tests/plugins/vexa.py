@@ -291,3 +291,26 @@ sentinel_indexed = types.SimpleNamespace(
     **{name: getattr(plugin, name) for name in dir(plugin) if name.startswith("graphmode_")},
 )
 sentinel_indexed.graphmode_attention_ops = _sentinel_indexed_ops
+
+# The same slip with a table sentinel of -3 (an outsider's zeta plugin, 2026-12-02): as an index it reads
+# the third block from the end, which a test poisoning only the last block (-1's) passed.
+THIRD_FROM_LAST = -3
+
+
+def _table_of_minus_three(step) -> torch.Tensor:
+    return torch.where(step.attn_metadata.block_offsets == 0, THIRD_FROM_LAST, step.attn_metadata.block_offsets).to(
+        torch.int32)
+
+
+@hookimpl
+def _spec_of_minus_three() -> GraphSpec:
+    return VEXA_SPEC.with_buffers(BufferSpec(
+        "vexa_block_table", torch.int32, shape=(SEQUENCES, BLOCKS), padding=THIRD_FROM_LAST, source=_table_of_minus_three,
+    ))
+
+
+minus_three_indexed = types.SimpleNamespace(
+    __name__="vexa_minus_three_indexed", __version__=__version__,
+    **{name: getattr(sentinel_indexed, name) for name in dir(sentinel_indexed) if name.startswith("graphmode_")},
+)
+minus_three_indexed.graphmode_graph_spec = _spec_of_minus_three
