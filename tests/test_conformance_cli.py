@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import graphmode
+from graphmode.errors import ConfigError
 from graphmode_conformance import cli
 from graphmode_conformance.plugin import Target
 
@@ -219,3 +220,21 @@ def test_tensor_parallel_on_cuda_without_a_cuda_device_is_one_clear_error():
         "graphmode_conformance.tensor_parallel: --device cuda: no cuda device is available to torch here (torch ")
     assert str(stop.value).endswith("; pass --device cpu to run it on the CPU graph emulator over gloo")
     assert "\n" not in str(stop.value)
+
+
+def test_a_working_directory_that_would_shadow_graphmode_is_refused_in_one_line(tmp_path, capsys):
+    """Run from the folder holding a clone (an outsider's first run,
+    2026-12-02): each suite process, with the working directory first on
+    sys.path, imported the clone's folder as a namespace package and every
+    vendor failed with "cannot import name 'hookimpl' from 'graphmode'"."""
+    (tmp_path / "graphmode").mkdir()
+    with pytest.raises(ConfigError) as error:
+        cli.check_working_directory(tmp_path)
+    assert f"the working directory {tmp_path} holds 'graphmode'" in str(error.value), error.value
+    assert "Run graphmode conformance from another directory" in str(error.value), error.value
+
+
+def test_a_working_directory_holding_the_installed_package_itself_or_a_plugin_is_taken(tmp_path):
+    cli.check_working_directory(Path(graphmode.__file__).parent.parent)  # core/, which holds graphmode/ itself
+    (tmp_path / "graphmode_zeta").mkdir()  # a vendor's own package beside it
+    cli.check_working_directory(tmp_path)

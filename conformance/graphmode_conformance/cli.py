@@ -16,6 +16,7 @@ status: 0 when every run passed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         sizes = given_sizes(args)
         if args.xfails:
             check_xfails(Path(args.xfails))
+        check_working_directory(Path.cwd())
         if args.plugin and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # as `python -m` does: a plugin module here imports
         plan = targets(args.vendor, args.device, args.plugin)
@@ -225,6 +227,32 @@ def check_variant(target: Target, wanted: str) -> None:
         pick_variant(target.vendor.spec.option_variants, wanted)
     except pytest.UsageError as error:
         raise ConfigError(f"--variant: vendor {target.vendor.name}: {error}") from None
+
+
+#: What every suite process imports, which a folder or module of the same name in the working directory
+#: (on sys.path in each, as `python -m pytest` puts it there) would replace.
+SUITE_PACKAGES = ("graphmode", "graphmode_conformance", "pytest", "pluggy", "torch")
+
+
+def check_working_directory(cwd: Path) -> None:
+    """Refuse to run from a directory holding a folder or module named as a
+    package the suite imports, other than that package itself: each suite
+    process has the working directory first on sys.path, so ``import
+    graphmode`` would find the folder (a clone's, say: a namespace package
+    with no ``hookimpl``) instead of the installed package."""
+    for name in SUITE_PACKAGES:
+        here = [path for path in (cwd / name, cwd / f"{name}.py") if path.exists()]
+        if not here:
+            continue
+        spec = importlib.util.find_spec(name)
+        installed = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        if installed is None or not installed.is_relative_to(here[0].resolve()):
+            raise ConfigError(
+                f"the working directory {cwd} holds {here[0].name!r}, which each suite process would import as "
+                f"{name} (it runs with the working directory first on sys.path, as `python -m pytest` does) instead "
+                f"of the installed {name}{f' ({installed})' if installed else ''}. Run graphmode conformance from "
+                "another directory (your plugin's, for instance)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
