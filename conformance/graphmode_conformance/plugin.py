@@ -1,5 +1,8 @@
 """The pytest plugin of the conformance suite.
 
+PYTEST_DONT_REWRITE: it holds no assert, and the forked runs import it before pytest starts
+(``graphmode_conformance.processes``), where pytest would warn that it cannot rewrite it.
+
 Options:
     --graphmode-vendor NAME    the vendor under test (default: $GRAPHMODE_VENDOR,
                                then detection)
