@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from graphmode.variants import PLAIN
 
@@ -43,6 +44,13 @@ class FamilyStats:
     padded_tokens: int = 0
     replays_by_q_len: Counter = field(default_factory=Counter)
     replays_by_variant: Counter = field(default_factory=Counter)
+
+
+def _counter_of(family: str, counter: str) -> Any:
+    """A read-only property: that counter of that family's :class:`FamilyStats`
+    (0, or an empty Counter, before the family's first count)."""
+    return property(lambda stats: getattr(stats._of(family), counter),
+                    doc=f"``families[{family!r}].{counter}``")
 
 
 @dataclass
@@ -94,29 +102,13 @@ class RunnerStats:
         """The counters of that family to read (zeros before its first count, made nowhere)."""
         return self.families.get(name) or FamilyStats()
 
-    @property
-    def captures(self) -> int:
-        return self._of("full").captures
-
-    @property
-    def warmup_captures(self) -> int:
-        return self._of("full").warmup_captures
-
-    @property
-    def replays(self) -> int:
-        return self._of("full").replays
-
-    @property
-    def replays_by_q_len(self) -> Counter:
-        return self._of("full").replays_by_q_len
-
-    @property
-    def piecewise_captures(self) -> int:
-        return self._of("piecewise").captures
-
-    @property
-    def piecewise_replays(self) -> int:
-        return self._of("piecewise").replays
+    # The runner-wide names of one family's counters (read only: each family counts into its own).
+    captures = _counter_of("full", "captures")
+    warmup_captures = _counter_of("full", "warmup_captures")
+    replays = _counter_of("full", "replays")
+    replays_by_q_len = _counter_of("full", "replays_by_q_len")
+    piecewise_captures = _counter_of("piecewise", "captures")
+    piecewise_replays = _counter_of("piecewise", "replays")
 
     @property
     def real_tokens(self) -> int:
