@@ -1,7 +1,8 @@
 """lmdeploy eager, lmdeploy's own graphs and lmdeploy with graphmode, side by side in one process.
 
     python scripts/lmdeploy_side_by_side.py [--arch llama qwen3 mixtral] [--perf llama] [--layers 16]
-        [--hidden 1024] [--requests 64] [--batches 1,8,32,128,256] [--rounds 8] [--skip-tokens]
+        [--hidden 1024] [--requests 64] [--batches 1,8,32,128,256] [--rounds 10] [--startups 2]
+        [--decode-steps 256] [--skip-tokens] [--vl] [--spec eagle eagle3] [--piecewise-tokens 2048]
         [--json out.json]
 
 Needs a GPU and lmdeploy's PyTorch engine (0.18.0; ../shared/realclients/lmdeploy prepares it
@@ -13,12 +14,19 @@ is saved, then, each engine alone in the process:
    1,024 tokens) through lmdeploy eager, lmdeploy's own graphs, graphmode (execute_mode "graph")
    and graphmode in "full_and_piecewise", compared request for request; the graph memory lmdeploy's
    graphs and graphmode's give back on ``reset_graph_runner()`` (then captured again); tokens
-   before and after lmdeploy's sleep(level=1) and wakeup();
+   before and after lmdeploy's sleep(level=1) and wakeup() (prefix caching off: lmdeploy keeps its
+   prefix trie over the rebuilt cache);
 2. for the ``--perf`` architectures, lmdeploy's graphs and graphmode (full_and_piecewise), each warm
-   in a process of its own, taking turns figure by figure for ``--rounds`` rounds: start-up
-   (construction to first token, after an untimed run of each engine has filled the compile caches), decode throughput per batch size (tokens/s of the whole engine: ``--decode-steps`` more
-   decode steps of a warm batch over the time they add) and prefill-heavy steps (1x2048, 16x512,
-   16x2048 prompt tokens, one new token), each the median of the rounds.
+   in a process of its own: start-up (construction to first token, ``--startups`` times each, taking
+   turns, after an untimed run of each engine has filled the compile caches), then, taking turns
+   figure by figure for ``--rounds`` rounds, decode throughput per batch size (tokens/s of the whole
+   engine: ``--decode-steps`` more decode steps of a warm batch over the time they add) and
+   prefill-heavy steps (1x2048, 16x512, 16x2048 prompt tokens, one new token), each the median of the
+   rounds; last, the graph memory each engine's runner gives back on reset.
+
+``--vl`` adds a random Qwen2-VL (``lmdeploy_vl_model.py``: M-RoPE positions in every step, an image in
+every third request) and ``--spec`` random EAGLE / EAGLE-3 drafts of a Llama (``lmdeploy_spec_models.py``),
+each through lmdeploy eager, its own graphs and graphmode, tokens compared.
 """
 
 from __future__ import annotations
@@ -84,9 +92,14 @@ def requests(count: int, seed: int = 0) -> tuple[list[str], list[int]]:
     return prompts, new_tokens
 
 
-def engine(path: str, *, eager: bool, graphmode: str | None, max_batch: int, prefill_tokens: int = 1024):
+#: lmdeploy's piecewise prefill graphs up to this many tokens (--piecewise-tokens), or None: off.
+PIECEWISE_TOKENS: list[int | None] = [None]
+
+
+def engine(path: str, *, eager: bool, graphmode: str | None, max_batch: int, prefill_tokens: int = 1024,
+           prefix_caching: bool = True, **pipeline_kwargs):
     """A pipeline; ``graphmode`` is None (lmdeploy's own) or graphmode's execute mode; prefill chunked at
-    ``prefill_tokens``."""
+    ``prefill_tokens``; ``pipeline_kwargs`` (``speculative_config``) go to ``pipeline()``."""
     from lmdeploy import PytorchEngineConfig, pipeline
 
     import graphmode.integrations.lmdeploy as gm_lmdeploy
@@ -98,7 +111,8 @@ def engine(path: str, *, eager: bool, graphmode: str | None, max_batch: int, pre
     try:
         return pipeline(path, backend_config=PytorchEngineConfig(
             eager_mode=eager, cache_max_entry_count=0.06, max_batch_size=max_batch, session_len=4096,
-            max_prefill_token_num=prefill_tokens, enable_prefix_caching=True))
+            max_prefill_token_num=prefill_tokens, enable_prefix_caching=prefix_caching,
+            piecewise_cudagraph_max_tokens=PIECEWISE_TOKENS[0]), **pipeline_kwargs)
     finally:
         gm_lmdeploy.disable()
 
@@ -167,16 +181,27 @@ def close(pipe) -> None:
     torch.cuda.empty_cache()
 
 
-def sleep_wake(pipe, prompts: list[str], new_tokens: list[int]) -> str:
-    """Greedy tokens before and after lmdeploy's sleep(level=1) and wakeup()."""
-    before = generate(pipe, prompts, new_tokens)
-    runner = agent(pipe).patched_model
-    captures = runner.stats.captures if hasattr(runner, "stats") else None
-    pipe._run(coro=pipe.async_engine.sleep(1)).result()  # what lmdeploy's /sleep endpoint does
-    pipe.async_engine.wakeup()
-    after = generate(pipe, prompts, new_tokens)
-    again = f"{runner.stats.captures - captures} graphs captured again, " if captures is not None else ""
-    return f"{again}tokens after wake equal before in {sum(a == b for a, b in zip(after, before))} of {len(before)}"
+def sleep_wake(path: str, prompts: list[str], new_tokens: list[int], max_batch: int, result: dict) -> None:
+    """Greedy tokens before and after lmdeploy's sleep(level=1) and wakeup(), for lmdeploy's own graphs and
+    graphmode's (full_and_piecewise), each engine alone, prefix caching off: lmdeploy's sleep rebuilds the KV
+    cache but keeps its prefix trie, so cached prefixes would read garbage after wake in both engines."""
+    after = {}
+    for name, mode in (("lmdeploy", None), ("graphmode_fp", "full_and_piecewise")):
+        pipe = engine(path, eager=False, graphmode=mode, max_batch=max_batch, prefix_caching=False)
+        before = generate(pipe, prompts, new_tokens)
+        runner = agent(pipe).patched_model
+        captures = runner.stats.captures if hasattr(runner, "stats") else None
+        pipe._run(coro=pipe.async_engine.sleep(1)).result()  # what lmdeploy's /sleep endpoint does
+        pipe.async_engine.wakeup()
+        after[name] = generate(pipe, prompts, new_tokens)
+        again = f"{runner.stats.captures - captures} graphs captured again, " if captures is not None else ""
+        line = (f"{again}tokens after wake equal before in {sum(a == b for a, b in zip(after[name], before))} "
+                f"of {len(before)}")
+        result.setdefault("sleep_wake", {})[name] = line
+        print(f"  {name}: sleep(level=1) + wakeup(), prefix caching off: {line}")
+        close(pipe)
+    result["sleep_wake"]["after_wake_graphmode_vs_lmdeploy"] = compare(
+        "after wake, graphmode vs lmdeploy's graphs", after["graphmode_fp"], after["lmdeploy"])
 
 
 def tokens_phase(arch: str, path: str, args: argparse.Namespace, result: dict) -> None:
@@ -192,13 +217,10 @@ def tokens_phase(arch: str, path: str, args: argparse.Namespace, result: dict) -
         if name in ("lmdeploy", "graphmode"):
             result.setdefault("graph_memory_bytes", {})[name] = memory = graph_memory(pipe)
             print(f"  {name}: graph memory given back on reset {memory / 2**20:.1f} MiB")
-        if name in ("lmdeploy", "graphmode_fp"):
-            line = sleep_wake(pipe, prompts[:8], new_tokens[:8])
-            result.setdefault("sleep_wake", {})[name] = line
-            print(f"  {name}: sleep(level=1) + wakeup(): {line}")
         if name.startswith("graphmode"):
             print(f"  {name}: {stats_of(pipe)}")
         close(pipe)
+    sleep_wake(path, prompts[:8], new_tokens[:8], max(args.batches), result)
     result["tokens"] = {
         "graphmode_vs_lmdeploy_graphs": compare("graphmode vs lmdeploy's graphs", tokens["graphmode"],
                                                 tokens["lmdeploy"]),
@@ -211,6 +233,63 @@ def tokens_phase(arch: str, path: str, args: argparse.Namespace, result: dict) -
                                                tokens["graphmode_fp"], tokens["eager"]),
         "requests": len(prompts),
     }
+
+
+def three_engines(label: str, path: str, prompts: list, new_tokens: list[int], max_batch: int, result: dict,
+                  **pipeline_kwargs) -> None:
+    """Greedy tokens of ``prompts`` through lmdeploy eager, lmdeploy's own graphs and graphmode (execute mode
+    "graph"), each engine alone in the process, compared request for request under ``result[label]``."""
+    tokens = {}
+    for name, eager, mode in (("eager", True, None), ("lmdeploy", False, None), ("graphmode", False, "graph")):
+        pipe = engine(path, eager=eager, graphmode=mode, max_batch=max_batch, **pipeline_kwargs)
+        tokens[name] = generate(pipe, prompts, new_tokens)
+        if name == "graphmode":
+            print(f"  {label} {name}: {stats_of(pipe)}")
+        close(pipe)
+    result[label] = {
+        "graphmode_vs_lmdeploy_graphs": compare(f"{label} graphmode vs lmdeploy's graphs", tokens["graphmode"],
+                                                tokens["lmdeploy"]),
+        "graphmode_vs_eager": compare(f"{label} graphmode vs lmdeploy eager", tokens["graphmode"], tokens["eager"]),
+        "lmdeploy_graphs_vs_eager": compare(f"{label} lmdeploy's graphs vs lmdeploy eager", tokens["lmdeploy"],
+                                            tokens["eager"]),
+        "requests": len(prompts),
+    }
+
+
+def vl_phase(args: argparse.Namespace, report: dict) -> None:
+    """A random Qwen2-VL (M-RoPE positions in every step, images in every third request) through the
+    three engines. lmdeploy turns prefix caching off for it."""
+    from lmdeploy_vl_model import save_vl_model, vl_requests
+
+    path = os.path.join(tempfile.mkdtemp(), "tiny-qwen2-vl")
+    save_vl_model(path)
+    prompts = vl_requests(args.requests)
+    new_tokens = [random.Random(i).randint(16, 128) for i in range(len(prompts))]
+    print(f"\n== qwen2_vl (M-RoPE): {args.requests} requests, every third with an image, {min(new_tokens)}.."
+          f"{max(new_tokens)} new tokens")
+    three_engines("qwen2_vl", path, prompts, new_tokens, max(args.batches), report.setdefault("qwen2_vl", {}))
+
+
+def spec_phase(method: str, args: argparse.Namespace, report: dict) -> None:
+    """A random Llama target with a random ``method`` draft (``eagle``: an echoing draft, so that drafts
+    get accepted) through the three engines, 3 speculative tokens: lmdeploy's verify steps (4 tokens per
+    sequence) and its proposer's steps. lmdeploy's CUDA backend needs FlashAttention-3 for them."""
+    try:
+        import flash_attn_interface  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"--spec {method}: lmdeploy 0.18's speculative decoding on CUDA needs FlashAttention-3 "
+                         "(flash_attn_interface), which is not installed: install a wheel of it built for "
+                         "this torch first") from None
+    from lmdeploy_spec_models import save_draft, spec_config
+
+    target = os.path.join(tempfile.mkdtemp(), "tiny-llama")
+    save_model("llama", target, args.layers, args.hidden)
+    draft = os.path.join(os.path.dirname(target), f"draft-{method}")
+    save_draft(method, target, draft, echo=method == "eagle")
+    prompts, new_tokens = requests(args.requests)
+    print(f"\n== llama with a random {method} draft, 3 speculative tokens: {args.requests} requests")
+    three_engines(f"spec_{method}", target, prompts, new_tokens, max(args.batches), report.setdefault(
+        f"spec_{method}", {}), speculative_config=spec_config(draft, 3))
 
 
 PREFILL_CASES = {"1x2048": (1, 2048), "16x512": (16, 512), "16x2048": (16, 2048)}
@@ -256,6 +335,8 @@ def serve(path: str, name: str, args: argparse.Namespace) -> None:
             value: object = decode_rate(pipe, int(arg), args.decode_steps)
         elif what == "prefill":
             value = prefill_seconds(pipe, arg, int(round_))
+        elif what == "memory":
+            value = graph_memory(pipe)
         else:
             value = stats_of(pipe)
         print(ANSWER + json.dumps(value), flush=True)
@@ -269,7 +350,8 @@ class Child:
     def __init__(self, path: str, name: str, args: argparse.Namespace) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--serve", name, "--serve-model", path, "--batches",
-             ",".join(map(str, args.batches)), "--decode-steps", str(args.decode_steps)],
+             ",".join(map(str, args.batches)), "--decode-steps", str(args.decode_steps),
+             *(["--piecewise-tokens", str(args.piecewise_tokens)] if args.piecewise_tokens else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.startup_s = self.read()["startup_s"]
 
@@ -306,11 +388,19 @@ def perf_phase(path: str, args: argparse.Namespace, result: dict) -> None:
     # untimed lmdeploy engine still took 12.7 s (0.5-0.8 s once its own run had filled them).
     for name in TURN_ENGINES:
         Child(path, name, args).close()
+    # Start-ups one at a time (each timed alone), the engines taking turns; the last of each serves the rounds.
+    startups: dict[str, list[float]] = {name: [] for name in TURN_ENGINES}
     children = {}
-    for name in TURN_ENGINES:  # one at a time: start-up is timed alone
-        children[name] = Child(path, name, args)
-        print(f"  {name}: start-up {children[name].startup_s:.1f} s (construction to first token, fresh process)",
-              flush=True)
+    for turn in range(args.startups):
+        for name in (list(TURN_ENGINES) if turn % 2 == 0 else list(reversed(TURN_ENGINES))):
+            child = Child(path, name, args)
+            startups[name].append(child.startup_s)
+            print(f"  {name}: start-up {child.startup_s:.1f} s (construction to first token, fresh process)",
+                  flush=True)
+            if turn == args.startups - 1:
+                children[name] = child
+            else:
+                child.close()
     rates: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in children}
     prefill: dict[str, dict[str, list[float]]] = {name: {c: [] for c in PREFILL_CASES} for name in children}
     for round_ in range(args.rounds):
@@ -321,9 +411,16 @@ def perf_phase(path: str, args: argparse.Namespace, result: dict) -> None:
         for case in PREFILL_CASES:
             for name in order:
                 prefill[name][case].append(children[name].ask("prefill", case, round_))
+    memory = {}
     for name, child in children.items():
         print(f"  {name}: {child.ask('stats')}")
+        memory[name] = child.ask("memory")
         child.close()
+    print("  start-up (s, construction to first token, each start alone in a fresh process, the engines taking turns), "
+          "and the graph memory each engine's runner gives back on reset:")
+    for name in children:
+        print(f"    {name:9s}: start-ups {' '.join(f'{s:.1f}' for s in startups[name])}  median "
+              f"{statistics.median(startups[name]):.1f} s   graph memory {memory[name] / 2**20:.1f} MiB")
     print(f"  decode throughput (tokens/s of the engine, {args.decode_steps} steps, median of {args.rounds} rounds "
           "taking turns), graphmode / lmdeploy's graphs:")
     ratios = {}
@@ -338,8 +435,8 @@ def perf_phase(path: str, args: argparse.Namespace, result: dict) -> None:
     for case in PREFILL_CASES:
         own_s, ours_s = statistics.median(prefill["lmdeploy"][case]), statistics.median(prefill["graphmode"][case])
         print(f"    {case:8s}: lmdeploy {own_s * 1e3:8.1f}  graphmode {ours_s * 1e3:8.1f}  speed {own_s / ours_s:.3f}x")
-    result.update(startup_s={name: c.startup_s for name, c in children.items()}, decode_rates=rates,
-                  prefill_s=prefill, throughput_ratio=ratios)
+    result.update(startup_s=startups, graph_memory_bytes=memory, decode_rates=rates, prefill_s=prefill,
+                  throughput_ratio=ratios)
 
 
 def run_arch(arch: str, args: argparse.Namespace, report: dict, perf: bool) -> None:
@@ -356,16 +453,22 @@ def run_arch(arch: str, args: argparse.Namespace, report: dict, perf: bool) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", nargs="+", default=["llama", "qwen3", "mixtral"], choices=ARCHS)
+    parser.add_argument("--arch", nargs="*", default=["llama", "qwen3", "mixtral"], choices=ARCHS)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--batches", default="1,8,32,128,256")
     parser.add_argument("--perf", nargs="*", default=["llama"], help="architectures to time (start-up, "
                         "throughput, prefill-heavy steps) besides comparing tokens")
-    parser.add_argument("--rounds", type=int, default=8, help="turns of each engine at each figure")
-    parser.add_argument("--decode-steps", type=int, default=128, help="decode steps a throughput figure times")
+    parser.add_argument("--rounds", type=int, default=10, help="turns of each engine at each figure")
+    parser.add_argument("--decode-steps", type=int, default=256, help="decode steps a throughput figure times")
+    parser.add_argument("--startups", type=int, default=2, help="timed start-ups of each engine, taking turns")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--piecewise-tokens", type=int, default=None,
+                        help="turn on lmdeploy's piecewise prefill graphs up to this many tokens, in every engine")
+    parser.add_argument("--vl", action="store_true", help="also a random Qwen2-VL (M-RoPE, images)")
+    parser.add_argument("--spec", nargs="*", default=[], choices=["eagle", "eagle3"],
+                        help="also speculative decoding with a random draft of these methods (needs FlashAttention-3)")
     parser.add_argument("--skip-tokens", action="store_true", help="time only: leave out the token comparison")
     parser.add_argument("--serve", choices=list(TURN_ENGINES), help=argparse.SUPPRESS)  # a timing child
     parser.add_argument("--serve-model", help=argparse.SUPPRESS)
@@ -374,12 +477,17 @@ def main() -> None:
 
     require_gpu(__file__)
     args.batches = [int(b) for b in args.batches.split(",")]
+    PIECEWISE_TOKENS[0] = args.piecewise_tokens
     if args.serve:
         serve(args.serve_model, args.serve, args)
         return
     report: dict = {}
     for arch in args.arch:
         run_arch(arch, args, report, perf=arch in args.perf)
+    if args.vl:
+        vl_phase(args, report)
+    for method in args.spec:
+        spec_phase(method, args, report)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=1, default=str)

@@ -34,6 +34,7 @@ import torch
 
 import graphmode
 from graphmode.devices import script_device
+from graphmode.graphs.torch_graph import drop_blas_workspaces
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 
@@ -49,14 +50,25 @@ def build_model(name: str, device: torch.device) -> Any:
     return load_model(random_config(name), device, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
+RESERVED: dict[int, int] = {}  # torch's caching allocator's reserved bytes at each free_bytes() figure
+
+
 def free_bytes(device: torch.device) -> int | None:
-    """The driver's free memory after collecting, synchronising and emptying the cache; None on the CPU."""
+    """The driver's free memory after collecting, synchronising, dropping
+    cuBLAS's cached workspaces (the eager steps' too: first-use memory that
+    the next matmul makes again, as sleep() drops the last capture's) and
+    emptying the cache; None on the CPU. Also records what torch's caching
+    allocator still reserves then (RESERVED), to tell memory torch holds from
+    memory outside it (kernels loaded, the graphs' executables)."""
     gc.collect()
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
+    drop_blas_workspaces(device)
     torch.cuda.empty_cache()
-    return int(torch.cuda.mem_get_info(device)[0])
+    free = int(torch.cuda.mem_get_info(device)[0])
+    RESERVED[free] = torch.cuda.memory_reserved(device)
+    return free
 
 
 def greedy(runner: Any, model: Any, cache: Any, args: argparse.Namespace) -> list[list[int]]:
@@ -81,7 +93,10 @@ def greedy(runner: Any, model: Any, cache: Any, args: argparse.Namespace) -> lis
 
 
 def mib(value: int | None) -> str:
-    return f"{value / MiB:10.1f}" if value is not None else f"{'-':>10s}"
+    """A free-memory figure in MiB, with what torch's allocator reserved then."""
+    if value is None:
+        return f"{'-':>10s}"
+    return f"{value / MiB:10.1f} (torch reserves {RESERVED[value] / MiB:7.1f})"
 
 
 def run_one(model: Any, name: str, mode: str, args: argparse.Namespace) -> bool:

@@ -82,6 +82,25 @@ def test_a_moved_graph_meta_builder_is_refused(monkeypatch):
     _refused_naming("full_graph._make_graph_meta is gone")
 
 
+def test_a_runner_without_the_piecewise_manager_graphmode_reads_is_refused(monkeypatch):
+    # graphmode leaves cuBLAS's workspace map alone while lmdeploy's piecewise graphs hold a workspace of it
+    # (runner.py); a release that renamed the attribute would have graphmode free that workspace unseen.
+    from lmdeploy.pytorch.backends.cuda.graph_runner.runner import CUDAGraphRunner
+
+    def __init__(self, model, model_config, cache_config, backend_config, device):
+        self.piecewise = None
+
+    monkeypatch.setattr(CUDAGraphRunner, "__init__", __init__)
+    _refused_naming("CUDAGraphRunner.__init__ sets no self._piecewise_graph_manager")
+
+
+def test_the_deepep_mode_switch_graphmode_calls_is_checked(monkeypatch):
+    import lmdeploy.pytorch.backends.cuda.graph_runner.runner as runner
+
+    monkeypatch.delattr(runner, "_update_deepep_mode")
+    _refused_naming("runner._update_deepep_mode is gone")
+
+
 def test_enable_replaces_the_backends_builders_and_disable_puts_them_back():
     own = {cls: cls.__dict__["build_graph_runner"] for cls in (CudaOpsBackend, CambOpsBackend)}
     device_types = gm_lmdeploy.enable()

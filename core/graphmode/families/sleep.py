@@ -30,10 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from graphmode.context import KVCache
 from graphmode.errors import ReplayError
 
 if TYPE_CHECKING:
-    from graphmode.families.family import Report, Shared
+    from graphmode.families.family import Report, RunnerContext
 
 __all__ = ["Asleep", "SleptGraph", "asleep_error", "recapture", "release"]
 
@@ -65,9 +66,9 @@ class Asleep:
         return sum(len(graphs) for graphs in self.graphs.values())
 
 
-def release(shared: Shared) -> Asleep:
+def release(shared: RunnerContext) -> Asleep:
     """Drop every graph and graph-owned buffer of the runner whose
-    :class:`Shared` this is, and its hold on the pool; what to capture again."""
+    :class:`RunnerContext` this is, and its hold on the pool; what to capture again."""
     asleep = Asleep({family.name: family.release() for family in shared.families})
     shared.meta = None  # the input buffers and their padding snapshot: made again at the first capture
     shared.release_pool()  # forgotten once no runner sharing it holds a graph
@@ -75,7 +76,7 @@ def release(shared: Shared) -> Asleep:
     return asleep
 
 
-def recapture(shared: Shared, asleep: Asleep, past_key_values: Any, report: Report) -> None:
+def recapture(shared: RunnerContext, asleep: Asleep, past_key_values: KVCache, report: Report) -> None:
     """Capture ``asleep``'s graphs again on ``past_key_values``, as
     ``warmup()`` orders them: variant by variant (in the order they were
     first captured), the families in reverse order, each largest first."""

@@ -10,6 +10,8 @@ shared by all graphs so that they can share one memory pool.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -22,6 +24,7 @@ __all__ = [
     "TorchGraph",
     "accelerator_graph_available",
     "any_stream_capturing",
+    "give_back_memory",
     "make_device_graph",
     "stream_capturing",
 ]
@@ -38,9 +41,17 @@ def _capture_stream(device: torch.device, make: Any) -> Any:
     return _capture_streams[device]
 
 
-def _fresh_blas_workspace(device: torch.device) -> None:
-    """Drop cuBLAS's cached workspaces before a CUDA capture, so that the
-    capture's first matmul allocates its workspace in the graph's own pool.
+def drop_blas_workspaces(device: torch.device) -> None:
+    """Drop cuBLAS's cached workspaces: before a CUDA capture, so that the
+    capture's first matmul allocates its workspace in the graph's own pool;
+    and once a runner's graphs are dropped (``runner.sleep()``,
+    ``runner.reset()``), because the map still holds the last capture's
+    workspace, a block of that pool, and one live block keeps its whole
+    segment from the driver: on an H200 (2026-12-02) 254 MiB of the bench
+    model's 266 MiB of graph memory stayed mapped after ``sleep()``. Safe
+    with other runners' graphs alive: a workspace freed from its pool is
+    scratch memory that only captures into the same pool reuse, as they
+    reuse each other's intermediates (their replays never overlap).
 
     cuBLAS keeps one workspace per (handle, stream), owned by a process-wide
     map, and a captured matmul keeps its address. The capture stream is one
@@ -60,8 +71,37 @@ def _fresh_blas_workspace(device: torch.device) -> None:
     torch < 2.15 and with ``TORCH_CUBLAS_WORKSPACE_CACHE=1``, which brings the
     cache back (docs/vendors/cuda.md, "torch 2.14 and 2.15")."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if device.type == "cuda" and clear is not None:
+    if device.type == "cuda" and clear is not None and not _workspaces_kept:
         clear()
+
+
+def give_back_memory(device: torch.device) -> None:
+    """Give the caching allocator's unused blocks back to the driver, cuBLAS's
+    cached workspace (the last capture's, in a pool just released) first:
+    after a runner dropped its graphs (``reset()``, ``sleep()``)."""
+    drop_blas_workspaces(device)
+    empty = getattr(getattr(torch, device.type, None), "empty_cache", None)
+    if device.type != "cpu" and callable(empty):
+        empty()
+
+
+_workspaces_kept = 0  # keep_blas_workspaces blocks entered and not left
+
+
+@contextlib.contextmanager
+def keep_blas_workspaces() -> Iterator[None]:
+    """Within: :func:`drop_blas_workspaces` clears nothing. For a process
+    where graphs graphmode did not capture hold cuBLAS workspaces outside any
+    pool (lmdeploy's piecewise graphs warm up eagerly on their own stream,
+    then capture that stream's workspace): clearing the map would free memory
+    those graphs write into at every replay. graphmode's captures then reuse
+    the capture stream's workspace, which the map keeps alive."""
+    global _workspaces_kept
+    _workspaces_kept += 1
+    try:
+        yield
+    finally:
+        _workspaces_kept -= 1
 
 
 def stream_capturing(device_type: str) -> bool:
@@ -141,7 +181,7 @@ class TorchGraph(DeviceGraph):
         self._stream_context = self.module.stream(stream)
         self._stream_context.__enter__()
         try:
-            _fresh_blas_workspace(self.device)
+            drop_blas_workspaces(self.device)
             self.graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
         except BaseException:
             self._leave_stream()
@@ -194,7 +234,7 @@ class AcceleratorGraph(TorchGraph):
         self._stream_context = stream
         stream.__enter__()
         try:
-            _fresh_blas_workspace(self.device)
+            drop_blas_workspaces(self.device)
             self.graph.capture_begin()
         except BaseException:
             self._leave_stream()

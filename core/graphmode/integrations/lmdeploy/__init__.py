@@ -46,6 +46,7 @@ def enable(execute_mode: str | None = None, debug: bool = False, vendor: str | N
     is not the shape this integration was written for.
     """
     global _settings
+    check_seam()  # before runner.py imports what it uses of lmdeploy: a moved name is a SeamError, not an ImportError
     from graphmode.integrations.lmdeploy.runner import Settings
 
     _settings = Settings(execute_mode=execute_mode, debug=debug, vendor=vendor)

@@ -13,6 +13,7 @@ runs it eagerly or in lmdeploy's piecewise graphs where lmdeploy enables them
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -20,12 +21,14 @@ from typing import Any
 
 import torch
 from lmdeploy.pytorch.backends.cuda.graph_runner.full_graph import _make_graph_meta, build_decode_model_forward
+from lmdeploy.pytorch.backends.cuda.graph_runner.runner import _update_deepep_mode
 from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 
 from graphmode.buckets import bucket_table
 from graphmode.config import RunnerConfig, resolve_debug, resolve_execute_mode
 from graphmode.errors import ConfigError, InputError
 from graphmode.families.stats import RunnerStats
+from graphmode.graphs.torch_graph import give_back_memory, keep_blas_workspaces
 from graphmode.integrations.lmdeploy.decode_graph import DecodeGraph
 from graphmode.integrations.lmdeploy.step_checks import check_decode_step
 from graphmode.meta import GraphMeta
@@ -114,6 +117,9 @@ class LmdeployGraphRunner(GraphRunner):
         self._forward: Any = build_decode_model_forward(model) if device_type == "cuda" else model
         self._graphs_decode = self.mode != "eager" and not backend_config.eager_mode
         self._model_graphs = getattr(model, "support_cuda_graph", None)
+        #: lmdeploy's piecewise graphs (``piecewise_cudagraph_max_tokens``) capture a cuBLAS workspace made
+        #: outside any pool: graphmode's captures and resets must then leave cuBLAS's workspace map alone.
+        self._keep_workspaces = getattr(own, "_piecewise_graph_manager", None) is not None
         if self.mode == "full_and_piecewise":
             logger.warning(
                 "graphmode in lmdeploy: execute_mode='full_and_piecewise' graphs decode steps in graphmode's full "
@@ -131,6 +137,9 @@ class LmdeployGraphRunner(GraphRunner):
         if not context.global_is_decoding():
             self.stats.eager_steps["prefill"] += 1
             return self.own(**kwargs)
+        # What lmdeploy's runner does first for every forward (own() above does it for prefill): DeepEP's
+        # low-latency mode for decode, which clears the buffer a normal-mode prefill left.
+        _update_deepep_mode(context)
         if not self._graphs_decode:
             return self._eager("eager_mode", kwargs)
         if self._model_graphs is None or not self._model_graphs(**kwargs):
@@ -142,7 +151,7 @@ class LmdeployGraphRunner(GraphRunner):
             return self._eager("batch_too_large", kwargs)
         num_tokens = kwargs["input_ids"].size(1)
         q_len = num_tokens // batch
-        if self.config.debug:
+        if self.config.debug and not context.is_dummy:  # lmdeploy's warm-up steps read the reserved block 0
             check_decode_step(kwargs, bucket, q_len, self.num_blocks, self.config.block_size, self._reserved_blocks)
         key = (bucket, q_len, context.enable_microbatch, *self.model.get_cudagraph_extra_key(**kwargs))
         graph = self._graphs.get(key)
@@ -180,7 +189,8 @@ class LmdeployGraphRunner(GraphRunner):
         reserved = _reserved(self.device)
         start = time.perf_counter()
         try:
-            output = graph.capture(kwargs, self._pool)
+            with keep_blas_workspaces() if self._keep_workspaces else contextlib.nullcontext():
+                output = graph.capture(kwargs, self._pool)
         except Exception as error:
             if hasattr(error, "add_note"):  # Python 3.11+
                 error.add_note(f"graphmode (lmdeploy integration): capturing the decode graph of bucket {bucket}, "
@@ -208,8 +218,8 @@ class LmdeployGraphRunner(GraphRunner):
     def update_inputs(self, inputs: Any) -> Any:
         """Data-parallel ranks agree on the tokens of the padded step: the
         bucket graphmode will replay, times the query length."""
-        if self.backend_config.eager_mode or not self._graphs_decode:
-            return self.own.update_inputs(inputs)
+        if not self._graphs_decode:  # decode steps run eagerly: no padding to agree on, as lmdeploy's eager mode
+            return inputs
         dp_meta = inputs.dp_meta
         if inputs.global_is_decoding() and dp_meta is not None:
             padded_to = self._runner_meta.padding_batch_size
@@ -223,8 +233,11 @@ class LmdeployGraphRunner(GraphRunner):
 
     def reset(self) -> None:
         """Drop every graph, its buffers and the pool (lmdeploy calls this on
-        weight updates, sleep and release); the next decode step of a bucket,
-        or lmdeploy's next warm-up, captures it again."""
+        sleep, release and the weight updates it finalises itself); the next
+        decode step of a bucket, or lmdeploy's next warm-up, captures it
+        again. The pool's memory goes back to the driver, cuBLAS's cached
+        workspace (the last capture's, in the pool) first, unless lmdeploy's
+        piecewise graphs hold a workspace of that map."""
         super().reset()
         for graph in self._graphs.values():
             graph.release()
@@ -233,6 +246,8 @@ class LmdeployGraphRunner(GraphRunner):
         self.capture_seconds = 0.0
         self._pool = None
         self.own.reset()
+        if not self._keep_workspaces:
+            give_back_memory(torch.device(self.device))
 
     @property
     def graph_bytes(self) -> int:

@@ -65,12 +65,19 @@ _USED: tuple[tuple[str, str, list[str] | None], ...] = (
      ["model_config", "ctx_mgr", "max_batches", "max_tokens", "num_blocks", "is_decoding", "decode_query_len",
       "device"]),
     ("lmdeploy.pytorch.backends.cuda.graph_runner.full_graph", "build_decode_model_forward", ["model"]),
+    ("lmdeploy.pytorch.backends.cuda.graph_runner.runner", "_update_deepep_mode", ["context"]),
     ("lmdeploy.pytorch.model_inputs", "StepContext.global_is_decoding", []),
     ("lmdeploy.pytorch.model_inputs", "StepContext.enable_microbatch", None),
     ("lmdeploy.pytorch.model_inputs", "StepContext.is_dummy", None),
     ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc.__init__", ["proc_id", "mp_ctx"]),
     ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc.start", ["kwargs"]),
     ("lmdeploy.pytorch.engine.executor.mp_executor", "ExecutorProc._main_loop", None),
+)
+
+#: Instance attributes graphmode reads, set in their class's ``__init__``: (module, class, attribute).
+_INSTANCE_ATTRIBUTES = (
+    # lmdeploy's piecewise graphs, whose cuBLAS workspace graphmode's captures must not free (runner.py).
+    ("lmdeploy.pytorch.backends.cuda.graph_runner.runner", "CUDAGraphRunner", "_piecewise_graph_manager"),
 )
 
 #: The class whose ``start`` launches a tensor-parallel worker process (``workers.py``).
@@ -128,6 +135,17 @@ def _problems() -> list[str]:
         elif parameters is not None and _parameters(found) != parameters:
             problems.append(f"{module_name}.{path} takes ({', '.join(_parameters(found))}), "
                             f"not ({', '.join(parameters)})")
+    for module_name, class_name, attribute in _INSTANCE_ATTRIBUTES:
+        found = _find(module_name, f"{class_name}.__init__")
+        if isinstance(found, str):
+            problems.append(found)
+            continue
+        try:
+            source = inspect.getsource(found)
+        except (OSError, TypeError):  # no source to read (a compiled install): nothing to check it against
+            continue
+        if f"self.{attribute} =" not in source:
+            problems.append(f"{module_name}.{class_name}.__init__ sets no self.{attribute}")
     for module_name, class_name in BACKENDS.values():
         found = _find(module_name, f"{class_name}.build_graph_runner")
         if isinstance(found, str):
