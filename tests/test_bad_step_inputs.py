@@ -195,8 +195,7 @@ def test_a_kv_maximum_below_the_host_lengths_is_refused_in_a_piecewise_step(mode
     # max_kv_seq_len below a sequence's kv length, the host lengths given: a
     # piecewise break point hands it to the kernels, and Camb's decode kernel
     # clamps the lengths it reads to it (a silently wrong result), PPU's fail
-    # a device assertion. The host lengths prove it wrong. (Full graphs'
-    # contexts carry their own maxima; eager steps are the engine's own.)
+    # a device assertion. The host lengths prove it wrong.
     setup = tiny_setup("camb", execute_mode=mode, capture_token_sizes=[4, 8, 16], capture_batch_sizes=[1, 2, 4])
     seqs = setup.prefill(2, [5, 3])
     step = setup.engine.prefill(seqs, [2, 1])
@@ -206,6 +205,51 @@ def test_a_kv_maximum_below_the_host_lengths_is_refused_in_a_piecewise_step(mode
                        r"0\).*Pass the step's real max_kv_seq_len \(the largest kv_seqlens\), or -1"):
         _call(setup, step, max_kv_seq_len=5)
 
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
+def test_a_kv_maximum_below_the_host_lengths_is_refused_in_a_full_graph_decode_step(mode, native, monkeypatch):
+    # A full graph's context carries its own maximum, so its replay read the whole lengths while eager
+    # steps, given the step's maximum, clamped them (Camb): 0.291 off eager, silently, with and without
+    # debug mode (an engine-input hunt, 2026-12-03). Refused on the Python path and by the native step,
+    # which hands the step to it.
+    if not native:
+        monkeypatch.setenv("GRAPHMODE_NATIVE", "0")
+    setup = tiny_setup("camb", execute_mode=mode, capture_batch_sizes=[1, 2, 4])
+    seqs = setup.prefill(3, [5, 9, 3])
+    for _ in range(3):  # the bucket captured, then replayed (the native step learns it)
+        step = setup.engine.decode(seqs)
+        _call(setup, step)
+    step = setup.engine.decode(seqs)
+    assert step.attn_metadata.kv_seqlens_cpu.tolist() == [9, 13, 7]
+    with pytest.raises(InputError, match=r"^max_kv_seq_len=2, but attn_metadata.kv_seqlens_cpu holds 9 \(sequence "
+                       r"0\).*where a graph's own maximum reads all of it. Pass the step's real max_kv_seq_len"):
+        _call(setup, step, max_kv_seq_len=2)
+    _call(setup, step)  # the step as it is still runs
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("built", ["on the host", "on the device, debug mode"])
+def test_a_kv_maximum_below_the_lengths_without_host_lengths_is_refused(built, native, monkeypatch):
+    # No kv_seqlens_cpu: the check above had nothing to read, and a full graph replayed the whole lengths
+    # where eager (Camb) clamped them, 0.077 off eager, in debug mode too (an engine-input hunt, 2026-12-03).
+    # A host-built step has kv_seqlens on the host (no synchronisation); debug mode reads a device's.
+    if not native:
+        monkeypatch.setenv("GRAPHMODE_NATIVE", "0")
+    host = built == "on the host"
+    setup = tiny_setup("camb", execute_mode="graph", capture_batch_sizes=[1, 2, 4], host_inputs=host,
+                       debug=not host)
+    seqs = setup.prefill(3, [5, 9, 3])
+    for _ in range(3):  # captured, then replayed (the native step learns it)
+        _call(setup, setup.engine.decode(seqs), kv_seqlens_cpu=None)
+    step = setup.engine.decode(seqs)
+    message = (r"^sequence 0 has kv_seqlens=9, above max_kv_seq_len=2: .*Pass the step's real "
+               r"max_kv_seq_len \(the largest kv_seqlens\), or -1$" if host else
+               r"^debug mode: sequence 0 has kv_seqlens=9, above the step's max_kv_seq_len=2")
+    with pytest.raises(InputError, match=message):
+        _call(setup, step, kv_seqlens_cpu=None, max_kv_seq_len=2)
+    _call(setup, step, kv_seqlens_cpu=None)  # the step as it is still runs
 
 
 @pytest.mark.parametrize("host", [False, True])

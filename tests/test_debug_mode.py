@@ -76,16 +76,17 @@ CASES = {
         lambda step: {"block_offsets": _table(step, 1, 1, 0)},
         r"sequence 1 uses block 0 \(column 1 of its table, within its kv_seqlens=22\) and writes the cache; "
         r"block 0 is reserved"),
+    # The host lengths left out, or the maximum unknown: host lengths above a known maximum are refused
+    # without debug mode (graphmode.checks.host_lengths.check_kv_max_holds_host).
     "kv length above the table": (
-        lambda step: {"kv_seqlens": torch.tensor([5, 22, 200], dtype=torch.int32),
-                      "kv_seqlens_cpu": torch.tensor([5, 22, 200], dtype=torch.int32)},
+        lambda step: {"kv_seqlens": torch.tensor([5, 22, 200], dtype=torch.int32), "kv_seqlens_cpu": None},
         r"sequence 2 has kv_seqlens=200, above the 128 tokens its block table can address \(8 blocks x block_size=16\)"),
     "kv length below 1": (
         lambda step: {"kv_seqlens": torch.tensor([5, 0, 11], dtype=torch.int32),
                       "kv_seqlens_cpu": torch.tensor([5, 0, 11], dtype=torch.int32)},
         r"sequence 1 has kv_seqlens=0, below 1"),
     "host lengths disagree": (
-        lambda step: {"kv_seqlens_cpu": torch.tensor([5, 23, 11], dtype=torch.int32)},
+        lambda step: {"kv_seqlens_cpu": torch.tensor([5, 23, 11], dtype=torch.int32), "max_kv_seq_len": -1},
         r"sequence 1 has kv_seqlens_cpu=23 on the host but kv_seqlens=22 on the device"),
     "query lengths not one": (
         lambda step: {"q_seqlens": torch.tensor([1, 2, 0], dtype=torch.int32)},
@@ -506,3 +507,26 @@ def test_a_write_into_another_live_sequences_cached_token_is_refused(writer):
                        rf"token {position} \(column 0 of its table\)"):
         with torch.inference_mode():
             setup.runner(step.input_ids, step.position_ids, setup.graph_cache, bad)
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_an_eager_steps_bad_block_id_is_named_in_debug_mode_and_noted_outside_it(debug):
+    # A newcomer's engine (2026-12-04): a prefill's block id past the cache, eager in execute mode "graph",
+    # failed with a bare IndexError even with debug=True, which checked graph steps only.
+    setup = tiny_setup(capture_batch_sizes=[2, 4], cache_blocks=40, debug=debug)
+    seq = setup.engine.add()
+    step = setup.engine.prefill([seq], [20])
+    table = step.attn_metadata.block_offsets.clone()
+    table[0, 1] = 1000
+    with torch.inference_mode():
+        if debug:
+            with pytest.raises(InputError, match=r"debug mode: sequence 0's block table holds block id 1000 \(column "
+                               r"1\), outside the cache's 40 blocks"):
+                setup.runner(step.input_ids, step.position_ids, setup.graph_cache,
+                             step.attn_metadata.replace(block_offsets=table))
+            return
+        with pytest.raises(IndexError) as failed:
+            setup.runner(step.input_ids, step.position_ids, setup.graph_cache,
+                         step.attn_metadata.replace(block_offsets=table))
+    assert any("raised by the model in an eager step (prefill: no graph ran)" in note and "GRAPHMODE_DEBUG=1" in note
+               for note in getattr(failed.value, "__notes__", []))

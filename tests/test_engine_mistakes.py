@@ -328,11 +328,30 @@ def test_a_cache_tensor_replaced_in_its_list_is_refused_before_a_new_capture(mod
         graph = "bucket 4" if mode == "graph" else r"token bucket 8 \(piecewise\)"
         held = "bucket 2" if mode != "piecewise" else r"token bucket 4 \(piecewise\)"
         message = (rf"^a step capturing the graph of {graph} with another KV cache than the runner's graphs captured "
-                   rf"\(the graph of {held} holds other tensors\).*or call runner.reset\(\) first")
+                   rf"\(the graph of {held} holds other memory: tensor 0 of 4 is at 0x[0-9a-f]+, captured at "
+                   r"0x[0-9a-f]+\).*or call runner.reset\(\) first")
     else:
         message = r"^KV-cache tensor 0 has dtype torch.float16, but the model's make_kv_cache gives torch.float32"
     with pytest.raises(InputError, match=message):
         _run(setup, step)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cache_views_made_anew_every_step_over_the_same_memory_capture_and_replay(mode):
+    # An engine holding one cache tensor and passing new per-layer views of it every step (the same
+    # memory, shapes and strides): replays took them, but the capture of a later bucket refused them as
+    # "another KV cache" (helper-18's hunt, 2026-12-04), mid-serving in graph mode.
+    setup = _setup(mode=mode)
+    big = torch.stack([torch.stack(list(pair)) for pair in setup.graph_cache])
+    views = lambda: [(big[layer, 0], big[layer, 1]) for layer in range(big.shape[0])]  # noqa: E731
+    setup.graph_cache = views()
+    seqs = setup.prefill(3, [5, 17, 9])
+    for batch in (3, 3, 1, 2):  # buckets 4, 4 (a replay), 1 and 2 captured on new views each step
+        setup.graph_cache = views()
+        graph, eager = setup.decode(seqs[:batch])
+        torch.testing.assert_close(graph, eager)
+    assert setup.caches_close()
+    assert setup.runner.stats.eager_steps.total() == 1  # the prefill
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from setups import tiny_setup
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -385,5 +386,73 @@ def test_a_forward_naming_the_contract_parameters_otherwise_is_refused_when_the_
     with pytest.raises(graphmode.ConfigError, match=r"takes \(input_ids, positions, kv_caches, attn_metadata\).*"
                        r"\['position_ids', 'past_key_values'\].*wrap the model"):
         graphmode.build_graph_runner(VllmNamed(), max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu")
+
+    class Positional(VllmNamed):
+        def forward(self, *args):  # takes no keyword: shown as such (it read "takes ()" before)
+            return self.inner(*args)
+
+    with pytest.raises(graphmode.ConfigError, match=r"the model's forward takes \(\*args\) but graphmode calls it"):
+        graphmode.build_graph_runner(Positional(), max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu")
     for graph, eager in _run(TakesKeywords, "graph", steps=1):
         torch.testing.assert_close(graph, eager)
+
+
+@pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
+def test_a_forward_that_rebinds_a_metadata_field_replays_right(mode):
+    # A model that rebinds attn_metadata.kv_seqlens after its attention: the warm-up forward's rebinding
+    # stayed on the context the capture then ran with, so every replay read the warm-up's lengths, frozen
+    # (0.49 off eager, the KV cache written wrong; a custom-model hunt, 2026-12-04).
+    class Rebinds(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.config, self.ops = model, model.config, model.ops
+
+        def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+            logits = self.inner(input_ids, position_ids, past_key_values, attn_metadata)
+            attn_metadata.kv_seqlens = attn_metadata.kv_seqlens * 1
+            return logits
+
+        def make_kv_cache(self, *args, **kwargs):
+            return self.inner.make_kv_cache(*args, **kwargs)
+
+    setup = tiny_setup(capture_batch_sizes=[2, 4, 8])
+    model = Rebinds(setup.model)
+    runner = graphmode.build_graph_runner(model, max_batches=16, max_blocks_per_seq=8, block_size=16, device="cpu",
+                                          execute_mode=mode, capture_batch_sizes=[2, 4, 8], capture_token_sizes=[8])
+    seqs = setup.prefill(6)
+    for batch in (5, 3, 6, 2, 3, 5):
+        step = setup.engine.decode(seqs[:batch])
+        with torch.inference_mode():
+            graph = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata.replace()).clone()
+            eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    assert setup.caches_close()
+    assert runner.stats.replays >= 3
+
+
+def test_a_scalar_beside_the_logits_comes_back_whole():
+    # (logits, a 0-dim tensor): the default outputs hook cut every tensor along dimension 1, and the scalar
+    # failed with a bare "too many indices for tensor of dimension 0" (a custom-model hunt, 2026-12-04).
+    class WithScale(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.config, self.ops = model, model.config, model.ops
+            self.register_buffer("scale", torch.tensor(2.0))
+
+        def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+            return self.inner(input_ids, position_ids, past_key_values, attn_metadata), self.scale * 1
+
+        def make_kv_cache(self, *args, **kwargs):
+            return self.inner.make_kv_cache(*args, **kwargs)
+
+    setup = tiny_setup(capture_batch_sizes=[2, 4])
+    runner = graphmode.build_graph_runner(WithScale(setup.model), max_batches=16, max_blocks_per_seq=8, block_size=16,
+                                          device="cpu", capture_batch_sizes=[2, 4])
+    seqs = setup.prefill(3)
+    for _ in range(2):  # a capture, a replay
+        step = setup.engine.decode(seqs)
+        with torch.inference_mode():
+            logits, scale = runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata)
+            eager = setup.model(step.input_ids, step.position_ids, setup.eager_cache, step.attn_metadata)
+        torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
+        assert scale.dim() == 0 and float(scale) == 2.0

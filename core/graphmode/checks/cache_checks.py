@@ -8,20 +8,25 @@ Host facts only: shapes, dtypes, the Python objects and their data pointers.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import itertools
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from graphmode.checks.fingerprints import Fingerprints
 from graphmode.checks.validate import cache_geometry, check_cache_layout
-from graphmode.context import StepInputs
+from graphmode.context import KVCache, StepInputs
 from graphmode.errors import InputError
 
-__all__ = ["CacheFit", "CacheMemory", "cache_flattener", "check_same_objects", "check_warmup_cache"]
+if TYPE_CHECKING:
+    from graphmode.families.family import Captured
+
+__all__ = ["CacheFit", "CacheMemory", "FrozenExtras", "cache_flattener", "check_same_objects", "check_warmup_cache"]
 
 
 class CacheMemory:
@@ -43,7 +48,7 @@ class CacheMemory:
         self.leaves, self.flatten = leaves, flatten
         self.pointers = [_data_ptr(t) if isinstance(t, torch.Tensor) else t for t in leaves]
 
-    def check(self, past_key_values: Any, graph: str) -> None:
+    def check(self, past_key_values: KVCache, graph: str) -> None:
         """Refuse a replay of ``graph`` (as errors name it) on a cache that is
         not at the addresses, or in the layout, it captured."""
         now, then = self.flatten(past_key_values), self.leaves
@@ -98,7 +103,7 @@ _data_ptr = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
 _UNSEEN = object()
 
 
-def cache_flattener(past_key_values: Any) -> Callable[[Any], list[Any]]:
+def cache_flattener(past_key_values: KVCache) -> Callable[[Any], list[Any]]:
     """How to list a KV cache's tensors in order, chosen once at capture: the
     usual list of (key, value) pairs is chained, a fraction of the cost of a
     general tree flatten. A later cache of another layout then lists other
@@ -108,22 +113,69 @@ def cache_flattener(past_key_values: Any) -> Callable[[Any], list[Any]]:
     return _tree_leaves
 
 
-def _chained(past_key_values: Any) -> list[Any]:
+def _chained(past_key_values: KVCache) -> list[Any]:
     try:
         return list(itertools.chain.from_iterable(past_key_values))
     except TypeError:  # not a sequence of sequences any more
         return [past_key_values]
 
 
-def _tree_leaves(past_key_values: Any) -> list[Any]:
+def _tree_leaves(past_key_values: KVCache) -> list[Any]:
     return tree_flatten(past_key_values)[0]
 
 
-
 _SEQUENCES = (list, tuple)
+_MUTABLE = (list, dict, set, collections.deque)
 
 
-def check_same_objects(captured: Any, inputs: StepInputs) -> None:
+class FrozenExtras(dict):
+    """The extra inputs a graph captured by reference (those without a
+    buffer), by name, and what the mutable containers among them (a dict of
+    per-step settings, a list) held at capture: ``contents``. A graph reads
+    the values its capture froze, so a later step must pass the same objects
+    holding the same values; an engine that reuses one dict and updates it
+    in place passed the identity check while graph steps replayed the old
+    values (0.62 off eager, an engine-input hunt, 2026-12-03)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(values)
+        # By their items alone (an equal list put in place of one inside changes nothing the graph read),
+        # without bound: a change past a bound would pass unseen. The objects are kept alive here.
+        self._prints = prints = Fingerprints(items=None, container_ids=False)
+        self.contents = {name: prints.of(value) for name, value in values.items()
+                         if isinstance(value, _MUTABLE) or (isinstance(value, tuple) and _holds_mutable(value))}
+        #: The data pointers of each extra's tensors at capture: a graph reads that memory, so new memory
+        #: under the same object (``t.data = new``, ``t.set_(new)``) would be silently ignored.
+        self.pointers = {name: pointers for name, value in values.items() if (pointers := tensor_pointers(value))}
+
+    @staticmethod
+    def fingerprint(value: Any) -> Any:
+        """What an extra input holds, as :attr:`contents` has it (``graphmode.checks.fingerprints``)."""
+        return Fingerprints(items=None, container_ids=False).of(value)
+
+
+def tensor_pointers(value: Any) -> tuple[int, ...]:
+    """The data pointers of the tensors in ``value`` (itself, or its leaves), in order."""
+    leaves = [value] if isinstance(value, torch.Tensor) else \
+        tree_flatten(value)[0] if isinstance(value, (list, tuple, dict)) else []
+    return tuple(pointer for leaf in leaves if (pointer := _pointer(leaf)) is not None)
+
+
+def _pointer(leaf: Any) -> int | None:
+    """A strided tensor's data pointer; None for anything else (a sparse tensor, a wrapper without storage)."""
+    if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided:
+        return None
+    try:
+        return int(_data_ptr(leaf))
+    except RuntimeError:
+        return None
+
+
+def _holds_mutable(value: tuple) -> bool:
+    return any(isinstance(item, _MUTABLE) or (isinstance(item, tuple) and _holds_mutable(item)) for item in value)
+
+
+def check_same_objects(captured: Captured, inputs: StepInputs) -> None:
     """A graph reads what it captured: a KV cache at other addresses, or a
     changed extra input without a buffer, would be silently ignored, so
     refuse it."""
@@ -141,9 +193,38 @@ def check_same_objects(captured: Any, inputs: StepInputs) -> None:
                     "Keep it fixed, or declare it as a step input (build_graph_runner(step_inputs="
                     "[BufferSpec(...)]), docs/engines.md) so that every step's value is copied in"
                 )
+        for name, then in getattr(captured.extras, "contents", {}).items():
+            if FrozenExtras.fingerprint(given[name]) != then:
+                raise InputError(
+                    f"extra model input {name!r} is the object the graph of {captured.name} captured, but what it "
+                    f"holds changed since (now {_shown(given[name])}): graphs freeze extra inputs that have no buffer, "
+                    "so graph steps would go on reading the values of the capture. Keep its contents fixed and pass "
+                    "a new object when they change (the graph is then refused, naming it), declare a tensor that "
+                    "changes as a step input (build_graph_runner(step_inputs=[BufferSpec(...)])), or a host value "
+                    f"that picks the graph as a graph variant (graph_variants={{{name!r}: (...)}})"
+                )
+        for name, pointers in getattr(captured.extras, "pointers", {}).items():
+            if tensor_pointers(given[name]) != pointers:
+                raise InputError(
+                    f"extra model input {name!r} is the object the graph of {captured.name} captured, but its "
+                    f"tensor memory moved (data_ptr {_shown_pointers(tensor_pointers(given[name]))}, captured at "
+                    f"{_shown_pointers(pointers)}: tensor.data = ..., tensor.set_(...)): the graph would go on reading "
+                    "the memory of the capture. Change it in place (.copy_()), call runner.reset() after "
+                    "reallocating it, or declare it as a step input "
+                    "(build_graph_runner(step_inputs=[BufferSpec(...)])) so that every step's value is copied in"
+                )
 
 
-def _refuse_other_extras(captured: Any, given: list[str]) -> None:
+def _shown_pointers(pointers: tuple[int, ...]) -> str:
+    return ", ".join(f"{p:#x}" for p in pointers) or "none"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _refuse_other_extras(captured: Captured, given: list[str]) -> None:
     """A step passing other undeclared extra inputs (by name) than the graph captured."""
     then = sorted(captured.extras)
     new, missing = sorted(set(given) - set(then)), sorted(set(then) - set(given))
@@ -182,7 +263,7 @@ class CacheFit:
         self._last: Any = _UNSEEN
         self._last_leaves: list[Any] = []
 
-    def __call__(self, past_key_values: Any) -> None:
+    def __call__(self, past_key_values: KVCache) -> None:
         if past_key_values is self._last:
             return
         if past_key_values is None:
@@ -195,7 +276,7 @@ class CacheFit:
             self._check(past_key_values, leaves)
         self._last, self._last_leaves = past_key_values, leaves
 
-    def recheck(self, past_key_values: Any) -> None:
+    def recheck(self, past_key_values: KVCache) -> None:
         """Check the cache as if its container had not been seen: before a
         capture, which freezes the tensors an engine may have replaced inside
         a container seen before (``cache[i] = (k, v)``), which a step's check
@@ -208,13 +289,13 @@ class CacheFit:
         reallocating its cache frees the old one before making the new."""
         self._last, self._last_leaves = _UNSEEN, []
 
-    def _check(self, past_key_values: Any, leaves: list[Any]) -> None:
+    def _check(self, past_key_values: KVCache, leaves: list[Any]) -> None:
         # The shapes against the model's first, block size aside, then the block size: a cache in another
         # layout (its KV heads where the block size belongs) is a layout error, not a block size to build with.
         self._check_against_model(past_key_values, leaves)
         check_cache_layout(self.model, leaves, self.block_size)
 
-    def _check_against_model(self, past_key_values: Any, leaves: list[Any]) -> None:
+    def _check_against_model(self, past_key_values: KVCache, leaves: list[Any]) -> None:
         expected = self._reference()
         if expected is None:
             return
@@ -276,7 +357,7 @@ def _takes_device(make: Callable[..., Any]) -> bool:
     return any(p.name == "device" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
-def _leaves(past_key_values: Any) -> list[Any]:
+def _leaves(past_key_values: KVCache) -> list[Any]:
     """The cache's tensors in order; a list of (key, value) pairs without a
     general tree flatten (a fraction of its cost)."""
     if isinstance(past_key_values, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in past_key_values):
@@ -284,19 +365,40 @@ def _leaves(past_key_values: Any) -> list[Any]:
     return tree_flatten(past_key_values)[0]
 
 
-def check_warmup_cache(graphs: list[Any], past_key_values: Any, doing: str = "warmup()") -> None:
+def check_warmup_cache(graphs: list[Any], past_key_values: KVCache, doing: str = "warmup()") -> None:
     """The cache given to ``runner.warmup()``, or to a step about to capture a
     graph (``doing`` says which, as errors name it; the runner checked that it
     fits the model), is the cache the runner's graphs (every family's)
     captured, if any: otherwise the runner would hold graphs on two caches,
-    and steps on either would be refused."""
+    and steps on either would be refused. The same cache as a replay takes
+    it (``CacheMemory``): the captured objects at their captured addresses,
+    or new tensors over that memory in the captured layout (views an engine
+    makes each step)."""
     now = _leaves(past_key_values)
     for captured in graphs:
-        then = captured.cache_tensors
-        if len(now) != len(then) or not all(map(operator.is_, now, then)):
+        problem = _other_cache(now, captured.cache_tensors, captured.memory.pointers)
+        if problem is not None:
             raise InputError(
                 f"{doing} with another KV cache than the runner's graphs captured (the graph of {captured.name} holds "
-                "other tensors): the runner would hold graphs on two caches. Pass the cache the graphs captured "
-                "(change its tensors in place, .copy_(), rather than replace them in their list), or call "
-                "runner.reset() first (after reallocating or replacing any KV-cache tensor)"
+                f"other memory: {problem}): the runner would hold graphs on two caches. Pass the cache the graphs "
+                "captured (change its tensors in place, .copy_(), rather than replace or reallocate them; new views "
+                "of the same memory in the same layout pass), or call runner.reset() first (after reallocating or "
+                "replacing any KV-cache tensor)"
             )
+
+
+def _other_cache(now: list[Any], then: list[Any], pointers: list[Any]) -> str | None:
+    """How cache leaves ``now`` differ from the captured ``then`` (at
+    ``pointers``), or None where a graph reads them right."""
+    if len(now) != len(then):
+        return f"{len(then)} tensors captured, {len(now)} given"
+    for index, (given, held, pointer) in enumerate(zip(now, then, pointers)):
+        if not isinstance(held, torch.Tensor) or not isinstance(given, torch.Tensor):
+            if given is not held:
+                return f"tensor {index} of {len(then)} differs"
+        elif _data_ptr(given) != pointer:
+            return (f"tensor {index} of {len(then)} is at {_data_ptr(given):#x}, captured at {pointer:#x}"
+                    + (" under the same tensor object (tensor.set_(...), tensor.data = ...)" if given is held else ""))
+        elif given is not held and _layout(given) != _layout(held):
+            return f"tensor {index} of {len(then)} is in another layout ({_layout(given)}, captured {_layout(held)})"
+    return None

@@ -7,9 +7,9 @@ one slot, a block id past the cache, a length the table cannot hold, host
 lengths that disagree with the device's, an input id outside the model's
 vocabulary. A graph replays them silently (an
 eager kernel might fault, or might not). With ``debug=True`` (or
-``$GRAPHMODE_DEBUG=1``) every graph step reads its attention tensors to the
-host in one copy (one synchronisation) and refuses such values, naming the
-row, the value, the limit and the fix. The part of these checks that host
+``$GRAPHMODE_DEBUG=1``) every step, graph or eager, reads its attention
+tensors to the host in one copy (one synchronisation) and refuses such
+values, naming the row, the value, the limit and the fix. The part of these checks that host
 values answer (the step's lengths against each other and its maxima) runs
 without debug mode too: ``graphmode.checks.host_lengths``.
 
@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphmode.checks.host_lengths import check_kv_holds_q, check_query_lengths, check_uniform_step, first_bad
 from graphmode.checks.validate import cache_geometry
-from graphmode.context import StepInputs
+from graphmode.context import KVCache, StepInputs
 from graphmode.errors import InputError
 
 __all__ = ["ENV_DEBUG_DUMP", "StepChecker"]
@@ -74,19 +74,21 @@ class StepChecker:
 
     # -- values ---------------------------------------------------------------
 
-    def check_step(self, inputs: StepInputs, batch: int, uniform: bool = True) -> None:
-        """Refuse a graph step whose device values would make the graph read
-        or write the wrong cache entries: a full graph's decode step
-        (``uniform``: ``q_len`` new tokens per sequence, proved on the host
-        from ``max_q_seq_len``), or any step a piecewise graph runs (prefill,
-        mixed, decode: each sequence's tokens from its ``q_seqlens``)."""
+    def check_step(self, inputs: StepInputs, batch: int, uniform: bool = True, ids: bool = True) -> None:
+        """Refuse a step whose device values would make it read or write the
+        wrong cache entries: a full graph's decode step (``uniform``: ``q_len``
+        new tokens per sequence, proved on the host from ``max_q_seq_len``),
+        or any other step (prefill, mixed, decode: each sequence's tokens from
+        its ``q_seqlens``), a piecewise graph's or an eager one. ``ids``: check
+        the input ids against the vocabulary too (not in an eager step, whose
+        model may take placeholder ids beside embeddings of its own)."""
         step = _read(inputs, batch)
         tokens = inputs.num_tokens
         block_size = self.block_size
         width = step.table.shape[1]
         capacity = width * block_size
         cache_blocks = self._cache_blocks(inputs.past_key_values)
-        if self.vocab is not None:  # an id past the embedding: an IndexError inside the replay, a device assert on CUDA
+        if ids and self.vocab is not None:  # an id past the embedding: an IndexError inside the replay, a device assert on CUDA
             first_bad((step.ids < 0) | (step.ids >= self.vocab), lambda t: (
                 f"token {t} has input id {int(step.ids[t])}, outside the model's vocabulary 0..{self.vocab - 1} "
                 f"(config.vocab_size={self.vocab}): the embedding would index past its rows. Pass token ids the "
@@ -105,6 +107,13 @@ class StepChecker:
         first_bad(step.kv_lens > capacity, lambda r: (
             f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the {capacity} tokens its block table "
             f"can address ({width} blocks x block_size={block_size}); give it more blocks (a wider table)"))
+        kv_max = inputs.attn_metadata.max_kv_seq_len
+        if isinstance(kv_max, int) and kv_max >= 0:  # a graph's context has its own maximum: eager would clamp
+            first_bad(step.kv_lens > kv_max, lambda r: (
+                f"sequence {r} has kv_seqlens={int(step.kv_lens[r])}, above the step's max_kv_seq_len={kv_max}: "
+                "kernels that size their work by the maximum (Camb, PPU, FlashAttention's max_seqlen_k) would read "
+                "part of its cache eagerly, where a graph's own maximum reads all of it. Pass the step's real "
+                "max_kv_seq_len (the largest kv_seqlens), or -1"))
         host = inputs.attn_metadata.kv_seqlens_cpu
         if host is not None:
             first_bad(host.reshape(-1).long() != step.kv_lens, lambda r: (
@@ -185,7 +194,7 @@ class StepChecker:
                     "shared block before writing into it")
         first_bad(hit.flatten(1).any(1), overwrite)
 
-    def _cache_blocks(self, past_key_values: Any) -> int | None:
+    def _cache_blocks(self, past_key_values: KVCache) -> int | None:
         """The block count of the smallest KV-cache tensor, in the layout of
         the model's attention ops; None when the layout is unknown."""
         if self.geometry is None:

@@ -16,7 +16,8 @@ import torch
 from graphmode.context import AttnMetadata
 from graphmode.errors import InputError
 
-__all__ = ["check_host_kv_lengths", "check_kv_holds_q", "check_piecewise_step", "check_query_lengths", "check_uniform_step", "first_bad"]
+__all__ = ["check_host_kv_lengths", "check_kv_holds_q", "check_kv_max_holds_host", "check_piecewise_step", "check_query_lengths",
+           "check_uniform_step", "first_bad"]
 
 
 def check_uniform_step(attn: AttnMetadata, batch: int, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,
@@ -140,17 +141,7 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
     name the first bad one."""
     host, kv_max = attn.kv_seqlens_cpu, attn.max_kv_seq_len
     q_lens, kv_lens, starts = attn.q_seqlens, attn.kv_seqlens, attn.q_start_loc
-    if host is not None and kv_max >= 0 and int(host.max()) > kv_max:
-        if on_host and not torch.equal(host, kv_lens) and int(kv_lens.max()) <= kv_max:
-            _host_lengths_differ(host, kv_lens)  # the maximum is right: the host lengths are not
-        row = int((host > kv_max).nonzero()[0])
-        raise InputError(
-            f"max_kv_seq_len={kv_max}, but attn_metadata.kv_seqlens_cpu holds {int(host[row])} (sequence {row}): "
-            "kernels that size their work by the maximum (Camb, PPU, FlashAttention's max_seqlen_k) would read "
-            "part of that sequence's cache. Pass the step's real max_kv_seq_len (the largest kv_seqlens), or -1; "
-            "or, if max_kv_seq_len is right, kv_seqlens_cpu is not the host copy of kv_seqlens: build both from "
-            "the same lengths"
-        )
+    check_kv_max_holds_host(attn, on_host)
     if not on_host:
         return
     # Each sequence's start plus its length is the running total of the lengths, ending at the step's
@@ -162,6 +153,40 @@ def check_piecewise_step(attn: AttnMetadata, tokens: int, on_host: bool) -> None
         check_query_lengths(attn, tokens, q_lens, starts, kv_lens)
     if host is not None and not torch.equal(host, kv_lens):  # any dtypes
         _host_lengths_differ(host, kv_lens)
+
+
+def check_kv_max_holds_host(attn: AttnMetadata, on_host: bool) -> None:
+    """Refuse a known ``max_kv_seq_len`` below the host lengths
+    ``kv_seqlens_cpu``, the one reduction of host values it takes: the step's
+    kernels would disagree with the step. Eagerly and at piecewise break
+    points the kernels get the step's maximum (Camb's decode kernel clamps
+    the lengths it reads to it, PPU's refuses them); a full graph's context
+    has its own, so its replay read the whole lengths while eager clamped
+    them: graph != eager, silently. Where the step was built on the host
+    (``on_host``) and ``kv_seqlens`` is within the maximum, the host copy is
+    the one that is wrong, and is named instead. A step built on the host
+    without ``kv_seqlens_cpu`` has its lengths on the host already:
+    ``kv_seqlens`` is read instead (a batch of values, no synchronisation)."""
+    kv_max, kv_lens = attn.max_kv_seq_len, attn.kv_seqlens
+    host, field = attn.kv_seqlens_cpu, "kv_seqlens_cpu"
+    if host is None and on_host:
+        host, field = kv_lens, "kv_seqlens"
+    if host is None or kv_max < 0 or int(host.max()) <= kv_max:
+        return
+    if on_host and host is not kv_lens and not torch.equal(host, kv_lens) and int(kv_lens.max()) <= kv_max:
+        _host_lengths_differ(host, kv_lens)  # the maximum is right: the host lengths are not
+    row = int((host > kv_max).nonzero()[0])
+    said = (f"max_kv_seq_len={kv_max}, but attn_metadata.kv_seqlens_cpu holds {int(host[row])} (sequence {row})"
+            if field == "kv_seqlens_cpu" else
+            f"sequence {row} has kv_seqlens={int(host[row])}, above max_kv_seq_len={kv_max}")
+    raise InputError(
+        f"{said}: "
+        "kernels that size their work by the maximum (Camb, PPU, FlashAttention's max_seqlen_k) would read "
+        "part of that sequence's cache, where a graph's own maximum reads all of it. Pass the step's real "
+        "max_kv_seq_len (the largest kv_seqlens), or -1" + (
+            "; or, if max_kv_seq_len is right, kv_seqlens_cpu is not the host copy of kv_seqlens: build both from "
+            "the same lengths" if field == "kv_seqlens_cpu" else "")
+    )
 
 
 def _host_lengths_differ(host: torch.Tensor, kv_lens: torch.Tensor) -> None:

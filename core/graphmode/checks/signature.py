@@ -34,9 +34,15 @@ def check_model_signature(model: Any) -> None:
     missing = [name for name in CONTRACT_KEYWORDS if name not in named]
     if missing:
         raise ConfigError(
-            f"the model's forward takes ({', '.join(named)}) but graphmode calls it with the keywords "
+            f"the model's forward takes ({', '.join(_shown(p) for p in parameters)}) but graphmode calls it with the "
+            "keywords "
             f"{', '.join(CONTRACT_KEYWORDS)} (docs/engines.md, model contract): {missing} would fail at the first "
             "step. Name the forward's parameters so, or wrap the model: "
             "def forward(self, input_ids, position_ids, past_key_values, attn_metadata, **extras): "
             "return self.model(input_ids, position_ids, past_key_values, attn_metadata, **extras)"
         )
+
+
+def _shown(parameter: inspect.Parameter) -> str:
+    """A parameter as a signature shows it, without its annotation or default (``*args`` for a star)."""
+    return ("*" if parameter.kind is inspect.Parameter.VAR_POSITIONAL else "") + parameter.name

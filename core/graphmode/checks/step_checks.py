@@ -58,8 +58,8 @@ class StepChecks:
         if type(q_max) is not int or type(kv_max) is not int or kv_max > limit or q_max != 1 \
                 or tokens != batch or not attn.is_decoding:
             check_scalars(attn, self.config, batch, tokens, width)
-        if attn.kv_seqlens_cpu is not None or inputs.extras:
-            check_values(inputs, self.config, batch, tokens, width)
+        if attn.kv_seqlens_cpu is not None or inputs.extras or (on_host and kv_max >= 0):
+            check_values(inputs, self.config, batch, tokens, width, on_host)
         return batch, on_host
 
     def _key(self, inputs: StepInputs, attn: AttnMetadata) -> Any:

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphmode.checks.cache_layout import CacheGeometry, cache_geometry, check_cache_layout  # re-exported
+from graphmode.checks.host_lengths import check_kv_max_holds_host
 from graphmode.checks.signature import check_model_signature
 from graphmode.checks.step_sizes import batch_size, token_count
 from graphmode.config import RunnerConfig
 from graphmode.context import REQUIRED_TENSORS, STEP_PATHS, STEP_TENSORS, AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host
 from graphmode.errors import ConfigError, InputError
-from graphmode.spec import BLOCKS, SEQUENCES, TOKENS
+from graphmode.spec import BLOCKS, SEQUENCES, TOKENS, BufferSpec
+
+if TYPE_CHECKING:
+    from graphmode.plugins import Vendor
 
 __all__ = [
     "CacheGeometry", "cache_geometry", "check_cache_layout", "check_inputs", "check_model", "check_model_ops",
@@ -142,8 +146,9 @@ def check_inputs(inputs: StepInputs, config: RunnerConfig) -> tuple[int, bool]:
                 f"and {tokens} tokens needs {shape}"
             )
     _check_host_tensor(attn, batch)
-    check_values(inputs, config, batch, tokens, width)
-    return batch, bool(first_side and first_side[1])
+    on_host = bool(first_side and first_side[1])
+    check_values(inputs, config, batch, tokens, width, on_host)
+    return batch, on_host
 
 
 def _check_maxima_types(attn: AttnMetadata) -> None:
@@ -212,12 +217,17 @@ def _check_host_tensor(attn: AttnMetadata, batch: int) -> None:
         )
 
 
-def check_values(inputs: StepInputs, config: RunnerConfig, batch: int, tokens: int, width: int) -> None:
-    """The checks after the tensors' (host lengths when the maximum is
-    unknown, declared step inputs), which read values or extras every step."""
-    host = inputs.attn_metadata.kv_seqlens_cpu
-    if host is not None and inputs.attn_metadata.max_kv_seq_len < 0:  # the length unknown: the host lengths say it
+def check_values(inputs: StepInputs, config: RunnerConfig, batch: int, tokens: int, width: int,
+                 on_host: bool) -> None:
+    """The checks after the tensors' (the host lengths against the table when
+    the maximum is unknown, else against the maximum; declared step inputs),
+    which read values or extras every step."""
+    attn = inputs.attn_metadata
+    host = attn.kv_seqlens_cpu
+    if host is not None and attn.max_kv_seq_len < 0:  # the length unknown: the host lengths say it
         _check_host_lengths(host, width, config)
+    elif attn.max_kv_seq_len >= 0 and (host is not None or on_host):
+        check_kv_max_holds_host(attn, on_host)
     if config.step_inputs and inputs.extras:
         _check_step_inputs(inputs, config, batch, tokens, width)
 
@@ -269,6 +279,45 @@ def _check_step_inputs(inputs: StepInputs, config: RunnerConfig, batch: int, tok
                 f"its values (a float truncated to an integer, 1.7 -> 1). Pass {spec.name}.to({spec.dtype}), "
                 "or declare its dtype"
             )
+        inexact = (value.dtype.is_floating_point or value.dtype.is_complex or spec.dtype.is_floating_point
+                   or spec.dtype.is_complex)
+        if value.dtype != spec.dtype and inexact:
+            # Graph steps would get the buffer's dtype, eager steps the engine's tensor: the model computes
+            # in another precision in each (float32 into a bfloat16 buffer: logits 0.002 apart).
+            raise InputError(
+                f"step input {spec.name!r} is {value.dtype}, declared {spec.dtype}: graph steps would read it "
+                f"rounded to {spec.dtype} (the buffer's), eager steps as given, so their results would differ. "
+                f"Pass {spec.name}.to({spec.dtype}), or declare it {value.dtype}"
+            )
+        on_host = value.device != device or is_host(value)  # read without a synchronisation
+        if value.dtype != spec.dtype and value.numel() and (on_host or config.debug):
+            _check_narrowed(spec, value)
+
+
+def _check_narrowed(spec: BufferSpec, value: torch.Tensor) -> None:
+    """Refuse an integer step input given wider than declared (int64 for an
+    int32 buffer) whose values the buffer cannot hold: its copy would wrap
+    them (2**32 + 5 -> 5: another adapter's id, a live cache slot), where an
+    eager step takes them as given. Read where it costs no synchronisation
+    (a host tensor) and in debug mode."""
+    if value.dtype == torch.bool or spec.dtype == torch.bool:
+        return
+    info, given = torch.iinfo(spec.dtype), torch.iinfo(value.dtype)
+    # Compared in the value's dtype, only where its range passes the buffer's (int32 ids into an int64 buffer
+    # widen losslessly, and int64's limits would wrap in int32).
+    outside = torch.zeros(value.shape, dtype=torch.bool, device=value.device)
+    if given.min < info.min:
+        outside |= value < info.min
+    if given.max > info.max:
+        outside |= value > info.max
+    if bool(outside.any()):
+        bad = int(value[outside].reshape(-1)[0])
+        wrapped = int(torch.tensor(bad, dtype=value.dtype).to(spec.dtype))
+        raise InputError(
+            f"step input {spec.name!r} holds {bad} ({value.dtype}), outside {spec.dtype}'s range "
+            f"{info.min}..{info.max}: its {spec.dtype} buffer would hold {wrapped} in graph steps, where eager steps "
+            f"take {bad}. Pass values the declared dtype holds, or declare it {value.dtype}"
+        )
 
 
 def _declared(shape: tuple[int | str, ...]) -> str:
@@ -337,13 +386,13 @@ def uniform_q_len(attn: AttnMetadata, batch: int, tokens: int) -> int | None:
     return None
 
 
-def check_model(model: Any, vendor: Any) -> None:
+def check_model(model: Any, vendor: Vendor) -> None:
     """The start-up checks of a model: its forward's keywords, its attention ops' vendor."""
     check_model_signature(model)
     check_model_ops(model, vendor)
 
 
-def check_model_ops(model: Any, vendor: Any) -> None:
+def check_model_ops(model: Any, vendor: Vendor) -> None:
     """Refuse, at start-up, a model whose attention ops follow another
     vendor's contract than the runner's vendor: its graph contexts would give
     those kernels buffers, lengths and host values they do not expect (an

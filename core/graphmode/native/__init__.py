@@ -58,6 +58,10 @@ from graphmode.emulator.host import is_host
 
 if TYPE_CHECKING:
     from graphmode.buffers import FillPlan
+    from graphmode.families.full import CapturedGraph
+    from graphmode.families.stats import FamilyStats
+    from graphmode.spec import BufferSpec
+    from graphmode.staging import HostStaging
 
 __all__ = ["ENV_NATIVE", "ENV_NATIVE_DIR", "NativeSteps", "build_key", "native_dir", "native_module"]
 
@@ -197,8 +201,8 @@ class NativeSteps:
     (``graphmode.checks.weight_memory.WeightMemory.addresses``), or None:
     a step where one moved goes to the Python path, which refuses it."""
 
-    def __init__(self, module: Any, lock: Any, staging: Any, emulated: bool, limits: tuple[int, int],
-                 stats: Any, variant: str, addresses: Any = None) -> None:
+    def __init__(self, module: Any, lock: Any, staging: HostStaging | None, emulated: bool, limits: tuple[int, int],
+                 stats: FamilyStats, variant: str, addresses: Any = None) -> None:
         marks = (lambda tensors: tuple(map(is_host, tensors))) if emulated else None
         self.memo = module.Memo(AttnMetadata, list(REQUIRED_TENSORS), lock, staging, marks, stats, variant, addresses)
         self.step = self.memo.step
@@ -206,7 +210,8 @@ class NativeSteps:
         self._staging = staging
         self._max_blocks, self._block_size = limits
 
-    def learn(self, captured: Any, inputs: StepInputs, batch: int, plan: Any, output: Any) -> None:
+    def learn(self, captured: CapturedGraph, inputs: StepInputs, batch: int, plan: FillPlan | None,
+              output: Any) -> None:
         """Remember the replay step just taken, when it is the usual decode
         step and its fill is one the memo can repeat (``plan``: the fill's
         ``FillPlan``, or None; ``output``: the output view every step of this
@@ -264,7 +269,7 @@ def _program(plan: FillPlan, tensors: list[torch.Tensor]) -> list[tuple[list, li
     copied as int32 words) per step source, constants). None when a source
     is not one of those tensors as given (a function source, a choice
     between paths)."""
-    def index(spec: Any) -> int | None:
+    def index(spec: BufferSpec) -> int | None:
         if callable(spec.source) or len(spec.sources) != 1 or spec.sources[0] not in STEP_PATHS:
             return None
         return STEP_PATHS.index(spec.sources[0])

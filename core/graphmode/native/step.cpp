@@ -376,8 +376,10 @@ class Memo {
 
   // The usual decode step that graphmode.checks.step_checks passes without
   // further checks: int maxima, one token per sequence, the longest within
-  // the table; host lengths only beside a known maximum (check_values
-  // reads them only when it is unknown).
+  // the table; host lengths only beside a known maximum that holds them
+  // (check_values reads them against the table when it is unknown, against
+  // it when known: graphmode.checks.host_lengths.check_kv_max_holds_host),
+  // and a host-built step's kv_seqlens within a known maximum.
   bool scalars_pass(py::handle attn, const Entry& entry) {
     py::object decoding = attn.attr("is_decoding");
     if (decoding.ptr() != Py_True) return false;
@@ -385,7 +387,36 @@ class Memo {
     py::object kv_max = attn.attr("max_kv_seq_len");
     int64_t q = 0, kv = 0;
     if (!is_int(q_max.ptr(), &q) || q != 1 || !is_int(kv_max.ptr(), &kv) || kv > entry.kv_limit) return false;
-    return kv >= 0 || attn.attr("kv_seqlens_cpu").is_none();
+    py::object host = attn.attr("kv_seqlens_cpu");
+    if (host.is_none()) {
+      // A step built on the host has its lengths there: they must hold too (check_kv_max_holds_host);
+      // a CPU tensor that may be a device's (the emulator's) goes to the Python path, which knows.
+      if (kv < 0) return true;
+      py::object lens = attn.attr("kv_seqlens");
+      if (!THPVariable_Check(lens.ptr())) return false;
+      const at::Tensor& device_lens = THPVariable_Unpack(lens.ptr());
+      return !device_lens.is_cpu() || longest_at_most(device_lens, kv);
+    }
+    return kv >= 0 && THPVariable_Check(host.ptr()) && longest_at_most(THPVariable_Unpack(host.ptr()), kv);
+  }
+
+  // Whether every value of a 1-D int32 or int64 host tensor is at most
+  // `bound` (a loop over at most a batch of values: no dispatch); false for
+  // any other tensor, which the Python path checks.
+  static bool longest_at_most(const at::Tensor& host, int64_t bound) {
+    if (host.dim() != 1 || !host.is_cpu()) return false;
+    const int64_t count = host.size(0), stride = host.stride(0);
+    if (host.scalar_type() == at::kInt) {
+      const int32_t* values = host.const_data_ptr<int32_t>();
+      for (int64_t i = 0; i < count; ++i) if (values[i * stride] > bound) return false;
+      return true;
+    }
+    if (host.scalar_type() == at::kLong) {
+      const int64_t* values = host.const_data_ptr<int64_t>();
+      for (int64_t i = 0; i < count; ++i) if (values[i * stride] > bound) return false;
+      return true;
+    }
+    return false;
   }
 
   // The cache tensors the graph captured, at the addresses it captured
