@@ -156,7 +156,7 @@ def test_a_users_capture_list_keeps_the_sizes_the_vendor_captures():
         tiny_setup("fixed", plugin=fixed_capture_list, max_batches=64, capture_batch_sizes=[3, 64])
     with pytest.raises(ConfigError, match=r"max_batches=12: the vendor captures only the sizes \[16, 32\].*"
                                           r"use max_batches >= 16"):
-        vendor.spec.replace(capture_sizes=FixedSizes((16, 32))).capture_list(12)
+        vendor.spec.replace(capture_policy=FixedSizes((16, 32))).capture_list(12)
 
 
 class PastTheLargestGraph:
@@ -180,9 +180,9 @@ class PastTheLargestGraph:
     "sizes, message",
     [
         (graded_sizes, r"returned \[1, 2, .*, 64\], which goes past the vendor's largest graph, 32 "
-                       r"\(the last size of GraphSpec.capture_sizes=FixedSizes\(\(1, 2, 4, 8, 16, 32\)\)\); "
+                       r"\(the last size of GraphSpec.capture_policy=FixedSizes\(\(1, 2, 4, 8, 16, 32\)\)\); "
                        r"fix the plugin's graphmode_capture_sizes \(start from spec.capture_list"),
-        (lambda m: [1, 3, 32], r"has sizes \[3\] outside its fixed list \[1, 2, 4, 8, 16, 32\] \(GraphSpec.capture_sizes\)"),
+        (lambda m: [1, 3, 32], r"has sizes \[3\] outside its fixed list \[1, 2, 4, 8, 16, 32\] \(GraphSpec.capture_policy\)"),
     ],
     ids=["past the largest", "not in the list"],
 )

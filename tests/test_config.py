@@ -70,3 +70,14 @@ def test_build_graph_runner_takes_every_runner_config_field_as_a_keyword_of_the_
         field = fields[name]
         if field.default is not dataclasses.MISSING and name not in ("device", "execute_mode"):
             assert keywords[name].default == field.default, name
+
+
+def test_runner_sizes_take_integers_of_other_types():
+    # An engine's config may hold numpy or torch integers (np.int64(8) read from an array was refused as
+    # "not a positive integer"); anything with __index__ is one. A float or a bool is not.
+    config = RunnerConfig(max_batches=torch.tensor(8), max_blocks_per_seq=4, block_size=torch.tensor(16), device="cpu")
+    assert config.max_batches == 8 and type(config.max_batches) is int and type(config.block_size) is int
+    for value in (8.0, True):
+        with pytest.raises(ConfigError, match=rf"^max_batches={value!r}: must be a positive integer; pass "
+                           r"int\(max_batches\) of at least 1$"):
+            RunnerConfig(max_batches=value, max_blocks_per_seq=4, block_size=16, device="cpu")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from emulated_updates import UpdatableAddGraph
+from emulated_updates import HostListGraph, UpdatableAddGraph, paged_decode
 from setups import tiny_setup
 
 import graphmode
@@ -238,3 +238,17 @@ def test_an_updatable_operator_on_the_extension_point():
     x.fill_(2)
     graph.replay()  # inputs are read live; the update stays
     assert y.tolist() == [120.0, 120.0, 120.0]
+
+
+def test_a_custom_operator_with_a_host_list_is_one_updatable_call():
+    # --8<-- [start:host_list_use]
+    query = torch.ones(2)
+    graph = HostListGraph()
+    with torch.inference_mode(), graph.capture():
+        out = paged_decode(query, query, [1, 2])  # one recorded call, kv_lens frozen at capture
+    graph.replay()
+    assert out.tolist() == [3.0, 3.0]
+    graph.calls[0].update(kv_lens=[4, 5])  # what graphmode_update_graph_params does before a replay
+    graph.replay()
+    assert out.tolist() == [9.0, 9.0]
+    # --8<-- [end:host_list_use]

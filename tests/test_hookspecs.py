@@ -186,7 +186,7 @@ def _checks_the_wrong_field(config):
 @hookimpl
 def _keeps_the_smallest(config, spec):
     # Trimmed from the wrong end: batches above the last size run eagerly.
-    sizes = list(config.capture_batch_sizes or spec.capture_sizes(config.max_batches))
+    sizes = list(config.capture_batch_sizes or spec.capture_policy(config.max_batches))
     limit = config.vendor_options.max_graphs
     return sizes if limit is None else sizes[:limit]
 

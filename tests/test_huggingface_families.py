@@ -84,6 +84,9 @@ RUNS = {
     "phi3+longrope": dict(GQA, **TOKENS, original_max_position_embeddings=32, rope_scaling=dict(
         rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8, original_max_position_embeddings=32)),
     "qwen2+window": dict(GQA, use_sliding_window=True, sliding_window=32, max_window_layers=1),
+    # Its forward assigns its position table to itself at every call (a no-op .to()): taken as a rebind,
+    # every graph step after an eager one was refused (an HF-families hunt, 2026-12-04).
+    "ctrl": dict(TINY, **TOKENS),
 }
 #: Checked with transformers 5.24.0 only (skipped on 4.x): the sweep's additions.
 V5_ONLY = set(list(RUNS)[list(RUNS).index("cohere2"):])
@@ -196,6 +199,10 @@ REFUSED = {
 if VERSION < (5, 23):
     REFUSED["recurrent_gemma"] = (REFUSED["recurrent_gemma"][0], r"'recurrent_gemma' is not supported: .*layer_idx "
                                   r"\[2\].*layers \[0, 1\] never called it \(recurrent")
+#: From 5.25 Falcon calls the attention interface, but its decoder layers pass no keyword arguments on to it.
+if VERSION >= (5, 25):
+    REFUSED["falcon"] = (REFUSED["falcon"][0], r"'falcon' is not supported: .*FalconForCausalLM declares no support "
+                         r".*does not declare that its layers pass the model's keyword arguments on")
 #: What transformers 4.x gives instead: no attention backend on these classes.
 if not V5:
     for name in ("bert", "recurrent_gemma", "diffllama"):

@@ -14,6 +14,7 @@ import graphmode
 from graphmode import ConfigError, InputError
 from graphmode.attention import ReferenceAttentionOps, write_slots
 from graphmode.buckets import FixedSizes, graded_sizes
+from graphmode.emulator.host import mark_host
 from graphmode.spec import BLOCKS, CUDA_SPEC, ROW_INDEX, SEQUENCES, TOKENS, BufferSpec, GraphSpec
 
 
@@ -50,7 +51,7 @@ def _slot_blocks(step):
 
 SLOT_BLOCK_SPEC = CUDA_SPEC.with_buffers(
     BufferSpec("slot_blocks", torch.int32, shape=(TOKENS,), padding=0, source=_slot_blocks),
-).replace(block_sizes=(16,), capture_sizes=lambda m: [s for s in (1, 3, 6, 12) if s < m] + [m], options=SlotBlockOptions)
+).replace(block_sizes=(16,), capture_policy=lambda m: [s for s in (1, 3, 6, 12) if s < m] + [m], options=SlotBlockOptions)
 
 
 class SlotBlockVendor:
@@ -269,6 +270,65 @@ def test_a_declared_input_that_would_lose_its_values_in_its_buffer_is_refused(mo
     torch.testing.assert_close(graph, eager)
 
 
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_a_declared_float_input_of_another_dtype_is_refused(mode):
+    # float32 given for a bfloat16 buffer: graph steps read it rounded, eager steps as given (logits 0.002
+    # apart, an engine-input hunt, 2026-12-03); an int64 for a float buffer the same. The declared dtype passes.
+    declared = [BufferSpec("token_scale", torch.bfloat16, shape=(TOKENS,), padding=1.0)]
+    setup, scaled, runner = _scaled_setup(mode, step_inputs=declared)
+    seqs = setup.prefill(3)
+    for given in (torch.float32, torch.int64):
+        with pytest.raises(InputError, match=rf"step input 'token_scale' is {given}, declared torch.bfloat16: graph "
+                           r"steps would read it rounded to torch.bfloat16 .*Pass token_scale.to\(torch.bfloat16\)"):
+            _decode(setup, scaled, runner, seqs, token_scale=torch.full((3,), 3, dtype=given))
+    graph, eager = _decode(setup, scaled, runner, seqs, token_scale=torch.full((3,), 3.1, dtype=torch.bfloat16))
+    torch.testing.assert_close(graph, eager)
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+@pytest.mark.parametrize("where", ["host", "debug"])
+def test_a_wider_integer_input_its_buffer_would_wrap_is_refused(mode, where):
+    # int64 adapter ids for an int32 buffer pass, but 2**32 + 1 would be 1 in the buffer: graph steps would
+    # scale by adapter 1 where eager ones index past the table (helper-17's hunt, 2026-12-03). Read from a
+    # host tensor (no synchronisation), or in debug mode from a device one.
+    declared = [BufferSpec("lora_ids", torch.int32, shape=(SEQUENCES,), padding=0)]
+    setup, model, runner = _wrapped_setup(LoraModel, mode, step_inputs=declared, debug=where == "debug")
+    seqs = setup.prefill(2)
+    ids = torch.tensor([0, 2**32 + 1])
+    with pytest.raises(InputError, match=r"step input 'lora_ids' holds 4294967297 \(torch.int64\), outside "
+                       r"torch.int32's range -2147483648..2147483647: its torch.int32 buffer would hold 1 in graph "
+                       r"steps, where eager steps take 4294967297"):
+        _decode(setup, model, runner, seqs, lora_ids=mark_host(ids) if where == "host" else ids)
+    graph, eager = _decode(setup, model, runner, seqs, lora_ids=mark_host(torch.tensor([0, 3])))
+    torch.testing.assert_close(graph, eager)
+
+
+@pytest.mark.parametrize("where", ["host", "debug"])
+def test_a_narrower_integer_input_widens_into_its_buffer(where):
+    # int32 (and int16) ids for an int64 buffer: lossless, and the range check compared them with int64's
+    # limits wrapped into int32, refusing every step (a review of the check, 2026-12-04).
+    declared = [BufferSpec("lora_ids", torch.int64, shape=(SEQUENCES,), padding=0)]
+    setup, model, runner = _wrapped_setup(LoraModel, "graph", step_inputs=declared, debug=where == "debug")
+    seqs = setup.prefill(2)
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        ids = torch.tensor([0, 3], dtype=dtype)
+        graph, eager = _decode(setup, model, runner, seqs, lora_ids=mark_host(ids) if where == "host" else ids)
+        torch.testing.assert_close(graph, eager)
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_an_undeclared_per_token_input_under_padding_fails_naming_it_and_the_fix(mode):
+    # Three rows, one per token of the step, into graphs of four: the model's product of padded logits and
+    # the unpadded scale failed with a bare size mismatch that named neither (an engine-input hunt, 2026-12-03).
+    setup, scaled, runner = _scaled_setup(mode)
+    seqs = setup.prefill(3)
+    with pytest.raises(RuntimeError, match="must match the size") as failed:
+        _scaled_step(setup, scaled, runner, seqs, 2.0)
+    notes = " ".join(getattr(failed.value, "__notes__", []))
+    assert "extra model input 'token_scale' has 3 rows, one per sequence (or token: one each) of the step, but the graph runs 4" in notes
+    assert "build_graph_runner(step_inputs=[BufferSpec('token_scale', torch.float32, shape=(SEQUENCES,)" in notes
+
+
 def test_engine_inputs_cannot_shadow_the_vendors_declarations():
     with pytest.raises(ConfigError, match=r"step_inputs \['kv_seqlens'\]: vendor 'cuda' already declares buffers"):
         tiny_setup(step_inputs=[BufferSpec("kv_seqlens", torch.int32)])
@@ -310,8 +370,17 @@ def test_an_engine_step_input_is_its_keyword_copied_whole(fields):
         (lambda: GraphSpec((*CUDA_SPEC.buffers, CUDA_SPEC.buffers[0])), r"declares buffers \['input_ids'\] more than once"),
         (lambda: CUDA_SPEC.replace(max_kv_policy="max"), "max_kv_policy='max'"),
         (lambda: CUDA_SPEC.replace(max_capture_size=0), r"max_capture_size=0: use an int >= 1, or None for no limit"),
-        (lambda: CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2, 4)), max_capture_size=8),
-         r"max_capture_size=8: the fixed capture list \[1, 2, 4\] \(capture_sizes\) ends at 4"),
+        (lambda: CUDA_SPEC.replace(capture_policy=FixedSizes((1, 2, 4)), max_capture_size=8),
+         r"max_capture_size=8: the fixed capture list \[1, 2, 4\] \(capture_policy\) ends at 4"),
+        (lambda: CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2))),
+         r"GraphSpec capture_sizes=FixedSizes\(\(1, 2\)\): the field is capture_policy now"),
+        # Accepted before (an outsider's plugin, 2026-12-04), then refused at the first two-token step with
+        # advice about cumulative starts: a (SEQUENCES, 1) slot column holds one slot per sequence.
+        (lambda: CUDA_SPEC.with_buffers(BufferSpec("kv_start_indices", torch.int64, shape=(SEQUENCES, 1), padding=-1))
+         .replace(max_q_len=2),
+         r"buffer 'kv_start_indices' has one row per sequence \(shape \(SEQUENCES, 1\)\) but takes "
+         r"attn_metadata.kv_start_indices, one value per new token: with max_q_len=2 .*Declare it per token, "
+         r"shape=\(TOKENS, 1\)"),
     ],
 )
 def test_bad_declarations_are_refused(make, message):
@@ -324,7 +393,7 @@ def test_a_declared_largest_graph_caps_the_capture_list():
     assert capped.capture_list(256) == graded_sizes(24) and capped.largest_graph(256) == 24
     assert capped.capture_list(16) == graded_sizes(16) and capped.largest_graph(16) == 16
     assert capped.capture_list(256, given=(1, 8, 24, 48)) == [1, 8, 24]  # a user's list, trimmed
-    fixed = CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2, 4, 8, 16, 32)))
+    fixed = CUDA_SPEC.replace(capture_policy=FixedSizes((1, 2, 4, 8, 16, 32)))
     assert fixed.max_capture_size == 32  # a fixed list's last size
     assert fixed.largest_graph(256) == 32 and fixed.largest_graph(12) == 8
     assert CUDA_SPEC.max_capture_size is None and CUDA_SPEC.largest_graph(256) == 256

@@ -134,6 +134,13 @@ class FixedSizes:
     def __call__(self, max_batches: int) -> list[int]:
         return [s for s in self.sizes if s <= max_batches]
 
+    def __repr__(self) -> str:
+        """Every size of a short list; a long one's first and last (``graphmode vendors`` prints it)."""
+        if len(self.sizes) <= 12:
+            return f"FixedSizes({self.sizes!r})"
+        head, tail = ", ".join(map(str, self.sizes[:6])), ", ".join(map(str, self.sizes[-3:]))
+        return f"FixedSizes(({head}, ..., {tail}): {len(self.sizes)} sizes)"
+
 
 Policy = Callable[[int], list[int]]
 
@@ -149,7 +156,7 @@ def declared_max_capture_size(policy: Policy, max_capture_size: int | None) -> i
         if largest is not None and largest > last:
             raise ConfigError(
                 f"GraphSpec max_capture_size={largest}: the fixed capture list {list(policy.sizes)} "
-                f"(capture_sizes) ends at {last}; leave max_capture_size unset, or declare it <= {last}"
+                f"(capture_policy) ends at {last}; leave max_capture_size unset, or declare it <= {last}"
             )
         return last if largest is None else largest
     return largest
@@ -160,7 +167,7 @@ def largest_graph_declaration(policy: Policy, max_capture_size: int | None) -> s
     name it: a ``FixedSizes`` list's last size (``max_capture_size`` is then
     derived from it), else ``GraphSpec.max_capture_size``."""
     if isinstance(policy, FixedSizes) and max_capture_size == policy.sizes[-1]:
-        return f"the last size of GraphSpec.capture_sizes=FixedSizes({policy.sizes})"
+        return f"the last size of GraphSpec.capture_policy=FixedSizes({policy.sizes})"
     return "GraphSpec.max_capture_size"
 
 
@@ -191,14 +198,14 @@ def capture_list(
             takes = f"only the sizes {list(fixed)}" if fixed else f"batches of at most {top}"
             raise ConfigError(
                 f"capture_batch_sizes={list(given)}: the vendor's graphs take {takes} (GraphSpec "
-                "capture_sizes / max_capture_size), so none of them could be captured; give sizes among "
+                "capture_policy / max_capture_size), so none of them could be captured; give sizes among "
                 "those, or leave capture_batch_sizes unset for the vendor's list"
             )
         return sizes
     if fixed is not None and fixed[0] > top:
         raise ConfigError(
             f"max_batches={max_batches}: the vendor captures only the sizes {list(fixed)} (GraphSpec "
-            f"capture_sizes), none within it; use max_batches >= {fixed[0]}"
+            f"capture_policy), none within it; use max_batches >= {fixed[0]}"
         )
     return list(policy(top))
 
@@ -298,6 +305,6 @@ def bucket_table(vendor: Vendor, max_batches: int, capture_sizes: tuple[int, ...
 # that holds the batch is then the only answer, so rounding is declared as sizes.
 _ROUNDING = (
     "A vendor whose batches round up differently declares that as its capture sizes "
-    "(GraphSpec.capture_sizes, FixedSizes) and leaves graphmode_compatible_size to the default, "
+    "(GraphSpec.capture_policy, FixedSizes) and leaves graphmode_compatible_size to the default, "
     "the smallest capture size that holds the batch"
 )

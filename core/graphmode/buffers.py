@@ -27,12 +27,12 @@ import torch
 
 from graphmode.context import AttnMetadata, StepInputs
 from graphmode.emulator.host import is_host, mark_host
-from graphmode.errors import InputError
+from graphmode.errors import InputError, VendorError
 from graphmode.fill_words import word_copy
 from graphmode.meta import GraphMeta
 from graphmode.spec import BLOCKS, BufferSpec
 
-__all__ = ["allocate", "fill", "graph_context", "host_zeros", "q_len_paddings", "stage", "step_value"]
+__all__ = ["allocate", "check_made", "fill", "graph_context", "host_zeros", "q_len_paddings", "stage", "step_value"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -55,6 +55,33 @@ def allocate(meta: GraphMeta) -> dict[str, torch.Tensor]:
         spec.name: spec.allocate(meta.max_batchs, meta.max_tokens, meta.num_blocks, meta.device)
         for spec in meta.spec.buffers
     }
+
+
+def check_made(meta: GraphMeta, vendor: str) -> None:
+    """Refuse a buffer ``graphmode_make_buffers`` made where its declaration
+    does not put it: a device buffer in host memory (the fill would copy the
+    step's device values to the host, which a capture refuses) or on another
+    device, or a host buffer (``host=True``) on the device. A declared buffer
+    it did not make is the fill's to name."""
+    device = meta.device
+    for spec in meta.spec.buffers:
+        buffer = meta.input_buffers.get(spec.name)
+        if not isinstance(buffer, torch.Tensor):
+            continue
+        on_host = buffer.device.type == "cpu" and (device.type != "cpu" or is_host(buffer))
+        elsewhere = not on_host and (buffer.device.type != device.type
+                                     or None not in (buffer.device.index, device.index)
+                                     and buffer.device.index != device.index)
+        if on_host != spec.host or elsewhere:
+            made = "host memory" if on_host else str(buffer.device)
+            wanted = "host memory (host=True)" if spec.host else (
+                f"the runner's device, {device}" if device.type != "cpu" else
+                "the runner's device (on the emulator, a CPU tensor not marked as host memory)")
+            raise VendorError(
+                f"vendor {vendor!r}: graphmode_make_buffers made buffer {spec.name!r} in {made}, but it is declared "
+                f"in {wanted}: kernels and the fill read it there. Allocate it as declared "
+                "(graphmode.buffers.allocate(meta), or spec.allocate(...) per buffer), or change its declaration"
+            )
 
 
 def q_len_paddings(meta: GraphMeta) -> dict[int, dict[str, torch.Tensor]]:
@@ -239,6 +266,7 @@ class FillPlan:
                 f"{'token' if spec.per_token else 'sequence'}"
             )
         if staged is not None:
+            assert self.staging is not None  # only a plan with a mirror stages rows
             return self.staging.host_source(value, staged)
         return value
 

@@ -6,6 +6,7 @@ allocated and may refuse it or fill in vendor options.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -108,9 +109,9 @@ class RunnerConfig:
         then be host tensors), False keeps the device-side fill, None decides
         at the first graph step: on when that step's inputs are host tensors
         and the vendor allows it.
-    debug: before every graph step, read the step's device values (one
-        synchronisation) and refuse slots, block ids and lengths that would
-        give wrong results, and tensors the graph captured that moved
+    debug: before every step (graph or eager), read the step's device values
+        (one synchronisation) and refuse slots, block ids and lengths that
+        would give wrong results, and tensors a graph captured that moved
         (``graphmode.checks.debug``); ``$GRAPHMODE_DEBUG`` overrides. Off by
         default: it costs a device-to-host read per step.
     capture_token_sizes: the token buckets of piecewise graphs (piecewise
@@ -147,8 +148,12 @@ class RunnerConfig:
         self.device = _with_index(torch.device(self.device))
         for name in ("max_batches", "max_blocks_per_seq", "block_size", "max_q_len"):
             value = getattr(self, name)
+            if not isinstance(value, bool) and not isinstance(value, int) and hasattr(value, "__index__"):
+                value = operator.index(value)  # a numpy or torch integer, as an engine's config may hold
+                setattr(self, name, value)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r}: must be a positive integer")
+                kind = "" if isinstance(value, (int, float)) else f" (a {type(value).__name__})"
+                raise ConfigError(f"{name}={value!r}{kind}: must be a positive integer; pass int({name}) of at least 1")
         self.execute_mode = resolve_execute_mode(self.execute_mode)
         if self.capture_batch_sizes is not None:
             self.capture_batch_sizes = _clean_capture_sizes(

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 import torch
 
-__all__ = ["BLOCKS", "HOST_COPIES", "REQUIRED_TENSORS", "SEQUENCES", "STEP_PATHS", "STEP_TENSORS", "TOKENS", "AttnMetadata", "StepInputs"]
+__all__ = ["BLOCKS", "HOST_COPIES", "REQUIRED_TENSORS", "SEQUENCES", "STEP_PATHS", "STEP_TENSORS", "TOKENS", "AttnMetadata",
+           "KVCache", "StepInputs", "StepModel"]
 
 # Symbolic dimensions of a step tensor's (and a buffer's) shape (``graphmode.spec`` re-exports them).
 TOKENS = "tokens"  # one row per new token: max_tokens rows
@@ -50,7 +51,9 @@ class AttnMetadata:
     kv_start_indices: (T,) the cache slot (``block * block_size + offset``)
         each new token's key and value are written to; -1 writes nothing.
     max_q_seq_len, max_kv_seq_len: host maxima of the lengths (or upper
-        bounds of them). A graph freezes host values, so graph contexts pass
+        bounds of them), or -1 where the engine does not know them; a bound
+        below a length is refused where the host sees it (``kv_seqlens_cpu``,
+        a host-built step). A graph freezes host values, so graph contexts pass
         values that hold at every replay: -1 ("derive on the device from the
         length tensors") where the vendor's kernel has that rule (CUDA
         default, Camb), an upper bound where it needs one (PPU: the block
@@ -110,6 +113,25 @@ HOST_COPIES: dict[str, str] = {
 STEP_PATHS: tuple[str, ...] = ("input_ids", "position_ids", *(f"attn_metadata.{name}" for name in REQUIRED_TENSORS))
 
 
+#: The KV cache a step passes as ``past_key_values``: what the model's
+#: ``make_kv_cache`` makes (one (key, value) pair per layer in the reference
+#: layout, or the tensors of the vendor's layout), any pytree of tensors. The
+#: runner flattens it, checks it against the model and holds its tensors by
+#: identity; it never looks into a leaf that is not a tensor.
+KVCache: TypeAlias = Any
+
+
+class StepModel(Protocol):
+    """What a runner runs: the engine's model, called with one step's
+    keywords (and the engine's extra inputs, where it takes them), returning
+    its logits or any pytree of tensors. Everything else the runner reads of
+    it is optional (docs/architecture.md, "The model contract": ``ops``,
+    ``make_kv_cache``, ``check_runner``, its parameters and buffers)."""
+
+    def __call__(self, *, input_ids: torch.Tensor, position_ids: torch.Tensor, past_key_values: KVCache,
+                 attn_metadata: AttnMetadata) -> Any: ...
+
+
 @dataclass
 class StepInputs:
     """The arguments of one model forward call.
@@ -121,7 +143,7 @@ class StepInputs:
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    past_key_values: Any
+    past_key_values: KVCache
     attn_metadata: AttnMetadata
     extras: dict[str, Any] = field(default_factory=dict)
 

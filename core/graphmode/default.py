@@ -80,9 +80,10 @@ def graphmode_update_context(meta: GraphMeta, inputs: StepInputs, batch_size: in
 @hookimpl
 def graphmode_get_outputs(meta: GraphMeta, batch_size: int, num_tokens: int) -> Any:
     output = meta.output_buffers["output"]
-    if isinstance(output, torch.Tensor):
+    if isinstance(output, torch.Tensor) and output.dim() >= 2:
         return output[:, :num_tokens]
-    return tree_map(lambda t: t[:, :num_tokens] if isinstance(t, torch.Tensor) else t, output)
+    # Tensors of two or more dimensions are cut to the live tokens; scalars and other 1-D ones come back whole.
+    return tree_map(lambda t: t[:, :num_tokens] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t, output)
 
 
 @hookimpl

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from graphmode.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from graphmode.plugins import Vendor
 
 __all__ = ["RankSync", "init_process_group", "torchrun_rank"]
 
@@ -24,7 +27,7 @@ __all__ = ["RankSync", "init_process_group", "torchrun_rank"]
 _UNITS = ("batch", "tokens")
 
 
-def init_process_group(vendor: Any, device: torch.device, **kwargs: Any) -> str:
+def init_process_group(vendor: Vendor, device: torch.device, **kwargs: Any) -> str:
     """Initialise the default process group with the vendor's backend for
     ``device`` (nccl on CUDA, hccl on Ascend, cncl on Cambricon, gloo on the
     CPU emulator) and return the backend's name."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from graphmode.config import RunnerConfig
+from graphmode.context import KVCache, StepModel
 from graphmode.memory import MemoryMeter, MemoryPlan
 from graphmode.plugins import Vendor, select_vendor
 from graphmode.runner import GraphRunner
@@ -30,7 +31,7 @@ def model_device(model: Any) -> torch.device:
 
 
 def build_graph_runner(
-    model: Any,
+    model: StepModel,
     *,
     max_batches: int,
     max_blocks_per_seq: int,
@@ -96,8 +97,8 @@ def build_graph_runner(
     host_staging: True to feed the graphs from one pinned host mirror (step
         inputs on the host), False for the device-side fill, None to decide at
         the first graph step from where its inputs are (docs/architecture.md).
-    debug: check every graph step's device values and the captured tensors'
-        addresses, at one synchronisation per step (``$GRAPHMODE_DEBUG=1``
+    debug: check every step's device values (graph and eager steps) and the
+        captured tensors' addresses, at one synchronisation per step (``$GRAPHMODE_DEBUG=1``
         overrides; docs/engines.md, "Debug mode").
     capture_token_sizes: the token buckets of piecewise graphs; None takes
         vLLM's default list (docs/architecture.md, "Piecewise graphs").
@@ -147,8 +148,8 @@ def build_graph_runner(
 
 
 def plan_graph_memory(
-    model: Any,
-    past_key_values: Any,
+    model: StepModel,
+    past_key_values: KVCache,
     *,
     q_lens: Sequence[int] | None = None,
     warmup_extras: dict[str, Any] | None = None,

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphmode.errors import ConfigError
 from graphmode.spec import CUDA_SPEC, GraphSpec
+
+if TYPE_CHECKING:
+    from graphmode.buffers import FillPlan
+    from graphmode.staging import HostStaging
 
 __all__ = ["GraphMeta"]
 
@@ -76,8 +80,8 @@ class GraphMeta:
     capture_sizes: tuple[int, ...] = ()
     vendor_options: Any = None
     vendor_state: dict[str, Any] = field(default_factory=dict)
-    staging: Any = None
-    fill_plans: dict[Any, Any] = field(default_factory=dict, repr=False)
+    staging: HostStaging | None = None
+    fill_plans: dict[tuple[Any, ...], FillPlan] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)

@@ -6,13 +6,13 @@ live rows of each step and resets the rest in one fused copy, and builds the
 captured step context from views of the buffers (:mod:`graphmode.buffers`).
 A vendor overrides a buffer hook only for what data cannot say.
 
-Example: MACA is the CUDA default with a (max_batches, 1) slot column and
-padding kv length 0::
+Example: MACA is the CUDA default with a slot column (one row per token)
+and padding kv length 0::
 
-    from graphmode.spec import CUDA_SPEC, SEQUENCES, BufferSpec
+    from graphmode.spec import CUDA_SPEC, TOKENS, BufferSpec
 
     MACA_SPEC = CUDA_SPEC.with_buffers(
-        BufferSpec("kv_start_indices", torch.int64, shape=(SEQUENCES, 1), padding=-1),
+        BufferSpec("kv_start_indices", torch.int64, shape=(TOKENS, 1), padding=-1),
         BufferSpec("kv_seqlens", torch.int32, padding=0),
     )
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -243,6 +243,17 @@ class NoOptions:
     """The options of a vendor that takes none."""
 
 
+#: The step's paths of one value per new token, which a per-sequence buffer holds only in one-token decode.
+_PER_TOKEN_PATHS = frozenset(
+    ["input_ids", "position_ids", *(f"attn_metadata.{name}" for name, shape in STEP_TENSORS if shape[0] == TOKENS)]
+)
+
+
+def _shown_shape(shape: tuple[int | str, ...]) -> str:
+    names = [d.upper() if isinstance(d, str) else str(d) for d in shape]
+    return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     """A vendor's graph buffers and constraints.
@@ -250,7 +261,7 @@ class GraphSpec:
     buffers: every input buffer its graphs read (:class:`BufferSpec`).
     block_sizes: KV-cache block sizes its kernels accept; None for any. (The
         cache layout is the attention ops' ``layout`` and ``block_view``.)
-    capture_sizes: the capture list for a max_batches when the user gives
+    capture_policy: the capture list for a max_batches when the user gives
         none (``graded_sizes``, ``three_stage_sizes``, ...), ending at
         max_batches (or at ``max_capture_size``); or ``FixedSizes(...)``,
         the only sizes the hardware captures.
@@ -282,7 +293,7 @@ class GraphSpec:
 
     buffers: tuple[BufferSpec, ...]
     block_sizes: tuple[int, ...] | None = None
-    capture_sizes: Callable[[int], list[int]] = graded_sizes
+    capture_policy: Callable[[int], list[int]] = graded_sizes
     max_capture_size: int | None = None
     max_q_policy: str = "bound"
     max_kv_policy: str = "dynamic"
@@ -291,8 +302,15 @@ class GraphSpec:
     max_q_len_reason: str = "its decode kernel is not declared to take several queries per sequence"
     option_variants: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
     names: tuple[str, ...] = field(init=False, repr=False)
+    #: The name ``capture_policy`` had until 2026-12-04, refused with the new one (a TypeError named no fix).
+    capture_sizes: InitVar[Any] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, capture_sizes: Any) -> None:
+        if capture_sizes is not None:
+            raise ConfigError(
+                f"GraphSpec capture_sizes={getattr(capture_sizes, '__name__', capture_sizes)!r}: the field is "
+                "capture_policy now (capture_sizes names capture lists only); declare capture_policy=..."
+            )
         object.__setattr__(self, "buffers", tuple(b.bound(VENDOR_FIELDS) for b in self.buffers))
         names = tuple(b.name for b in self.buffers)
         object.__setattr__(self, "names", names)
@@ -314,9 +332,20 @@ class GraphSpec:
             raise ConfigError(f"GraphSpec max_kv_policy={self.max_kv_policy!r}: use 'dynamic' or 'capacity'")
         if self.block_sizes is not None:
             object.__setattr__(self, "block_sizes", tuple(self.block_sizes))
-        object.__setattr__(self, "max_capture_size", declared_max_capture_size(self.capture_sizes, self.max_capture_size))
+        object.__setattr__(self, "max_capture_size", declared_max_capture_size(self.capture_policy, self.max_capture_size))
         if self.max_q_len is not None and (not isinstance(self.max_q_len, int) or self.max_q_len < 1):
             raise ConfigError(f"GraphSpec max_q_len={self.max_q_len!r}: use an int >= 1, or None for no limit")
+        if self.max_q_len != 1:
+            for spec in self.buffers:
+                per_token = [path for path in spec.sources if path in _PER_TOKEN_PATHS]
+                if per_token and not spec.per_token:
+                    raise ConfigError(
+                        f"GraphSpec: buffer {spec.name!r} has one row per sequence (shape {_shown_shape(spec.shape)}) "
+                        f"but takes {per_token[0]}, one value per new token: with max_q_len={self.max_q_len} a decode "
+                        "graph's step carries several tokens per sequence, which its rows cannot hold. Declare it "
+                        f"per token, shape={_shown_shape(tuple(TOKENS if d == SEQUENCES else d for d in spec.shape))} "
+                        "(the same rows in one-token decode), or max_q_len=1"
+                    )
         if not dataclasses.is_dataclass(self.options):
             raise ConfigError(f"GraphSpec options={self.options!r} must be a dataclass type")
         object.__setattr__(self, "option_variants", tuple(self.option_variants))
@@ -333,11 +362,11 @@ class GraphSpec:
 
     def largest_graph(self, max_batches: int) -> int:
         """See :func:`graphmode.buckets.largest_graph`."""
-        return largest_graph(self.capture_sizes, self.max_capture_size, max_batches)
+        return largest_graph(self.capture_policy, self.max_capture_size, max_batches)
 
     def capture_list(self, max_batches: int, given: Sequence[int] | None = None) -> list[int]:
         """The built-in ``graphmode_capture_sizes``'s answer (:func:`graphmode.buckets.capture_list`)."""
-        return capture_list(self.capture_sizes, self.max_capture_size, max_batches, given)
+        return capture_list(self.capture_policy, self.max_capture_size, max_batches, given)
 
     def buffer(self, name: str) -> BufferSpec:
         for spec in self.buffers:

@@ -47,6 +47,8 @@ from graphmode.staging import to_host
 # The timed steps of a batch size come in this many runs, the modes taking
 # turns (bench.common.taking_turns): no mode is timed minutes after another.
 ROUNDS = 5
+# Calls of each path that a host-cost median takes (scripts/host_path.py's default).
+HOST_CALLS = 200
 
 
 def host_cost(runner: graphmode.GraphRunner, steps: list, workload: Workload) -> dict[str, Any]:
@@ -57,7 +59,8 @@ def host_cost(runner: graphmode.GraphRunner, steps: list, workload: Workload) ->
     where built), the bare ``graph.replay()`` of its graph, and the
     hand-packed floor (:class:`~graphmode.bench.packed.HandPacked`: the step
     written into one pinned buffer, one copy, the replay) fed the same steps
-    as host tensors. Each step is new tensors, as an engine passes them.
+    as host tensors, :data:`HOST_CALLS` calls each, cycling through ``steps``
+    (each step new tensors, as an engine passes them).
     ``native``: how many of the timed calls the native step took (the rest
     took the Python path)."""
     batch = steps[0].attn_metadata.batch_size
@@ -76,7 +79,11 @@ def host_cost(runner: graphmode.GraphRunner, steps: list, workload: Workload) ->
 
     calls, launches, floors = [], [], []
     before = native_replays()
-    for step, host_step in zip(steps, host_steps):
+    # HOST_CALLS calls of each path, the steps taken in turn: with the bench's 30 steps alone a
+    # slow spell of the host moved the ratio from 1.0 to 1.6 between neighbouring batch sizes
+    # (an H200, 2026-12-03), where host_path.py's 200 calls gave 1.08 to 1.23.
+    turns = [(steps[i % len(steps)], host_steps[i % len(steps)]) for i in range(max(HOST_CALLS, len(steps)))]
+    for step, host_step in turns:
         _sync(device)
         started = time.perf_counter()
         runner(step.input_ids, step.position_ids, step.past_key_values, step.attn_metadata)
@@ -93,7 +100,7 @@ def host_cost(runner: graphmode.GraphRunner, steps: list, workload: Workload) ->
     native = native_replays() - before
     call, launch, hand = statistics.median(calls), statistics.median(launches), statistics.median(floors)
     return {"runner_call_us": call * 1e6, "graph_launch_us": launch * 1e6, "host_cost_us": (call - launch) * 1e6,
-            "floor_us": hand * 1e6, "floor_ratio": call / hand, "native_calls": native, "calls": len(steps),
+            "floor_us": hand * 1e6, "floor_ratio": call / hand, "native_calls": native, "calls": len(turns),
             "noise_us": max(spread(calls), spread(launches)) * 1e6}
 
 

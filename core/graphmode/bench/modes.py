@@ -109,7 +109,7 @@ class HandWrittenGraph:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # Its matmuls' cuBLAS workspace in the graph's pool, as graphmode does
-        # (graphmode.graphs.torch_graph._fresh_blas_workspace says why).
+        # (graphmode.graphs.torch_graph.drop_blas_workspaces says why).
         torch._C._cuda_clearCublasWorkspaces()
         with torch.cuda.graph(graph, pool=self.pool):
             output = self.model(*args)

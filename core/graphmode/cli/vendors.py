@@ -61,13 +61,14 @@ def _describe(vendor: Vendor, max_batches: int) -> None:
         print(f"  capabilities: {', '.join(sorted(info.capabilities))}")
     spec = vendor.spec
     blocks = "any" if spec.block_sizes is None else ", ".join(map(str, spec.block_sizes))
-    print(f"  block sizes: {blocks}; graph maxima: max_q_seq_len {spec.max_q_policy}, "
-          f"max_kv_seq_len {spec.max_kv_policy}; options: {spec.options.__name__}")
+    tokens = "any number of tokens" if spec.max_q_len is None else f"up to {spec.max_q_len} token(s)"
+    print(f"  block sizes: {blocks}; decode graphs of {tokens} per sequence (max_q_len); graph maxima: "
+          f"max_q_seq_len {spec.max_q_policy}, max_kv_seq_len {spec.max_kv_policy}; options: {spec.options.__name__}")
     print("  buffers: " + "; ".join(_buffer(b) for b in spec.buffers))
     sizes = list(default_capture_sizes(vendor, max_batches))
     largest = ""
     if spec.max_capture_size is not None:
-        declared = largest_graph_declaration(spec.capture_sizes, spec.max_capture_size)
+        declared = largest_graph_declaration(spec.capture_policy, spec.max_capture_size)
         largest = f"; largest graph {spec.max_capture_size} ({declared})"
     if sizes[-1] < max_batches:
         largest += f"; batches {sizes[-1] + 1}..{max_batches} run eagerly"
@@ -89,7 +90,8 @@ def _buffer(spec: BufferSpec) -> str:
         fill = f"from {' or '.join(spec.sources)}, "
     else:
         fill = ""
-    return f"{spec.name} {dtype} ({shape}) {fill}pad {spec.padding}{', host' if spec.host else ''}"
+    scaled = " x q_len" if spec.q_len_scaled else ""
+    return f"{spec.name} {dtype} ({shape}) {fill}pad {spec.padding}{scaled}{', host' if spec.host else ''}"
 
 
 def _known(device_type: str) -> bool:

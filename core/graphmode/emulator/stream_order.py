@@ -110,7 +110,8 @@ def check_replay_ordered(graph: object) -> None:
                 "device the two streams run concurrently, so whenever the device is busy the replay reads the "
                 "buffers before the copies ran: the previous step's inputs (right when every step is "
                 "synchronised). Make the replay stream wait for the stream current at the call before replaying "
-                "(replay_stream.wait_stream(torch.cuda.current_stream()), or wait_event of an event recorded "
+                "(replay_stream.wait_stream(torch.cuda.current_stream()) on the device, "
+                "stream_order.current_stream() in an emulated graph class; or wait_event of an event recorded "
                 "there), and the caller's stream wait for the replay stream before it reads the outputs; or "
                 "replay on the current stream"
             )

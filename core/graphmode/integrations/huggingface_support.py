@@ -149,9 +149,10 @@ def _why_no_backend(model_class: type) -> str:
         return "its decoder layers pick their attention class from the model's own table (ATTENTION_CLASSES), " \
             "which has no entry for a registered attention function such as graphmode's"
     if "ALL_ATTENTION_FUNCTIONS" in source:
-        return "its attention calls transformers' attention interface, but not with the model's keyword " \
-            "arguments (StableLM's decoder layers, for one, pass none on to attention), so graphmode's step " \
-            "(the paged KV cache and the step's metadata) cannot reach it"
+        # Not known to be the cause: some such families pass the keywords on (Qwen3-Next), some do not.
+        return "its attention calls transformers' attention interface, but the family does not declare that its " \
+            "layers pass the model's keyword arguments on to it (StableLM's, for one, pass none), so graphmode's " \
+            "step (the paged KV cache and the step's metadata) may not reach it"
     return "its attention does not call transformers' attention interface, so graphmode's attention cannot be plugged in"
 
 

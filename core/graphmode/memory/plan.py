@@ -36,12 +36,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphmode.context import KVCache
 from graphmode.errors import ConfigError
 from graphmode.memory.meter import MemoryMeter
+
+if TYPE_CHECKING:
+    from graphmode.families.family import GraphFamily, Report
+    from graphmode.runner import GraphRunner
 
 __all__ = ["EXACT", "FITTED", "GraphMemory", "MemoryPlan", "Sample", "WarmupMemory", "plan"]
 
@@ -178,8 +183,8 @@ class Sample:
         step = (len(rest) - 1) / (FITTED - 1)
         return head + [rest[round(i * step)] for i in range(FITTED)]
 
-    def capture(self, family: Any, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int],
-                report: Any) -> None:
+    def capture(self, family: GraphFamily, past_key_values: KVCache, extras: dict[str, Any], q_lens: Sequence[int],
+                report: Report) -> None:
         """Capture ``family``'s picked graphs one by one, each measured, and
         estimate the graphs left out."""
         todo = family.todo(q_lens)
@@ -215,7 +220,7 @@ def _line(points: list[tuple[int, int]], x: int) -> float:
     return mean_y + slope * (x - mean_x)
 
 
-def plan(runner: Any, past_key_values: Any, q_lens: Sequence[int] | None, extras: dict[str, Any]) -> MemoryPlan:
+def plan(runner: GraphRunner, past_key_values: KVCache, q_lens: Sequence[int] | None, extras: dict[str, Any]) -> MemoryPlan:
     """Capture a sample of ``runner``'s graphs on ``past_key_values`` (a
     probe cache of a few blocks, in the layout of the real one), measure,
     estimate the rest, and reset it: the :class:`MemoryPlan` of its

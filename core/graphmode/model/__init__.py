@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -10,6 +10,9 @@ from graphmode.attention import AttentionOps
 from graphmode.errors import ConfigError
 from graphmode.model.config import ModelConfig
 from graphmode.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from graphmode.plugins import Vendor
 
 __all__ = ["LlamaModel", "ModelConfig", "build_reference_model"]
 
@@ -48,7 +51,7 @@ def build_reference_model(
     return model.eval()
 
 
-def _vendor_ops(vendor: Any, vendor_options: Any) -> AttentionOps:
+def _vendor_ops(vendor: Vendor | str | None, vendor_options: Any) -> AttentionOps:
     """The attention ops of ``vendor`` (a Vendor, a name, or None: the built-in)."""
     # Only this convenience needs the plugin manager (and through it the vendors).
     from graphmode.plugins import Vendor, load_vendor
