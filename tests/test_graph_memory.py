@@ -50,7 +50,7 @@ FAMILIES = {"graph": {"full": 8}, "piecewise": {"piecewise": 4}, "full_and_piece
 def test_the_plan_on_a_probe_cache_is_what_the_warmup_into_the_real_cache_takes(model, mode):
     runner = _runner(model, mode)
     plan = runner.plan_memory(model.make_kv_cache(num_cache_blocks=4, block_size=BLOCK))
-    assert runner.captured_graphs == [] and (runner.piecewise is None or runner.piecewise.captured_buckets == [])
+    assert runner.captured_graphs == [] and (runner.family("piecewise") is None or runner.family("piecewise").captured_buckets == [])
     runner.warmup(model.make_kv_cache(num_cache_blocks=96, block_size=BLOCK))
     actual = runner.graph_memory
     assert actual is not None and runner.memory_plan is plan
@@ -58,7 +58,7 @@ def test_the_plan_on_a_probe_cache_is_what_the_warmup_into_the_real_cache_takes(
     # Every family of the mode is planned and measured, each with memory of its own.
     assert set(plan.families) == set(actual.families) == set(families)
     assert all(plan.families[name] > 0 and actual.families[name] > 0 for name in families)
-    captured = len(runner.captured_graphs) + (len(runner.piecewise.captured_buckets) if runner.piecewise else 0)
+    captured = len(runner.captured_graphs) + (len(runner.family("piecewise").captured_buckets) if runner.family("piecewise") else 0)
     assert plan.graphs == actual.graphs == sum(families.values()) == captured
     # The statistics count the graphs the warm-up captured, not the planning's thrown away (were twice).
     stats = runner.stats

@@ -103,7 +103,7 @@ def test_lora_graphs_equal_eager_for_mixed_adapters_and_plain_steps_replay_the_p
     # Buckets 8 and 4 (full) or token buckets 8 and 4 (piecewise): each variant captures both, then replays.
     assert stats.replays_by_variant == {"plain": 1, "lora=True": 2 + (mode == "piecewise")}, stats.summary()
     if mode == "piecewise":
-        assert runner.piecewise.graph(8) is not runner.piecewise.graph(8, lora=True) is not None
+        assert runner.family("piecewise").graph(8) is not runner.family("piecewise").graph(8, lora=True) is not None
     else:
         plain, lora = runner.graph(8), runner.graph(8, lora=True)
         assert plain is not None and lora is not None and plain is not lora
@@ -209,15 +209,15 @@ def test_an_id_past_the_adapters_is_refused_by_an_eager_step_and_fails_a_replay(
 
 
 def test_looking_up_a_graph_by_an_undeclared_variant_keyword_is_refused_in_both_families():
-    """``runner.piecewise.graph(4, loras=True)`` (a typo) gave the plain
+    """``runner.family("piecewise").graph(4, loras=True)`` (a typo) gave the plain
     graph, where ``runner.graph`` refused the keyword."""
     setup, model, runner = _lora_setup("full_and_piecewise", per_token=True)
-    for lookup, call in ((runner.graph, "runner.graph(4, 1, "), (runner.piecewise.graph, "runner.piecewise.graph(4, ")):
+    for lookup, call in ((runner.graph, "runner.graph(4, 1, "), (runner.family("piecewise").graph, "runner.family('piecewise').graph(4, ")):
         with pytest.raises(InputError) as refused:
             lookup(4, loras=True)
         assert str(refused.value) == (f"{call}loras=...): not a declared graph variant keyword; this runner's "
                                       "are ['lora']"), str(refused.value)
-    assert runner.graph(4, lora=True) is None and runner.piecewise.graph(4, lora=True) is None
+    assert runner.graph(4, lora=True) is None and runner.family("piecewise").graph(4, lora=True) is None
 
 
 def test_a_step_adding_an_undeclared_keyword_is_told_which_and_how_to_declare_it():

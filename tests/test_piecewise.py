@@ -102,7 +102,7 @@ def test_prefill_mixed_and_decode_steps_equal_eager(vendor, mode):
         check(engine.prefill(fresh, [6, 11]), f"prefill after churn {round_}")
         live = engine.live()
     assert_padding_never_wrote(setup)
-    stats, piecewise = setup.runner.stats, setup.runner.piecewise
+    stats, piecewise = setup.runner.stats, setup.runner.family("piecewise")
     assert piecewise is not None and stats.piecewise_replays >= 5
     assert stats.padded_tokens > 0 and not stats.eager_steps
     captured = len(piecewise.captured_buckets) + len(setup.runner.captured_buckets)
@@ -123,7 +123,7 @@ def test_replays_run_no_python_forward_and_segments_break_at_attention():
         run_step(setup, setup.engine.prefill(seqs, [4, 4, 4]))  # 12 tokens: bucket 16, replayed
     graph_calls = counter.calls - calls_after_capture - 3  # the eager references ran 3 forwards
     assert calls_after_capture == 3 and graph_calls == 0  # warm-up, capture, eager reference
-    graph = setup.runner.piecewise.graph(16)
+    graph = setup.runner.family("piecewise").graph(16)
     layers = setup.model.config.num_hidden_layers
     # One segment before each layer's attention and one after the last; the
     # reference ops' cache write is captured in the segment (no empty segment
@@ -161,7 +161,7 @@ def test_a_kv_write_is_captured_in_the_segment_only_where_its_ops_declare_it(ops
         assert_same(setup, *run_step(setup, setup.engine.prefill(seqs, lengths)), f"prefill {lengths}")
     assert_padding_never_wrote(setup)
     expected = ["Attention"] if ops == "declared" else ["KVWrite", "Attention"]
-    gaps = [[type(call).__name__ for call in gap] for gap in setup.runner.piecewise.graph(16).pieces.gaps]
+    gaps = [[type(call).__name__ for call in gap] for gap in setup.runner.family("piecewise").graph(16).pieces.gaps]
     assert gaps == [expected] * setup.model.config.num_hidden_layers + [[]]
 
 
@@ -190,7 +190,7 @@ def test_an_attention_kernel_taking_out_writes_the_buffer_the_next_segment_reads
     written.clear()
     assert_same(setup, *run_step(setup, setup.engine.prefill(seqs, [4, 4, 4])), "replayed")
     layers = setup.model.config.num_hidden_layers
-    buffers = [gap[-1].out.data_ptr() for gap in setup.runner.piecewise.graph(16).pieces.gaps[:layers]]
+    buffers = [gap[-1].out.data_ptr() for gap in setup.runner.family("piecewise").graph(16).pieces.gaps[:layers]]
     assert written == [*buffers] + [None] * layers  # the graph's calls, then the eager reference's
 
 
@@ -200,7 +200,7 @@ def test_graph_equals_eager_for_every_token_count_up_to_the_largest_bucket():
         seq = setup.engine.add()
         assert_same(setup, *run_step(setup, setup.engine.prefill([seq], [tokens])), f"{tokens} tokens")
         setup.engine.finish(seq)
-    assert setup.runner.piecewise.captured_buckets == [1, 2, 4, 8, 16, 24, 32]
+    assert setup.runner.family("piecewise").captured_buckets == [1, 2, 4, 8, 16, 24, 32]
 
 
 def test_a_step_above_the_largest_token_bucket_runs_eagerly_with_a_reason():
@@ -208,7 +208,7 @@ def test_a_step_above_the_largest_token_bucket_runs_eagerly_with_a_reason():
     seq = setup.engine.add()
     assert_same(setup, *run_step(setup, setup.engine.prefill([seq], [9])), "9 tokens")
     assert setup.runner.stats.eager_steps == {"no_token_bucket": 1}
-    assert setup.runner.piecewise.captured_buckets == []
+    assert setup.runner.family("piecewise").captured_buckets == []
     assert "no_token_bucket" in graphmode.runner.EAGER_REASONS
 
 
@@ -216,7 +216,7 @@ def test_graph_mode_still_runs_prefill_eagerly():
     setup = tiny_setup(execute_mode="graph")
     seq = setup.engine.add()
     run_step(setup, setup.engine.prefill([seq], [5]))
-    assert setup.runner.piecewise is None and setup.runner.stats.eager_steps == {"prefill": 1}
+    assert setup.runner.family("piecewise") is None and setup.runner.stats.eager_steps == {"prefill": 1}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -224,12 +224,12 @@ def test_warmup_captures_both_kinds_largest_first_into_one_pool(mode):
     setup = piecewise_setup("cuda", mode)
     setup.runner.warmup(setup.graph_cache, progress=False)
     runner = setup.runner
-    assert runner.piecewise.captured_buckets == sorted(TOKENS, reverse=True)
+    assert runner.family("piecewise").captured_buckets == sorted(TOKENS, reverse=True)
     full = [8, 4, 2, 1] if mode == "full_and_piecewise" else []
     assert runner.captured_buckets == full
-    pool = runner.piecewise.graph(max(TOKENS)).pieces.segments[0].pool()  # the first graph captured
+    pool = runner.family("piecewise").graph(max(TOKENS)).pieces.segments[0].pool()  # the first graph captured
     assert isinstance(pool, EmulatedPool)
-    segments = sum(len(runner.piecewise.graph(b).pieces.segments) for b in TOKENS)
+    segments = sum(len(runner.family("piecewise").graph(b).pieces.segments) for b in TOKENS)
     assert pool.num_graphs == segments + len(full)  # every graph in the one pool
     # The warm-up steps were inert: the cache is still all zeros.
     assert all(torch.count_nonzero(t) == 0 for pair in setup.graph_cache for t in pair)
@@ -250,7 +250,7 @@ def test_default_token_buckets_are_vllms_list():
     assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 512
     assert 248 in sizes and 256 in sizes and 264 not in sizes and 272 in sizes
     setup = tiny_setup(execute_mode="piecewise", max_batches=16)
-    assert setup.runner.piecewise.sizes == default_token_sizes(16)
+    assert setup.runner.family("piecewise").sizes == default_token_sizes(16)
 
 
 def test_reset_drops_piecewise_graphs_and_the_next_step_captures_again():
@@ -258,7 +258,7 @@ def test_reset_drops_piecewise_graphs_and_the_next_step_captures_again():
     seqs = [setup.engine.add() for _ in range(2)]
     run_step(setup, setup.engine.prefill(seqs, [3, 3]))
     setup.runner.reset()
-    assert setup.runner.piecewise.captured_buckets == []
+    assert setup.runner.family("piecewise").captured_buckets == []
     assert_same(setup, *run_step(setup, setup.engine.prefill(seqs, [3, 3])), "after reset")
     assert setup.runner.stats.piecewise_captures == 2
 
@@ -370,7 +370,7 @@ def test_a_vendor_states_its_default_execute_mode(monkeypatch):
                                             vendor="piecewise_default", **options)
 
     assert build().config.execute_mode == "full_and_piecewise"
-    assert build().piecewise is not None
+    assert build().family("piecewise") is not None
     assert build(execute_mode="graph").config.execute_mode == "graph"
     monkeypatch.setenv("GRAPHMODE_EXECUTE_MODE", "eager")
     assert build().config.execute_mode == "eager"
@@ -446,7 +446,7 @@ def test_offloaded_layers_replay_per_layer_graphs_with_host_loads_between(vendor
         assert_same(setup, *run_step(setup, engine.decode(seqs)), f"decode {step}")
         if step >= 1:  # replayed: every layer loaded once, between the graphs
             assert offloaded.loads - loads == layers
-    graph = runner.piecewise.graph(4)
+    graph = runner.family("piecewise").graph(4)
     # Per layer: a load, then the layer's graphs around its attention.
     assert len(graph.pieces.segments) == 2 * layers + 1
     kinds = [[type(call).__name__ for call in gap] for gap in graph.pieces.gaps]

@@ -3,6 +3,8 @@ statistics, lifecycle, and clear errors for bad input."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from setups import tiny_setup
@@ -246,6 +248,72 @@ def test_extra_inputs_are_frozen_and_checked():
             runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, scale=torch.tensor(3.0))
 
 
+@pytest.mark.parametrize("mode", ["graph", "piecewise", "full_and_piecewise"])
+@pytest.mark.parametrize("move", ["data", "set_"])
+def test_an_extra_tensor_given_new_memory_under_the_same_object_is_refused(mode, move):
+    # bias.data = new (a regrown table) kept the object, which passed the identity check, while graph
+    # steps read the captured memory: 5.0 off eager, without debug mode (helper-18's hunt, 2026-12-04).
+    class WithBias(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.config = model, model.config
+
+        def forward(self, input_ids, position_ids, past_key_values, attn_metadata, bias):
+            return self.inner(input_ids, position_ids, past_key_values, attn_metadata) + bias
+
+    setup = tiny_setup()
+    runner = graphmode.build_graph_runner(WithBias(setup.model), max_batches=16, max_blocks_per_seq=8, block_size=16,
+                                          device="cpu", execute_mode=mode, capture_token_sizes=[4, 8])
+    seqs = setup.prefill(2)
+    bias = torch.zeros(())
+    with torch.inference_mode():
+        for _ in range(2):  # a capture, a replay
+            step = setup.engine.decode(seqs)
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, bias=bias)
+        new = torch.full((), 5.0)
+        if move == "data":
+            bias.data = new
+        else:
+            bias.set_(new)
+        step = setup.engine.decode(seqs)
+        with pytest.raises(InputError, match=r"extra model input 'bias' is the object the graph of .* captured, but "
+                           r"its tensor memory moved \(data_ptr 0x[0-9a-f]+, captured at 0x[0-9a-f]+: .*Change it "
+                           r"in place \(.copy_\(\)\), call runner.reset\(\) after reallocating it"):
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, bias=bias)
+
+
+@pytest.mark.parametrize("mode", ["graph", "piecewise"])
+def test_an_extra_container_changed_in_place_is_refused(mode):
+    # An engine reusing one dict of per-step settings, updated in place: the same object passed the
+    # identity check, and graph steps replayed the captured temperature (0.62 off eager, an
+    # engine-input hunt, 2026-12-03). A new object with the same contents, or the same one unchanged, runs.
+    class WithSettings(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = model
+            self.config = model.config
+
+        def forward(self, input_ids, position_ids, past_key_values, attn_metadata, sampling):
+            return self.inner(input_ids, position_ids, past_key_values, attn_metadata) / sampling["temperature"]
+
+    setup = tiny_setup()
+    runner = graphmode.build_graph_runner(WithSettings(setup.model), max_batches=16, max_blocks_per_seq=8,
+                                          block_size=16, device="cpu", execute_mode=mode,
+                                          capture_token_sizes=[4, 8, 16] if mode == "piecewise" else None)
+    seqs = setup.prefill(2)
+    sampling = {"temperature": 1.0, "stops": [2, 3]}
+    with torch.inference_mode():
+        for _ in range(2):  # capture, then replay with the same contents
+            step = setup.engine.decode(seqs)
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, sampling=sampling)
+        sampling["stops"].append(4)  # nested, in place
+        with pytest.raises(InputError, match=r"^extra model input 'sampling' is the object the graph of .* captured, "
+                           r"but what it holds changed since \(now \{'temperature': 1.0, 'stops': \[2, 3, 4\]\}\)"):
+            runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, sampling=sampling)
+        sampling["stops"].pop()
+        runner(step.input_ids, step.position_ids, setup.graph_cache, step.attn_metadata, sampling=sampling)
+
+
 # -- bad input ---------------------------------------------------------------
 
 
@@ -413,3 +481,31 @@ def test_runner_repr_names_vendor_device_and_buckets():
 def test_attn_metadata_replace_leaves_the_original():
     meta = AttnMetadata(True, *(torch.zeros(1, dtype=torch.int32),) * 5, 1, 1)
     assert meta.replace(max_kv_seq_len=-1).max_kv_seq_len == -1 and meta.max_kv_seq_len == 1
+
+
+def test_decode_steps_marked_as_prefill_run_eagerly_and_are_warned_about_once():
+    # A newcomer's engine (2026-12-04) built every step with is_decoding=False: its decode steps all ran
+    # eagerly, counted as prefill, with right tokens and nothing said.
+    setup = tiny_setup()
+    seqs = setup.prefill(2)
+    with torch.inference_mode(), pytest.warns(UserWarning, match=r"16 steps of one new token per sequence came "
+                                              r"with is_decoding=False, so they ran eagerly") as warned:
+        for _ in range(20):
+            step = setup.engine.decode(seqs)
+            setup.runner(step.input_ids, step.position_ids, setup.graph_cache,
+                         step.attn_metadata.replace(is_decoding=False))
+    ours = [w for w in warned if "is_decoding=False" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # the engine's call, not graphmode's frames
+    assert setup.runner.stats.eager_steps["prefill"] == 21 and setup.runner.stats.replays == 0
+
+
+def test_one_token_steps_marked_as_prefill_that_piecewise_graphs_serve_are_not_warned_about():
+    setup = tiny_setup(execute_mode="full_and_piecewise", capture_token_sizes=[2, 4])
+    seqs = setup.prefill(2)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(20):
+            step = setup.engine.decode(seqs)
+            setup.runner(step.input_ids, step.position_ids, setup.graph_cache,
+                         step.attn_metadata.replace(is_decoding=False))
+    assert setup.runner.stats.piecewise_replays == 19

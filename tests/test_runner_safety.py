@@ -154,7 +154,8 @@ def test_weights_reloaded_into_new_tensors_between_steps_are_refused_until_reset
     reloaded = {name: torch.randn_like(t) if t.is_floating_point() else t for name, t in before.items()}
     setup.model.load_state_dict(reloaded, assign=True)
     with pytest.raises(ReplayError, match=r"replaced the model's embed_tokens.weight, .*\(and \d+ more\) after "
-                       r"graphs captured.*load_state_dict\(\.\.\., assign=True\).*call runner.reset\(\)"):
+                       r"graphs captured.*load_state_dict\(\.\.\., assign=True\).*Call runner.reset\(\) after "
+                       r"replacing them"):
         setup.decode(seqs)
     setup.runner.reset()
     graph, eager = setup.decode(seqs)

@@ -154,7 +154,7 @@ def test_the_largest_piecewise_graph_keeps_its_own_result_as_the_shared_buffer()
     setup = tiny_setup(capture_token_sizes=[2, 4, 8], max_batches=4, execute_mode="piecewise")
     with torch.inference_mode():
         setup.runner.warmup(setup.graph_cache, progress=False)
-    piecewise = setup.runner.piecewise
+    piecewise = setup.runner.family("piecewise")
     assert piecewise is not None
     largest = piecewise.graph(8).output
     assert largest._base is None
@@ -195,4 +195,31 @@ def test_warmup_captures_without_a_warmup_forward_take_one_snapshot_of_the_model
         setup.runner.warmup(setup.graph_cache, progress=False)
     assert taken[0] == 2 + 1 + 1  # bucket 4 after its warm-up forward: before and after; then after only
     assert setup.runner._shared.last_state is None  # nothing carried out of the warm-up
+    _equal_to_eager(setup)
+
+
+def test_plan_memory_collects_the_whole_heap_once_and_thaws_it_after(monkeypatch):
+    # The memory meter collects before every measurement; with the heap frozen each such
+    # collection scans only what was made since (the 100 to 500 ms of a whole heap, four
+    # times a plan, before). warmup() and wake() thaw it after too.
+    import gc
+
+    setup = tiny_setup(capture_batch_sizes=[1, 2, 4], max_batches=4)
+    gc.unfreeze()  # conftest's freeze (the first warm-up of the process thaws it anyway)
+    original, whole_heap = gc.collect, []
+
+    def collect(*args):
+        whole_heap.append(gc.get_freeze_count() == 0)
+        return original(*args)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    with torch.inference_mode():
+        setup.runner.plan_memory(setup.model.make_kv_cache(4, 16))
+        assert whole_heap.count(True) == 1 and whole_heap[0], whole_heap
+        assert gc.get_freeze_count() == 0
+        setup.runner.warmup(setup.graph_cache, progress=False)
+        assert gc.get_freeze_count() == 0
+        setup.runner.sleep()
+        setup.runner.wake(setup.graph_cache, progress=False)
+        assert gc.get_freeze_count() == 0
     _equal_to_eager(setup)

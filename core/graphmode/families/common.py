@@ -4,6 +4,7 @@ named, and what a failed capture or replay raises."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Any
@@ -11,13 +12,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from graphmode.context import AttnMetadata, StepInputs
+from graphmode.context import AttnMetadata, KVCache, StepInputs
 from graphmode.errors import CaptureError, GraphModeError
-from graphmode.families.family import Shared
+from graphmode.families.family import RunnerContext
 from graphmode.meta import GraphMeta
 from graphmode.variants import PLAIN
 
-__all__ = ["capture_failed", "graph_name", "inert_step", "live_columns", "guard_dropped_fields", "note_replay_failure"]
+__all__ = ["capture_failed", "fresh_context", "graph_name", "guard_dropped_fields", "inert_step", "live_columns", "note_eager_failure",
+           "note_replay_failure"]
 
 #: What one of a family's buckets counts, in a graph's name, by ``GraphFamily.unit``.
 _BUCKET_WORDS = {"batch": "bucket", "tokens": "token bucket"}
@@ -39,7 +41,7 @@ _FIELDS = frozenset(f.name for f in dataclasses.fields(AttnMetadata))
 
 
 def inert_step(
-    shared: Shared, batch: int, past_key_values: Any, extras: dict[str, Any], q_len: int = 1
+    shared: RunnerContext, batch: int, past_key_values: KVCache, extras: dict[str, Any], q_len: int = 1
 ) -> StepInputs:
     """A decode step of ``batch`` sequences of ``q_len`` tokens that changes
     nothing: every slot -1 (no KV write), every row on the reserved block 0.
@@ -79,11 +81,12 @@ def live_columns(output: Any, tokens: int) -> Any:
     return tree_map(cut, output)
 
 
-def capture_failed(error: Exception, shared: Shared, meta: GraphMeta, bucket: int, what: str, setting: str) -> None:
+def capture_failed(error: Exception, shared: RunnerContext, meta: GraphMeta, bucket: int, what: str, setting: str,
+                   unpadded: str | None = None) -> None:
     """Raise what a failed capture becomes: the vendor's advice
     (``graphmode_capture_error``), chained to the error, or the error itself
     with a note naming ``what`` was being captured and the setting that
-    chooses the family's sizes."""
+    chooses the family's sizes; ``unpadded`` (:func:`unpadded_extras`) noted too."""
     advice = shared.vendor.hook.graphmode_capture_error(error=error, meta=meta, bucket=bucket)
     if advice is not None:
         raise advice from error
@@ -92,10 +95,39 @@ def capture_failed(error: Exception, shared: Shared, meta: GraphMeta, bucket: in
             f"graphmode: while capturing {what} ({shared.vendor.name}); its sizes come from {setting}, "
             f"and execute_mode={shared.config.execute_mode!r}"
         )
+        if unpadded is not None:
+            error.add_note(unpadded)
     raise error
 
 
-def note_replay_failure(error: Exception, shared: Shared, graph: str) -> None:
+def row_names(batch: int, tokens: int) -> dict[int, str]:
+    """A step's live row counts and what a row of each is (:func:`unpadded_extras`)."""
+    return {batch: "sequence"} | ({tokens: "token"} if tokens != batch else {batch: "sequence (or token: one each)"})
+
+
+def unpadded_extras(shared: RunnerContext, extras: dict[str, Any], rows: dict[int, str], padded: int) -> str | None:
+    """Why a capture's forward may fail on the engine's extra inputs: an
+    undeclared tensor extra with one row per sequence or token of the step
+    (``rows``: its live row counts, each named) is passed as it is, while
+    the graph runs ``padded`` rows, so a model combining it with the padded
+    tensors fails on a size mismatch that names neither. None where no extra
+    looks so."""
+    named = [(name, value) for name, value in extras.items() if name not in shared.declared_extras
+             and isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] in rows
+             and value.shape[0] != padded]
+    if not named:
+        return None
+    name, value = named[0]
+    per = rows[value.shape[0]]
+    rest = "".join(f", {size}" for size in value.shape[1:])
+    dims = " or ".join(f"({dim}{rest},)".replace(",,", ",") for dim in ("SEQUENCES", "TOKENS") if dim.lower()[:-1] in per)
+    return (f"graphmode: extra model input {name!r} has {value.shape[0]} rows, one per {per} of the step, but the "
+            f"graph runs {padded}: an extra without a buffer is passed as it is, unpadded. If the error above is "
+            f"a size mismatch, declare it as a step input, build_graph_runner(step_inputs=[BufferSpec({name!r}, "
+            f"{value.dtype}, shape={dims}, padding=...)]) (graphmode.spec), so that every graph pads and copies it")
+
+
+def note_replay_failure(error: Exception, shared: RunnerContext, graph: str) -> None:
     """Note on an error raised inside the replay of ``graph`` (a kernel's
     index out of range: the emulator's, or an eager break point's) what
     was checked and what was not: outside debug mode, the step's device
@@ -122,6 +154,33 @@ def note_replay_failure(error: Exception, shared: Shared, graph: str) -> None:
         f"graphmode_update_graph_params hook raised: `graphmode conformance --vendor {shared.vendor.name}` checks "
         "both"
     )
+
+
+def note_eager_failure(error: Exception, shared: RunnerContext, reason: str) -> None:
+    """Note on an error the model raised in an eager step (``reason``: why
+    it ran eagerly) that, outside debug mode, the step's device values were
+    not checked, and how to have them checked: a block id or slot past the
+    cache fails inside the model as an IndexError that names neither."""
+    if isinstance(error, GraphModeError) or not hasattr(error, "add_note") or shared.debug is not None:
+        return
+    error.add_note(
+        f"graphmode: raised by the model in an eager step ({reason}: no graph ran). A step's device values "
+        "(input ids, block ids, slots, lengths) are checked only in debug mode: run it with GRAPHMODE_DEBUG=1 (or "
+        "debug=True) to have a bad one named, with its sequence and the fix"
+    )
+
+
+def fresh_context(step: StepInputs) -> StepInputs:
+    """``step`` with copies of its attention metadata and extras, for one
+    forward: a model that rebinds a field (``attn_metadata.kv_seqlens =
+    attn_metadata.kv_seqlens * 1``) changes its copy only. The warm-up and
+    the capture once shared one context, so the capture read the tensor the
+    warm-up made, frozen, instead of the buffer: every replay used the
+    warm-up's lengths (0.49 off eager, its KV cache written wrong)."""
+    attn = copy.copy(step.attn_metadata)
+    if type(attn.vendor_fields) is dict:
+        attn.vendor_fields = dict(attn.vendor_fields)
+    return dataclasses.replace(step, attn_metadata=attn, extras=dict(step.extras))
 
 
 def guard_dropped_fields(inputs: StepInputs, context: StepInputs) -> StepInputs:

@@ -7,7 +7,7 @@ Every family implements :class:`GraphFamily`; an execute mode is an ordered
 tuple of families (``graphmode.families.modes``), and the runner hands a step
 to the first family that takes it, or runs it eagerly.
 
-The runner owns what the families share (:class:`Shared`: the model, the
+The runner owns what the families share (:class:`RunnerContext`: the model, the
 vendor, the statistics, the memory pool, debug mode, the ranks), and the
 families get it from there, never from the runner itself: this module and
 the families import nothing of ``graphmode.runner.runner``.
@@ -25,11 +25,11 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphmode import buffers
-from graphmode.checks.cache_checks import CacheFit, check_warmup_cache
+from graphmode.checks.cache_checks import CacheFit, FrozenExtras, check_warmup_cache
 from graphmode.checks.debug import StepChecker
 from graphmode.checks.weight_memory import WeightMemory
 from graphmode.config import RunnerConfig
-from graphmode.context import StepInputs
+from graphmode.context import KVCache, StepInputs, StepModel
 from graphmode.errors import ConfigError
 from graphmode.families.compile import compiled_forward
 from graphmode.families.host_fields import HostFields
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from graphmode.families.sleep import Asleep, SleptGraph
     from graphmode.staging import HostStaging
 
-__all__ = ["FORWARDS_RUN", "Captured", "GraphFamily", "PoolShare", "Report", "Shared"]
+__all__ = ["FORWARDS_RUN", "Captured", "GraphFamily", "PoolShare", "Report", "RunnerContext"]
 
 #: How warm-up reports progress: (a line, whether it is the last capture).
 Report = Callable[[str, bool], None]
@@ -70,14 +70,14 @@ class Captured(Protocol):
         """How errors name it: "bucket 8, q_len 2", "token bucket 16 (piecewise)"."""
         ...
 
-    def flatten_cache(self, past_key_values: Any) -> list[Any]:
+    def flatten_cache(self, past_key_values: KVCache) -> list[Any]:
         """A step's KV cache as a list of tensors, listed as at capture."""
         ...
 
 
 class GraphFamily(Protocol):
     """One kind of graph a runner captures and replays. Its graphs are keyed
-    on ``Shared.variant`` too (the engine's graph variants, LoRA on or off):
+    on ``RunnerContext.variant`` too (the engine's graph variants, LoRA on or off):
     the runner sets it before each step and each warm-up of a variant, and a
     graph of one variant never serves another's steps."""
 
@@ -142,7 +142,7 @@ class GraphFamily(Protocol):
         padding included: what its memory grows with (the memory plan's fit)."""
         ...
 
-    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
+    def warmup(self, past_key_values: KVCache, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
                only: Sequence[Any] | None = None) -> None:
         """Capture every graph not captured yet, largest first, from inert
         steps (no KV write, only the reserved block read); with ``only``,
@@ -160,7 +160,7 @@ class GraphFamily(Protocol):
         capture order, for :meth:`recapture`."""
         ...
 
-    def recapture(self, past_key_values: Any, graphs: Sequence[SleptGraph], report: Report) -> None:
+    def recapture(self, past_key_values: KVCache, graphs: Sequence[SleptGraph], report: Report) -> None:
         """Wake: capture ``graphs`` (of the variant in progress) again,
         largest first, from inert steps, as :meth:`warmup` does."""
         ...
@@ -186,7 +186,7 @@ class GraphFamily(Protocol):
 
 
 #: Every forward object (a model, a compiled forward) with the shapes
-#: (:meth:`Shared.forward_shape`) it ran at in this process, warm-up or
+#: (:meth:`RunnerContext.forward_shape`) it ran at in this process, warm-up or
 #: capture. A warm-up capture of a shape its forward ran at before needs no
 #: warm-up forward: what a warm-up forward is for (lazy state set up for a
 #: new shape, a rotary table grown, Triton and Inductor compiling and
@@ -210,10 +210,10 @@ class PoolShare:
 
     def __init__(self) -> None:
         self.token: Any = None
-        self.members: weakref.WeakSet[Shared] = weakref.WeakSet()
+        self.members: weakref.WeakSet[RunnerContext] = weakref.WeakSet()
 
 
-class Shared:
+class RunnerContext:
     """What every family of one runner shares, owned by the runner.
 
     model: what eager steps and captures run (the runner's ``model``).
@@ -237,7 +237,7 @@ class Shared:
 
     def __init__(
         self,
-        model: Any,
+        model: StepModel,
         config: RunnerConfig,
         vendor: Vendor,
         spec: GraphSpec,
@@ -312,6 +312,7 @@ class Shared:
                 vendor_options=config.vendor_options,
             )
             meta.input_buffers = self.vendor.hook.graphmode_make_buffers(meta=meta)
+            buffers.check_made(meta, self.vendor.name)
             meta.padding_buffers = {name: t.clone() for name, t in meta.input_buffers.items()}
             meta.q_len_padding = buffers.q_len_paddings(meta)
             meta.live_buffers = buffers.live_values(meta)
@@ -328,7 +329,7 @@ class Shared:
         if self.pool_share.token is None:
             self.pool_share.token = pool
 
-    def join_pool(self, other: Shared) -> None:
+    def join_pool(self, other: RunnerContext) -> None:
         """Capture into ``other``'s pool from now on (before any capture)."""
         mine, theirs = self.config.device, other.config.device
         if mine.type != theirs.type or None not in (mine.index, theirs.index) and mine.index != theirs.index:
@@ -361,7 +362,7 @@ class Shared:
         if self.ranks is not None and not self.ranks.check_replays:
             self.ranks.agree_on_step(size, bucket, "capture", unit=unit, variant=self.variant_index)
 
-    def check_capture_cache(self, past_key_values: Any, graph: str) -> None:
+    def check_capture_cache(self, past_key_values: KVCache, graph: str) -> None:
         """Before the capture of ``graph`` (as errors name it): the KV cache
         fits the model, checked again where the engine replaced tensors in a
         container seen before (a step passes the container on its identity),
@@ -385,7 +386,7 @@ class Shared:
             self.ran_at(shape)
         return output
 
-    def forward_shape(self, family: str, size: int, q_len: int, past_key_values: Any,
+    def forward_shape(self, family: str, size: int, q_len: int, past_key_values: KVCache,
                       extras: dict[str, Any]) -> tuple[Any, ...]:
         """What a capture's forward depends on beyond the model: the family,
         its size (batch bucket or token bucket), the query length, the graph
@@ -411,7 +412,7 @@ class Shared:
         with contextlib.suppress(TypeError):
             FORWARDS_RUN.setdefault(self.forward, set()).add(shape)
 
-    def frozen_extras(self, extras: dict[str, Any]) -> dict[str, Any]:
+    def frozen_extras(self, extras: dict[str, Any]) -> FrozenExtras:
         """The extra inputs a graph captures by reference (those without a
-        buffer): later steps must pass the same objects."""
-        return {name: value for name, value in extras.items() if name not in self.declared_extras}
+        buffer): later steps must pass the same objects, holding the same values."""
+        return FrozenExtras({name: value for name, value in extras.items() if name not in self.declared_extras})

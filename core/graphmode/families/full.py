@@ -29,17 +29,20 @@ from graphmode.checks.host_lengths import check_host_kv_lengths, check_uniform_s
 from graphmode.checks.host_reads import replay_guard
 from graphmode.checks.model_state import ModelState
 from graphmode.checks.validate import check_cache_layout
-from graphmode.context import StepInputs
+from graphmode.context import KVCache, StepInputs
 from graphmode.errors import CaptureError, InputError
 from graphmode.families.common import (
     capture_failed,
+    fresh_context,
     graph_name,
     guard_dropped_fields,
     inert_step,
     note_replay_failure,
+    row_names,
+    unpadded_extras,
 )
 from graphmode.families.decision import StepDecision
-from graphmode.families.family import Captured, Report, Shared
+from graphmode.families.family import Captured, Report, RunnerContext
 from graphmode.families.outputs import SharedOutputs, check_token_dimension
 from graphmode.families.sleep import SleptGraph
 from graphmode.graphs import DeviceGraph
@@ -58,7 +61,7 @@ class CapturedGraph:
     bucket: int
     graph: DeviceGraph
     meta: GraphMeta
-    past_key_values: Any
+    past_key_values: KVCache
     extras: dict[str, Any]
     cache_tensors: list[Any]
     flatten_cache: Callable[[Any], list[Any]]
@@ -91,7 +94,7 @@ class FullGraphs:
     steps_natively = True
     uniform_steps = True
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: RunnerContext) -> None:
         config, vendor = shared.config, shared.vendor
         self.shared = shared
         self.bucket_of = shared.bucket_of
@@ -170,7 +173,7 @@ class FullGraphs:
     def tokens(self, key: tuple[int, int]) -> int:
         return key[0] * key[1]
 
-    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
+    def warmup(self, past_key_values: KVCache, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
                only: Sequence[tuple[int, int]] | None = None) -> None:
         todo = self._todo(q_lens)
         if only is not None:
@@ -181,7 +184,7 @@ class FullGraphs:
             self._capture_inert(past_key_values, extras, bucket, q_len, f"({index + 1}/{len(todo)})", report,
                                 index + 1 == len(todo))
 
-    def _capture_inert(self, past_key_values: Any, extras: dict[str, Any], bucket: int, q_len: int, count: str,
+    def _capture_inert(self, past_key_values: KVCache, extras: dict[str, Any], bucket: int, q_len: int, count: str,
                        report: Report, last: bool) -> None:
         """Capture the graph of (bucket, q_len) from an inert step (warm-up, wake)."""
         shown = q_len if self.shared.config.max_q_len > 1 else None
@@ -229,7 +232,7 @@ class FullGraphs:
         self.native, self.native_step, self._native_decided = None, None, False
         return slept
 
-    def recapture(self, past_key_values: Any, graphs: Sequence[SleptGraph], report: Report) -> None:
+    def recapture(self, past_key_values: KVCache, graphs: Sequence[SleptGraph], report: Report) -> None:
         if not self._staging_decided:
             self._decide_staging(on_host=self._staged_before_sleep)
         todo = sorted(graphs, key=lambda graph: (-graph.key[1], -graph.key[0]))  # as warmup(): by q_len, largest first
@@ -392,8 +395,15 @@ class FullGraphs:
         # since reset() runs one all the same, whose result sizes the shared output buffers.
         warmed = warm or not warmup or self._outputs.buffers is None or not shared.has_run_at(shape)
         warm_output = None
+        unpadded = unpadded_extras(shared, inputs.extras, row_names(batch, inputs.num_tokens), bucket) \
+            if inputs.extras and bucket != batch else None
         if warmed:
-            warm_output = shared.warm_up(lambda: forward(**seen.as_kwargs()), shape)
+            try:
+                warm_output = shared.warm_up(lambda: forward(**fresh_context(seen).as_kwargs()), shape)
+            except Exception as error:
+                if unpadded is not None and hasattr(error, "add_note"):
+                    error.add_note(unpadded)
+                raise
             self._outputs.prepare(warm_output, tokens)
         graph = hook.graphmode_make_graph(meta=meta)
         self._check_new_graph(graph, name)
@@ -406,7 +416,7 @@ class FullGraphs:
             state = ModelState(shared.model, shared.config.host_bookkeeping, before=shared.last_state)
             shared.last_state = None
             with graph.capture(pool=shared.pool):
-                output = forward(**seen.as_kwargs())
+                output = forward(**fresh_context(seen).as_kwargs())
                 if not warmed:
                     check_token_dimension(output, tokens)  # prepare()'s check, which no warm-up result met
                 meta.output_buffers["output"] = self._outputs.publish(output, tokens)
@@ -417,7 +427,7 @@ class FullGraphs:
                     raise
                 changed = True  # lazy state for this shape after all: captured again after a warm-up forward
         except Exception as error:
-            capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting)
+            capture_failed(error, shared, meta, bucket, f"the decode graph of {name}", self.setting, unpadded)
         if changed:
             graph.reset()
             return self._capture(inputs, batch, bucket, warmup=warmup, warm=True)

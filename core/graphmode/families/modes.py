@@ -17,13 +17,13 @@ from collections.abc import Callable
 
 from graphmode.config import EXECUTE_MODES
 from graphmode.errors import ConfigError
-from graphmode.families.family import GraphFamily, Shared
+from graphmode.families.family import GraphFamily, RunnerContext
 from graphmode.families.full import FullGraphs
 from graphmode.families.piecewise.graphs import PiecewiseGraphs
 
 __all__ = ["FAMILIES", "build_families"]
 
-FAMILIES: dict[str, tuple[Callable[[Shared], GraphFamily], ...]] = {
+FAMILIES: dict[str, tuple[Callable[[RunnerContext], GraphFamily], ...]] = {
     "eager": (),
     "graph": (FullGraphs,),
     "piecewise": (PiecewiseGraphs,),
@@ -32,7 +32,7 @@ FAMILIES: dict[str, tuple[Callable[[Shared], GraphFamily], ...]] = {
 assert set(FAMILIES) == set(EXECUTE_MODES), "every execute mode (graphmode.config.EXECUTE_MODES) has a row"
 
 
-def build_families(shared: Shared) -> tuple[GraphFamily, ...]:
+def build_families(shared: RunnerContext) -> tuple[GraphFamily, ...]:
     """The families of the runner's execute mode, in order."""
     config = shared.config
     families = tuple(family(shared) for family in FAMILIES[config.execute_mode])

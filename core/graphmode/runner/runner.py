@@ -4,7 +4,7 @@ The runner checks each step's inputs, then hands the step to the first graph
 family of its execute mode that takes it (``graphmode.families.modes``: full
 decode graphs, ``graphmode.families.full``; piecewise token graphs,
 ``graphmode.families.piecewise.graphs``), or runs it eagerly, counting why. It owns
-what the families share (``graphmode.families.family.Shared``: the vendor, the
+what the families share (``graphmode.families.family.RunnerContext``: the vendor, the
 memory pool, the statistics, debug mode, the ranks), the one-step lock, and
 the KV cache's first check; warm-up and reset go to every family.
 """
@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,14 +27,15 @@ from graphmode.checks.model_state import watched_rebinds
 from graphmode.checks.step_checks import StepChecks
 from graphmode.checks.validate import check_model, uniform_q_len
 from graphmode.config import RunnerConfig
-from graphmode.context import AttnMetadata, StepInputs
+from graphmode.context import AttnMetadata, KVCache, StepInputs, StepModel
 from graphmode.errors import ConfigError, InputError
-from graphmode.families.common import note_replay_failure
+from graphmode.families.common import note_eager_failure, note_replay_failure
 from graphmode.families.decision import decide
-from graphmode.families.family import GraphFamily, Shared
+from graphmode.families.family import GraphFamily, RunnerContext
 from graphmode.families.modes import build_families
 from graphmode.families.sleep import asleep_error, recapture, release
 from graphmode.families.stats import RunnerStats
+from graphmode.graphs.torch_graph import give_back_memory
 from graphmode.memory.meter import device_module
 from graphmode.memory.plan import GraphMemory, MemoryPlan, Sample, WarmupMemory, plan
 from graphmode.meta import GraphMeta
@@ -48,6 +50,9 @@ if TYPE_CHECKING:
 
 __all__ = ["GraphRunner"]
 
+#: Eager one-token steps marked as prefill a runner takes before it warns that they may be decode steps.
+ONE_TOKEN_PREFILLS = 16
+
 
 class GraphRunner:
     """Call it like the model: ``runner(input_ids=..., position_ids=...,
@@ -56,7 +61,7 @@ class GraphRunner:
 
     def __init__(
         self,
-        model: Any,
+        model: StepModel,
         config: RunnerConfig,
         vendor: Vendor,
         *,
@@ -74,7 +79,7 @@ class GraphRunner:
         self.capture_sizes = capture_sizes(vendor, config, self.spec)
         self._bucket_of = bucket_table(vendor, config.max_batches, self.capture_sizes)
         ranks = _rank_sync(process_group, check_ranks)
-        self._shared = Shared(model, config, vendor, self.spec, self.capture_sizes, self._bucket_of, ranks)
+        self._shared = RunnerContext(model, config, vendor, self.spec, self.capture_sizes, self._bucket_of, ranks)
         self._cache_fit = self._shared.cache_fit
         self._rebinds = watched_rebinds(self)  # the model given other tensors than the graphs hold
         self._busy = self._shared.lock = threading.RLock()  # one step at a time (graphmode.runner.guard)
@@ -97,6 +102,7 @@ class GraphRunner:
             ranks.agree_on_setup(config.execute_mode, self.capture_sizes, token_sizes,
                                  repr(variants.declared) if variants else "")
             ranks.name_variant = lambda index: variants.label(variants.key_at(index))
+        self._one_token_prefills = 0  # eager one-token steps marked as prefill (_one_token_prefill)
         self._memory_plan: MemoryPlan | None = None
         self._graph_memory: GraphMemory | None = None
         self._planning = False
@@ -104,12 +110,12 @@ class GraphRunner:
     # -- what the families share ------------------------------------------
 
     @property
-    def model(self) -> Any:
+    def model(self) -> StepModel:
         """The model eager steps, warm-ups and captures run."""
         return self._shared.model
 
     @model.setter
-    def model(self, model: Any) -> None:
+    def model(self, model: StepModel) -> None:
         """A model the later eager steps, warm-ups and captures run: a wrapper
         of the same model (its AttentionOps, parameters and cache layout,
         which the runner found at build), not another model. With
@@ -138,11 +144,6 @@ class GraphRunner:
         return next((family for family in self.families if family.name == name), None)
 
     @property
-    def piecewise(self) -> Any:
-        """The piecewise graphs, in execute modes "piecewise" and "full_and_piecewise"."""
-        return self.family("piecewise")
-
-    @property
     def rank_sync(self) -> RankSync | None:
         """The :class:`graphmode.distributed.RankSync` of a tensor-parallel
         runner (its gloo ``control`` group carries host-side agreement), or None."""
@@ -154,7 +155,7 @@ class GraphRunner:
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        past_key_values: Any,
+        past_key_values: KVCache,
         attn_metadata: AttnMetadata,
         **extras: Any,
     ) -> Any:
@@ -210,15 +211,37 @@ class GraphRunner:
             output = family.run(inputs, decision, on_host)
             shared.count_tokens(family.name, decision.tokens, decision.padding)
             return output
+        if shared.debug is not None:  # an eager step writes the cache too: its values are checked as any step's
+            shared.debug.check_step(inputs, batch, uniform=False, ids=False)
         self.stats.eager_steps[decision.reason] += 1
+        if decision.reason == "prefill" and q_len == 1:
+            self._one_token_prefill()
         if on_host:
             inputs = to_device(inputs, self.config.device)
         graphs = any(family.captured() for family in self.families)
-        output, rebound = self._rebinds.run(self.model, lambda: self.model(**inputs.as_kwargs()), graphs)
+        try:
+            output, rebound = self._rebinds.run(self.model, lambda: self.model(**inputs.as_kwargs()), graphs)
+        except Exception as error:
+            note_eager_failure(error, shared, str(decision.reason))
+            raise
         if rebound:
             for family in self.families:
                 family.forget_native()  # its memo would replay without the check below
         return output
+
+    def _one_token_prefill(self) -> None:
+        """An eager step of one new token per sequence marked as prefill:
+        after :data:`ONE_TOKEN_PREFILLS` of them, warn (once) that they may
+        be decode steps built with ``is_decoding=False`` (a newcomer's engine
+        built every step so: all ran eagerly, unannounced)."""
+        self._one_token_prefills += 1
+        if self._one_token_prefills == ONE_TOKEN_PREFILLS:
+            warnings.warn(
+                f"graphmode: {ONE_TOKEN_PREFILLS} steps of one new token per sequence came with is_decoding=False, "
+                "so they ran eagerly (runner.stats.eager_steps['prefill']); if they are decode steps, build their "
+                "AttnMetadata with is_decoding=True to replay graphs",
+                stacklevel=4,
+            )
 
     @one_at_a_time("runner.graph_meta()")
     @torch.inference_mode()
@@ -234,7 +257,7 @@ class GraphRunner:
 
     @one_at_a_time("runner.warmup()")
     def warmup(
-        self, past_key_values: Any, *, progress: bool = True, q_lens: Sequence[int] | None = None, **extras: Any
+        self, past_key_values: KVCache, *, progress: bool = True, q_lens: Sequence[int] | None = None, **extras: Any
     ) -> None:
         """Capture every graph not captured yet, largest first, into one pool
         (on every rank in the same order, when tensor parallel): the
@@ -254,7 +277,7 @@ class GraphRunner:
         on the CPU emulator, after :meth:`plan_memory` only."""
         self._warmup(past_key_values, progress, q_lens, extras)
 
-    def _warmup(self, past_key_values: Any, progress: bool, q_lens: Sequence[int] | None, extras: dict[str, Any],
+    def _warmup(self, past_key_values: KVCache, progress: bool, q_lens: Sequence[int] | None, extras: dict[str, Any],
                 sample: Sample | None = None) -> None:
         """:meth:`warmup`; with ``sample`` (the memory plan's), each family
         captures the graphs the sample picks, measured one by one."""
@@ -298,7 +321,7 @@ class GraphRunner:
 
     @one_at_a_time("runner.plan_memory()")
     def plan_memory(
-        self, past_key_values: Any, *, q_lens: Sequence[int] | None = None, **extras: Any
+        self, past_key_values: KVCache, *, q_lens: Sequence[int] | None = None, **extras: Any
     ) -> MemoryPlan:
         """The device memory :meth:`warmup` will take, before the KV cache
         exists: warms up on ``past_key_values``, a probe cache of a few blocks
@@ -311,7 +334,8 @@ class GraphRunner:
             raise asleep_error("runner.plan_memory()")
         self._planning = True
         try:
-            self._memory_plan = plan(self, past_key_values, q_lens, extras)
+            with _frozen_gc():  # the plan's measurements collect before each: see _frozen_gc
+                self._memory_plan = plan(self, past_key_values, q_lens, extras)
         finally:
             self._planning = False
         self._graph_memory = None  # the planning warm-up's figure is the plan's (plan.warmup), not a warm-up's
@@ -359,13 +383,7 @@ class GraphRunner:
         self._shared.weights.forget()
         self._shared.release_pool()
         self._cache_fit.forget()
-        self._empty_cache()
-
-    def _empty_cache(self) -> None:
-        """Give the caching allocator's unused blocks back to the driver."""
-        module: Any = getattr(torch, self.config.device.type, None)
-        if self.config.device.type != "cpu" and hasattr(module, "empty_cache"):
-            module.empty_cache()
+        give_back_memory(self.config.device)
 
     # -- sleep and wake (graphmode.families.sleep) -----------------------------
 
@@ -401,10 +419,10 @@ class GraphRunner:
             for member in held:
                 member.lock.release()
         gc.collect()  # graphs in reference cycles hold pool memory until collected
-        self._empty_cache()
+        give_back_memory(self.config.device)
 
     @one_at_a_time("runner.wake()")
-    def wake(self, past_key_values: Any, *, progress: bool = True) -> None:
+    def wake(self, past_key_values: KVCache, *, progress: bool = True) -> None:
         """Capture again, now, every graph :meth:`sleep` released of this
         runner (each runner sharing its pool wakes with its own cache), on
         ``past_key_values``, the KV cache as the engine has it after wake
@@ -488,9 +506,9 @@ def _rank_sync(process_group: Any, check_ranks: str) -> RankSync | None:
 
 
 @contextlib.contextmanager
-def _fresh_state(shared: Shared) -> Iterator[None]:
+def _fresh_state(shared: RunnerContext) -> Iterator[None]:
     """No model state carried into or out of a warm-up: the engine may change
-    the model between calls (``Shared.last_state`` is for one capture loop)."""
+    the model between calls (``RunnerContext.last_state`` is for one capture loop)."""
     shared.last_state = None
     try:
         yield
@@ -498,13 +516,28 @@ def _fresh_state(shared: Shared) -> Iterator[None]:
         shared.last_state = None
 
 
+_frozen = [0]  # _frozen_gc blocks entered and not left, process-wide (the collector is)
+_frozen_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def _frozen_gc() -> Iterator[None]:
-    """Collect once, then keep the collector out of the capture loop: it
-    would only slow capture down, finding nothing new to free."""
-    gc.collect()
-    gc.freeze()
+    """Collect, then keep the collector out of the capture loop: it would
+    only slow capture down, finding nothing new to free. A collection with
+    the heap frozen scans only the objects made since, so the memory
+    meter's collections inside (one per sampled graph, and around a plan)
+    cost milliseconds, not the whole heap's 100 to 500 ms each. Blocks nest
+    (a plan's warm-up, two runners warming up in two threads): each entry
+    collects what was made since the last freeze and freezes it, and the
+    heap thaws when the last block leaves."""
+    with _frozen_lock:
+        _frozen[0] += 1
+        gc.collect()
+        gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _frozen_lock:
+            _frozen[0] -= 1
+            if _frozen[0] == 0:
+                gc.unfreeze()

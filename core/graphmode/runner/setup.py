@@ -6,11 +6,13 @@ here, so they all see what a runner would."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from graphmode.buckets import FixedSizes, largest_graph_declaration
 from graphmode.config import RunnerConfig
-from graphmode.errors import ConfigError
+from graphmode.errors import ConfigError, VendorError
 from graphmode.plugins import Vendor
 from graphmode.spec import GraphSpec
 
@@ -62,7 +64,16 @@ def configure(vendor: Vendor, config: RunnerConfig) -> GraphSpec:
         )
     if not isinstance(config.vendor_options, spec.options):
         config.vendor_options = spec.make_options(config.vendor_options, vendor.name)
+    asked = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "vendor_options"}
     vendor.hook.graphmode_check_config(config=config)
+    changed = sorted(name for name, value in asked.items() if getattr(config, name) != value)
+    if changed:  # the engine's settings are the engine's: a vendor refuses one, never rewrites it
+        raise VendorError(
+            f"vendor {vendor.name!r}: graphmode_check_config changed the runner's {', '.join(changed)} (now "
+            f"{', '.join(f'{name}={getattr(config, name)!r}' for name in changed)}, asked "
+            f"{', '.join(f'{name}={asked[name]!r}' for name in changed)}); a hook may replace vendor_options "
+            "only. Raise ConfigError naming the value, the limit and the fix instead"
+        )
     return spec.with_buffers(*config.step_inputs) if config.step_inputs else spec
 
 
@@ -72,7 +83,7 @@ def capture_sizes(vendor: Vendor, config: RunnerConfig, spec: GraphSpec) -> tupl
     vendor's declared graphs (``max_capture_size``, ``FixedSizes``)."""
     sizes = vendor.hook.graphmode_capture_sizes(config=config, spec=spec)
     limit = config.max_batches
-    fixed = spec.capture_sizes.sizes if isinstance(spec.capture_sizes, FixedSizes) else None
+    fixed = spec.capture_policy.sizes if isinstance(spec.capture_policy, FixedSizes) else None
     problem = None
     if not sizes:
         problem = "is empty"
@@ -83,10 +94,10 @@ def capture_sizes(vendor: Vendor, config: RunnerConfig, spec: GraphSpec) -> tupl
     elif config.capture_batch_sizes is not None and not set(sizes) <= set(config.capture_batch_sizes):
         problem = f"adds sizes to the user's list {list(config.capture_batch_sizes)}"
     elif spec.max_capture_size is not None and sizes[-1] > spec.max_capture_size:
-        declared = largest_graph_declaration(spec.capture_sizes, spec.max_capture_size)
+        declared = largest_graph_declaration(spec.capture_policy, spec.max_capture_size)
         problem = f"goes past the vendor's largest graph, {spec.max_capture_size} ({declared})"
     elif fixed is not None and not set(sizes) <= set(fixed):
-        problem = f"has sizes {sorted(set(sizes) - set(fixed))} outside its fixed list {list(fixed)} (GraphSpec.capture_sizes)"
+        problem = f"has sizes {sorted(set(sizes) - set(fixed))} outside its fixed list {list(fixed)} (GraphSpec.capture_policy)"
     if problem:
         raise ConfigError(
             f"vendor {vendor.name!r}: graphmode_capture_sizes returned {list(sizes)}, which {problem}; fix the "

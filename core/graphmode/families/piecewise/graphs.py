@@ -22,11 +22,20 @@ from typing import Any
 from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
 from graphmode.checks.host_lengths import check_piecewise_step
 from graphmode.checks.model_state import ModelState
-from graphmode.context import StepInputs
+from graphmode.context import KVCache, StepInputs
 from graphmode.errors import CaptureError
-from graphmode.families.common import capture_failed, graph_name, inert_step, live_columns, note_replay_failure
+from graphmode.families.common import (
+    capture_failed,
+    fresh_context,
+    graph_name,
+    inert_step,
+    live_columns,
+    note_replay_failure,
+    row_names,
+    unpadded_extras,
+)
 from graphmode.families.decision import StepDecision
-from graphmode.families.family import Captured, Report, Shared
+from graphmode.families.family import Captured, Report, RunnerContext
 from graphmode.families.outputs import SharedOutputs, check_token_dimension
 from graphmode.families.piecewise.breaks import LiveStep, find_attention_ops, intercepted, writes_kv_in_graph
 from graphmode.families.piecewise.compiled import SplitForward
@@ -80,7 +89,7 @@ class PiecewiseGraphs:
     staging = None
     native_step = None
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: RunnerContext) -> None:
         config = shared.config
         self.shared = shared
         self.sizes = tuple(config.capture_token_sizes or default_token_sizes(config.max_batches))
@@ -172,7 +181,7 @@ class PiecewiseGraphs:
     def tokens(self, key: int) -> int:
         return key
 
-    def warmup(self, past_key_values: Any, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
+    def warmup(self, past_key_values: KVCache, extras: dict[str, Any], q_lens: Sequence[int], report: Report,
                only: Sequence[int] | None = None) -> None:
         """Every token bucket not captured yet (of ``only``, when given),
         largest first, from inert steps of one token per sequence (query
@@ -184,7 +193,7 @@ class PiecewiseGraphs:
             self._capture_inert(past_key_values, extras, bucket, f"({index + 1}/{len(todo)})", report,
                                 index + 1 == len(todo))
 
-    def _capture_inert(self, past_key_values: Any, extras: dict[str, Any], bucket: int, count: str,
+    def _capture_inert(self, past_key_values: KVCache, extras: dict[str, Any], bucket: int, count: str,
                        report: Report, last: bool) -> None:
         """Capture token bucket ``bucket`` from an inert step of one token per sequence (warm-up, wake)."""
         variant = self.shared.variant_label
@@ -221,7 +230,7 @@ class PiecewiseGraphs:
         self._new_buffers()  # the break-point, step-input and output buffers reset() keeps
         return slept
 
-    def recapture(self, past_key_values: Any, graphs: Sequence[SleptGraph], report: Report) -> None:
+    def recapture(self, past_key_values: KVCache, graphs: Sequence[SleptGraph], report: Report) -> None:
         todo = sorted(graphs, key=lambda graph: -graph.key)  # largest first, as warmup()
         for index, graph in enumerate(todo):
             self._capture_inert(past_key_values, graph.extras, graph.key, f"again ({index + 1}/{len(todo)})",
@@ -241,7 +250,7 @@ class PiecewiseGraphs:
     def graph(self, bucket: int, **variant: Any) -> PiecewiseGraph | None:
         """The captured piecewise graph of a token bucket, if captured; of the
         graph variant the keywords name (``graph(8, lora=True)``), the plain one without."""
-        key = self.shared.variants.key_of(variant, f"runner.piecewise.graph({bucket}")
+        key = self.shared.variants.key_of(variant, f"runner.family('piecewise').graph({bucket}")
         return self._by_variant.get(key, {}).get(bucket)
 
     def _current(self) -> dict[int, PiecewiseGraph]:
@@ -273,15 +282,21 @@ class PiecewiseGraphs:
                 and shared.has_run_at(shape):
             views = self._buffers.views_for(layout, bucket)
         warm_output = None
+        # The graph's rows are tokens: a per-sequence extra (one row per sequence) fits it only by chance.
+        rows = row_names(inputs.attn_metadata.batch_size, inputs.num_tokens)
+        unpadded = unpadded_extras(shared, inputs.extras, rows, bucket) \
+            if inputs.extras and bucket != inputs.num_tokens else None
         if views is None:
             warm_up = EagerForward(live, self._buffers)
             try:
                 with intercepted(self.ops, warm_up), self._ghost_reads():
                     # compiles, with compile=True
-                    warm_output = shared.warm_up(lambda: forward(**static.as_kwargs()), shape)
+                    warm_output = shared.warm_up(lambda: forward(**fresh_context(static).as_kwargs()), shape)
             except RuntimeError as error:
                 if "meta" in str(error) and hasattr(error, "add_note"):
                     error.add_note(f"graphmode: {READ_INSIDE_OPS}, or use execute_mode='graph'. {OPS_AT_OPS}")
+                if unpadded is not None and hasattr(error, "add_note"):
+                    error.add_note(unpadded)
                 raise
             self._outputs.prepare(warm_output, bucket)
             views, self._layouts[shared.variant] = warm_up.views, warm_up.layout
@@ -300,7 +315,7 @@ class PiecewiseGraphs:
             shared.last_state = None
             # Below the capture's own modes: a segment's end pops the emulator's.
             with intercepted(self.ops, capture), self._ghost_reads(), capture:
-                result = forward(**static.as_kwargs())
+                result = forward(**fresh_context(static).as_kwargs())
                 if warm_output is None:
                     check_token_dimension(result, bucket)  # prepare()'s check, which no warm-up result met
                 output = self._outputs.publish(result, bucket)
@@ -314,7 +329,7 @@ class PiecewiseGraphs:
             what = f"segment {len(capture.pieces.segments) + 1} of the piecewise graph of token bucket {bucket}"
             if shared.variant_label != PLAIN:
                 what += f", {shared.variant_label}"
-            capture_failed(error, shared, meta, bucket, what, self.setting)
+            capture_failed(error, shared, meta, bucket, what, self.setting, unpadded)
         if changed:
             capture.pieces.reset()
             return self._capture(inputs, live, warmup=warmup, warm=True)
