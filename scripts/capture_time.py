@@ -13,7 +13,7 @@ whole, device-synchronised, and split into phases by wrapping the calls
 that make them up (exclusive time: a phase nested in another is not counted
 in the outer one):
 
-- ``warm-up forward``: a capture's forward outside the graph (``Shared.warm_up``);
+- ``warm-up forward``: a capture's forward outside the graph (``RunnerContext.warm_up``);
 - ``forward in capture``: between ``capture_begin`` and ``capture_end``,
   the forward recorded (for piecewise graphs, one segment's part of it);
 - ``capture_begin`` / ``capture_end``: the runtime's (``capture_end``
@@ -144,7 +144,7 @@ def instrument(clock: Clock, device: torch.device) -> None:
     """Wrap every call the phases are made of (see the module's doc)."""
     from graphmode.checks.model_state import ModelState
     from graphmode.emulator import EmulatedGraph
-    from graphmode.families.family import Shared
+    from graphmode.families.family import RunnerContext
     from graphmode.families.full import FullGraphs
     from graphmode.families.piecewise.graphs import PiecewiseGraphs
     from graphmode.graphs import torch_graph
@@ -152,11 +152,11 @@ def instrument(clock: Clock, device: torch.device) -> None:
 
     clock.label(FullGraphs, "_capture_inert", "full")
     clock.label(PiecewiseGraphs, "_capture_inert", "piecewise")
-    clock.wrap(Shared, "warm_up", "warm-up forward")
+    clock.wrap(RunnerContext, "warm_up", "warm-up forward")
     for graph_class in (torch_graph.TorchGraph, torch_graph.AcceleratorGraph, EmulatedGraph):
         clock.wrap(graph_class, "capture_begin", "capture_begin", after=lambda: clock.enter("forward in capture"))
         clock.wrap(graph_class, "capture_end", "capture_end", before=lambda: clock.leave("forward in capture"))
-    clock.wrap(torch_graph, "_fresh_blas_workspace", "cuBLAS workspace")
+    clock.wrap(torch_graph, "drop_blas_workspaces", "cuBLAS workspace")
     clock.wrap(ModelState, "__init__", "model state")
     clock.wrap(ModelState, "check", "model state")
     clock.wrap(MemoryMeter, "used", "memory reads")

@@ -51,7 +51,7 @@ ACME_SPEC = CUDA_SPEC.with_buffers(
     # Computed on the device from the step's slots: no host read.
     BufferSpec("slot_blocks", torch.int32, shape=(TOKENS,), padding=0,
                source=lambda step: _blocks_of(step.attn_metadata.kv_start_indices)),
-).replace(block_sizes=(BLOCK_SIZE,), capture_sizes=_policy)
+).replace(block_sizes=(BLOCK_SIZE,), capture_policy=_policy)
 
 
 def _trim(sizes: list[int]) -> list[int]:
@@ -76,7 +76,7 @@ def graphmode_graph_spec():
 def graphmode_capture_sizes(config, spec):
     if config.capture_batch_sizes is not None:
         return _trim(list(config.capture_batch_sizes))
-    return spec.capture_sizes(config.max_batches)
+    return spec.capture_policy(config.max_batches)
 
 
 @graphmode.hookimpl

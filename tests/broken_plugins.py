@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import types
+import weakref
 from typing import Any
 from weakref import WeakSet
 
@@ -45,13 +46,16 @@ __all__ = ["BROKEN", "OPTIONS", "ORIGINALS", "variant"]
 
 def variant(base: Any, name: str, **changes: Any) -> types.SimpleNamespace:
     """A plugin object with every hook implementation of ``base``, the given
-    ones replaced."""
+    ones replaced (None: left out)."""
     plugin = types.SimpleNamespace(__name__=name, __version__="broken")
     for attr in dir(base):
         if attr.startswith("graphmode_"):
             setattr(plugin, attr, getattr(base, attr))
     for attr, function in changes.items():
-        setattr(plugin, attr, function)
+        if function is None:
+            delattr(plugin, attr)  # the hook not implemented at all
+        else:
+            setattr(plugin, attr, function)
     return plugin
 
 
@@ -829,6 +833,8 @@ BROKEN = {
     "context_not_on_buffer": variant(cuda, "context_not_on_buffer", graphmode_update_context=_context_copy),
     "frozen_max_len": variant(camb, "frozen_max_len", graphmode_update_context=_frozen_max_len),
     "kv_lengths_never_pushed": variant(ascend, "kv_lengths_never_pushed", graphmode_update_graph_params=_no_update),
+    # An outsider's slip: kernels declared to take host kv lengths, and no update hook at all.
+    "no_update_hook": variant(ascend, "no_update_hook", graphmode_update_graph_params=None),
     "bucket_below_batch": variant(cuda, "bucket_below_batch", graphmode_compatible_size=_bucket_below_batch),
     "captured_at_batch_size": variant(cuda, "captured_at_batch_size", graphmode_update_context=_capture_at_batch_size),
     "unsliced_outputs": variant(cuda, "unsliced_outputs", graphmode_get_outputs=_unsliced_outputs),
@@ -920,7 +926,7 @@ CAUGHT_LATE = {
     "cache_copied_contiguous": "memory_plan",
     "fill_of_the_vendors_own_spec": "engine_input",
     "staged_from_the_device_buffer": "host_staging",
-    "token_padding_to_the_bucket": "q_len_1_2_4_with_batch_churn",
+    "token_padding_to_the_bucket": "every_q_len_with_batch_churn",
 }
 OPTIONS = {
     "padding_to_power_of_two": ["--capture-sizes", "1,3,6,12,24,48"],
@@ -1338,7 +1344,34 @@ BROKEN_SUITE_C = {
 }
 # Caught by the multi-token decode test (every test before it passes them).
 CAUGHT_LATE_SUITE_C = {
-    "positions_of_one_token_per_sequence": "q_len_1_2_4_with_batch_churn",
-    "one_query_per_sequence_in_every_graph": "q_len_1_2_4_with_batch_churn",
+    "positions_of_one_token_per_sequence": "every_q_len_with_batch_churn",
+    "one_query_per_sequence_in_every_graph": "every_q_len_with_batch_churn",
 }
 _register(BROKEN_SUITE_C, CAUGHT_LATE_SUITE_C)
+
+
+# -- Suite D: from a vendor written from the docs (2026-12-03) --
+
+
+# 71. The update hook keeps one graph per bucket ("a bucket has a graph") and
+#     pushes the lengths into that one, where graphs are per (bucket, q_len):
+#     a verify graph of a bucket whose one-token graph came first replays
+#     with its capture's lengths. Ascend's update, taking two tokens per
+#     sequence, as the vendor that wrote it declared.
+@hookimpl
+def _update_the_first_graph_of_the_bucket(graph, meta, batch_size, bucket):
+    kept = meta.vendor_state.setdefault("graph_of_bucket", weakref.WeakValueDictionary())
+    ascend.graphmode_update_graph_params(kept.setdefault(bucket, graph), meta, batch_size, bucket)
+
+
+@hookimpl
+def _ascend_of_two_tokens_per_sequence():
+    return ascend.ASCEND_SPEC.replace(max_q_len=2)
+
+
+BROKEN_SUITE_D = {
+    "update_keyed_by_bucket_alone": variant(
+        ascend, "update_keyed_by_bucket_alone", graphmode_graph_spec=_ascend_of_two_tokens_per_sequence,
+        graphmode_update_graph_params=_update_the_first_graph_of_the_bucket),
+}
+_register(BROKEN_SUITE_D, {})

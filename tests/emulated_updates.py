@@ -40,8 +40,12 @@ class UpdatableAddGraph(EmulatedGraph):
         super().__init__()
         self.calls = []
 
+    def updatable(self, func):
+        """Whether a call of ``func`` is recorded as an updatable step."""
+        return func is torch.ops.aten.add.Tensor
+
     def record_call(self, session, func, args, kwargs):
-        if func is not torch.ops.aten.add.Tensor:
+        if not self.updatable(func):
             return session.record(func, args, kwargs)  # recorded as any device graph records it
         call = UpdatableCall()
         session.append(call)
@@ -50,3 +54,26 @@ class UpdatableAddGraph(EmulatedGraph):
         self.calls.append(call)
         return outputs
 # --8<-- [end:updatable_operator]
+
+
+# --8<-- [start:host_list_operator]
+from typing import List  # noqa: E402, UP035 (torch 2.5 infers a custom operator's host list from typing.List only)
+
+
+@torch.library.custom_op("acme::paged_decode", mutates_args=())
+def paged_decode(query: torch.Tensor, keys: torch.Tensor, kv_lens: List[int]) -> torch.Tensor:  # noqa: UP006
+    return query * sum(kv_lens)  # stands for the kernel: its result depends on the host lengths
+
+
+@paged_decode.register_fake
+def _(query, keys, kv_lens):
+    return torch.empty_like(query)
+
+
+class HostListGraph(UpdatableAddGraph):
+    """Records each ``acme::paged_decode`` call as an updatable step, as
+    UpdatableAddGraph records ``add``: an update re-issues it with new kv_lens."""
+
+    def updatable(self, func):
+        return getattr(func, "_schema", None) is not None and func._schema.name == "acme::paged_decode"
+# --8<-- [end:host_list_operator]

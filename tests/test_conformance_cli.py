@@ -55,6 +55,17 @@ def test_a_size_the_suite_cannot_run_is_one_clear_error(capsys):
     )
 
 
+def test_a_block_size_the_vendor_does_not_take_is_one_clear_error_before_any_test(capsys):
+    # Every test would fail on it, each with the runner's error (an outsider's run: 6 of 6 failed).
+    assert cli.run(_args("--vendor", "camb", "--device", "cpu", "--block-size", "8")) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        "graphmode conformance: --block-size 8: vendor 'camb' takes KV-cache blocks of 16 tokens "
+        "(GraphSpec.block_sizes); pass --block-size 16, or leave it out for the vendor's first declared size"
+    )
+
+
 def test_runs_on_cuda_check_host_reads_on_the_replay_path(monkeypatch):
     monkeypatch.delenv("GRAPHMODE_CHECK_HOST_READS", raising=False)
     vendor = graphmode.load_vendor("cuda")
@@ -175,6 +186,20 @@ def test_a_plugin_module_not_on_the_path_is_one_clear_error(capsys, monkeypatch,
     assert f"in the current directory ({tmp_path})" in err, err
     assert cli.run(_args("--device", "cpu", "--plugin", "graphmode_conformance:no_such_object")) == 2
     assert "module graphmode_conformance has no object 'no_such_object'" in capsys.readouterr().err
+    assert cli.run(_args("--device", "cpu", "--plugin", "graphmode_zephyr.plugin")) == 2  # a dot for the colon
+    assert ("--plugin graphmode_zephyr.plugin: give MODULE:OBJECT, a module and the object in it holding the hooks, "
+            "joined by a colon (--plugin graphmode_zephyr.plugin:plugin;") in capsys.readouterr().err
+
+
+def test_a_vendor_name_other_than_the_plugins_own_is_one_clear_error(capsys, monkeypatch):
+    """--vendor acme --plugin of vendor lumen ran, every result reported as acme's, and only the test
+    of graphmode_vendor_info failed (an outsider's report, 2026-12-04)."""
+    monkeypatch.chdir(Path(__file__).parent)
+    monkeypatch.setattr("sys.path", [str(Path(__file__).parent), *__import__("sys").path])
+    assert cli.run(_args("--vendor", "acme", "--device", "cpu", "--plugin", "plugins.lumen:plugin")) == 2
+    assert capsys.readouterr().err.strip() == (
+        "graphmode conformance: --vendor acme --plugin plugins.lumen:plugin: the plugin's graphmode_vendor_info "
+        "names 'lumen'; leave --vendor out (a plugin names itself) or pass --vendor lumen")
 
 
 def test_an_xfails_file_that_is_not_there_is_one_clear_error(capsys, tmp_path):

@@ -87,8 +87,8 @@ DIAGNOSES = {
 # The suite's test that meets a bug first, for the bugs it meets late (a
 # minute into a loaded CI run each): the run goes to that test only.
 FIRST_MET_BY = {
-    "outputs_cut_to_the_batch": "q_len_1_2_4_with_batch_churn",
-    "slots_per_sequence": "q_len_1_2_4_with_batch_churn",
+    "outputs_cut_to_the_batch": "every_q_len_with_batch_churn",
+    "slots_per_sequence": "every_q_len_with_batch_churn",
     "slot_minus_one_wraps": "warmup_reset_and_recapture_in_every_mode",
 }
 

@@ -66,6 +66,11 @@ DIAGNOSES = {
         "Hook: graphmode_update_context",
     ),
     "kv_lengths_never_pushed": ("(replay): the runner raised ReplayError", "on the device this replay would hang"),
+    "no_update_hook": (
+        "declares host_kv_lengths (its kernels take kv lengths as host values, which a graph freezes at capture) "
+        "but implements no graphmode_update_graph_params",
+        "Hook: graphmode_update_graph_params",
+    ),
     "bucket_below_batch": ("graphmode_compatible_size(9) returned 8; it must be a capture size >= 9",),
     "captured_at_batch_size": (
         "input_ids has 9 rows for a batch of 9 in bucket 10; graphs must be captured at their bucket's size",
@@ -410,6 +415,12 @@ DIAGNOSES = {
         "per sequence",
         "Hook: graphmode_update_context",
     ),
+    "update_keyed_by_bucket_alone": (
+        "[multi-token decode graph equals eager] vendor ascend on cpu, a step of 4 sequences and 8 tokens: the "
+        "runner raised ReplayError in AscendGraph.replay()",
+        "no parameter update recorded since the last replay",
+        "graphmode_update_graph_params skipped or left incomplete",
+    ),
 }
 
 
@@ -434,6 +445,35 @@ def test_the_suite_fails_on_a_broken_vendor_for_the_right_reason(name, tmp_path)
     failed = failures(report)
     assert failed, f"{name}: the suite reported no failure"
     for part in DIAGNOSES[name]:
+        assert part in failed[0]["message"], failed[0]["message"]
+
+
+# The classes only a device shows, on a GPU: there the emulator's refusals
+# are not in play, and the first failure must still name the hook and the
+# mechanism (graphmode_conformance.launch_stream, .back_to_back).
+GPU_DIAGNOSES = {
+    "replay_on_an_unordered_stream": (
+        "[graph equals eager] vendor cuda on cuda",
+        "_SideStreamGraph.replay() (the graph class graphmode_make_graph returned) switches streams",
+        "Hook: graphmode_make_graph",
+    ),
+    "one_pinned_buffer_for_every_step": (
+        "[steps back to back] vendor camb on cuda",
+        "one pinned host buffer rewritten for every step while the copy from it is still in flight",
+        "in _lengths_through_one_pinned_buffer",
+        "Hook: graphmode_fill_buffers",
+    ),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the classes only a device shows need a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(GPU_DIAGNOSES))
+def test_a_gpu_run_of_the_suite_names_the_classes_only_a_device_shows(name, tmp_path):
+    status, report = run_suite(tmp_path, "--device", "cuda", "--plugin", f"broken_plugins:{name}", "--", "-x")
+    assert status != 0
+    failed = failures(report)
+    assert failed, f"{name}: the suite reported no failure"
+    for part in GPU_DIAGNOSES[name]:
         assert part in failed[0]["message"], failed[0]["message"]
 
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 NUMBERS = {13: "thirteen", 44: "forty-four", 45: "forty-five", 46: "forty-six", 47: "forty-seven",
-           48: "forty-eight", 51: "fifty-one", 56: "fifty-six", 61: "sixty-one", 66: "sixty-six", 75: "seventy-five", 14: "fourteen", 15: "fifteen"}
+           48: "forty-eight", 51: "fifty-one", 56: "fifty-six", 61: "sixty-one", 66: "sixty-six", 75: "seventy-five", 76: "seventy-six", 77: "seventy-seven", 14: "fourteen", 15: "fifteen"}
 
 
 def _anchors(path: Path) -> set[str]:

@@ -111,7 +111,7 @@ def _small_batches_pad_high(batch_size, capture_sizes):
 def test_a_compatible_size_that_rounds_differently_is_refused_when_the_runner_is_built(hook, refusal):
     with pytest.raises(graphmode.ConfigError, match=refusal) as refused:
         Harness.build(acme(graphmode_compatible_size=hook), torch.device("cpu"), SIZES)
-    assert "declares that as its capture sizes (GraphSpec.capture_sizes, FixedSizes)" in str(refused.value)
+    assert "declares that as its capture sizes (GraphSpec.capture_policy, FixedSizes)" in str(refused.value)
 
 
 # Right up to the suite's runner (12 sequences), off above: batches 97..192 pad into 384.
@@ -311,3 +311,34 @@ def test_padding_rows_whose_outputs_are_not_finite_fail():
         r"tokens 2\.\.2 give non-finite outputs \(at tokens \[2\]\).*Likely cause: a declared padding value "
         r"\(here kv_seqlens padding 0\)")):
         slipped.step(seqs)
+
+
+@hookimpl
+def _caps_the_batch(config):
+    config.max_batches = min(config.max_batches, 8)  # "our graphs take 8 sequences": a limit rewritten, not refused
+
+
+def test_a_config_check_that_rewrites_the_engines_settings_is_refused_naming_the_hook():
+    # A red-team plugin (2026-12-04) lowered max_batches to its limit instead of refusing it: the suite's
+    # first failure then blamed graphmode_capture_sizes for a capture list ending below max_batches.
+    with pytest.raises(graphmode.VendorError, match=r"vendor 'acme': graphmode_check_config changed the runner's "
+                       r"max_batches \(now max_batches=8, asked max_batches=12\); a hook may replace vendor_options "
+                       r"only. Raise ConfigError naming the value, the limit and the fix instead"):
+        Harness.build(acme(graphmode_check_config=_caps_the_batch), torch.device("cpu"), SIZES)
+
+
+@hookimpl
+def _table_in_pinned_memory(meta):
+    made = graphmode.buffers.allocate(meta)
+    table = made["block_offsets"]
+    made["block_offsets"] = graphmode.buffers.host_zeros(meta, table.shape, table.dtype, pinned=True)
+    return made
+
+
+def test_a_buffer_made_elsewhere_than_declared_is_refused_at_the_first_capture():
+    # A red-team plugin (2026-12-04) made the block table in pinned host memory: the suite's first failure
+    # blamed the default fill for reading a device value on the host, and advised host=True.
+    harness = Harness.build(acme(graphmode_make_buffers=_table_in_pinned_memory), torch.device("cpu"), SIZES)
+    with pytest.raises(graphmode.VendorError, match=r"vendor 'acme': graphmode_make_buffers made buffer "
+                       r"'block_offsets' in host memory, but it is declared in the runner's device \(on the emulator"):
+        harness.runner.graph_meta()

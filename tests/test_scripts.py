@@ -25,7 +25,8 @@ NEEDS_GPU = {
     "sleep_wake": ["--device", "cuda"], "capture_time": [],
 }
 # Scripts that run on the CPU (their CUDA side, if any, only where CUDA is), or are modules of others.
-CPU = {"compare_graph_semantics", "debug_cost", "fuzz_steps", "hf_families", "replay_guard_cost", "host_bound"}
+CPU = {"compare_graph_semantics", "debug_cost", "fuzz_steps", "hf_families", "replay_guard_cost", "host_bound",
+       "lmdeploy_spec_models", "lmdeploy_vl_model"}
 
 
 def test_every_script_is_classed():

@@ -273,13 +273,13 @@ def test_graphmode_vendors_shows_a_vendors_largest_graph(capsys):
     _describe(graphmode.load_vendor("fixed", plugin=plugin), 256)
     assert (  # the declaration it made: a fixed list, no max_capture_size
         "capture list for max_batches=256: 6 graphs [1, 2, 4, 8, 16, 32]; largest graph 32 "
-        "(the last size of GraphSpec.capture_sizes=FixedSizes((1, 2, 4, 8, 16, 32))); batches 33..256 run eagerly"
+        "(the last size of GraphSpec.capture_policy=FixedSizes((1, 2, 4, 8, 16, 32))); batches 33..256 run eagerly"
     ) in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("spec, named", [
     (lambda: CUDA_SPEC.replace(max_capture_size=24), "largest graph 24 (GraphSpec.max_capture_size); batches 25..256"),
-    (lambda: CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2, 4, 8, 16, 32)), max_capture_size=16),
+    (lambda: CUDA_SPEC.replace(capture_policy=FixedSizes((1, 2, 4, 8, 16, 32)), max_capture_size=16),
      "largest graph 16 (GraphSpec.max_capture_size); batches 17..256"),
 ], ids=["max_capture_size", "a fixed list capped lower"])
 def test_graphmode_vendors_names_a_declared_max_capture_size(capsys, spec, named):

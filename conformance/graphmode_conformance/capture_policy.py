@@ -1,7 +1,7 @@
 """The capture list is what the vendor declared it would keep.
 
 A vendor declares which batch sizes get a graph: its capture policy
-(``GraphSpec.capture_sizes``), its largest graph (``max_capture_size``) and,
+(``GraphSpec.capture_policy``), its largest graph (``max_capture_size``) and,
 for hardware that captures only some sizes, ``FixedSizes``. A
 ``graphmode_capture_sizes`` of its own that drops other sizes (odd sizes,
 sizes "too slow" on its hardware, a size above some limit it never
@@ -58,9 +58,9 @@ class CapturePolicyTests(ConformanceFixtures):
         policy's at every max_batches asked; with a user's list, it ends at
         the largest size the declarations keep of it."""
         spec = vendor.spec
-        declared = f"GraphSpec capture_sizes={getattr(spec.capture_sizes, '__name__', spec.capture_sizes)}"
+        declared = f"GraphSpec capture_policy={getattr(spec.capture_policy, '__name__', spec.capture_policy)}"
         if spec.max_capture_size is not None:
-            declared += f", {largest_graph_declaration(spec.capture_sizes, spec.max_capture_size)}={spec.max_capture_size}"
+            declared += f", {largest_graph_declaration(spec.capture_policy, spec.max_capture_size)}={spec.max_capture_size}"
         # The suite's own max_batches first: the header shows its list.
         for top in (sizes.max_batches, *sorted(set(POLICY_MAX_BATCHES) - {sizes.max_batches})):
             asked = Sizes(max_batches=top, table_width=sizes.table_width, block_size=sizes.block_size,
@@ -83,13 +83,13 @@ class CapturePolicyTests(ConformanceFixtures):
                     "header call this list the vendor's policy. Hook: graphmode_capture_sizes must return the "
                     "declared list (spec.capture_list(config.max_batches, config.capture_batch_sizes), the "
                     "default); declare what the hardware really captures instead: a policy of its own "
-                    "(GraphSpec.capture_sizes), max_capture_size=N for a largest graph, FixedSizes((...)) for a "
+                    "(GraphSpec.capture_policy), max_capture_size=N for a largest graph, FixedSizes((...)) for a "
                     "fixed list"
                 )
             raise ConformanceFailure(
                 f"{where}: it adds {_sizes(added)}, which the declarations do not promise (the plan, the padding "
                 "waste and the header are computed from them). Hook: graphmode_capture_sizes must return the "
-                "declared list, or declare the policy it follows in GraphSpec.capture_sizes"
+                "declared list, or declare the policy it follows in GraphSpec.capture_policy"
             )
         self._given_list_keeps_its_largest(vendor, sizes, vendor_options, declared)
 

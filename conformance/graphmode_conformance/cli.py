@@ -144,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
             sys.path.insert(0, os.getcwd())  # as `python -m` does: a plugin module here imports
         plan = targets(args.vendor, args.device, args.plugin)
         resolved = [resolve_target(vendor, device, args.plugin) for vendor, device in plan]
-        if args.variant:
-            for target in resolved:
+        for target in resolved:
+            check_block_size(target, sizes)
+            if args.variant:
                 check_variant(target, args.variant)
     except GraphModeError as error:
         print(f"graphmode conformance: {error}", file=sys.stderr)
@@ -219,6 +220,18 @@ def check_xfails(path: Path) -> None:
     if not path.is_file():
         raise ConfigError(f"--xfails {path}: no such file (a file of test ids expected to fail, one per line, "
                           "'#' comments; docs/conformance.md)")
+
+
+def check_block_size(target: Target, sizes: Sizes) -> None:
+    """Refuse a ``--block-size`` the vendor does not take (``GraphSpec.block_sizes``)
+    before any test runs: every test would fail on it, each with the runner's error."""
+    declared, given = target.vendor.spec.block_sizes, sizes.block_size
+    if declared is not None and given is not None and given not in declared:
+        raise ConfigError(
+            f"--block-size {given}: vendor {target.vendor.name!r} takes KV-cache blocks of "
+            f"{' or '.join(map(str, declared))} tokens (GraphSpec.block_sizes); pass --block-size {declared[0]}, "
+            "or leave it out for the vendor's first declared size"
+        )
 
 
 def check_variant(target: Target, wanted: str) -> None:

@@ -79,7 +79,9 @@ def compare_outputs(where: str, graph: Any, eager: torch.Tensor, seqs: list[int]
             "the replay used stale inputs: a buffer graphmode_fill_buffers did not refill, a "
             "context field not pointing at its buffer (graphmode_update_context), a host value "
             "frozen at capture (a positive max length, host kv lengths not pushed by "
-            "graphmode_update_graph_params), or a graph captured at a size other than its bucket"
+            "graphmode_update_graph_params, or a Python number the kernels of graphmode_attention_ops "
+            "derived from host values at capture: a table cut to the longest sequence's blocks, a loop "
+            "bound), or a graph captured at a size other than its bucket"
         )
     taking_out = kernels_taking_out(ops)
     if taking_out and cut is None:

@@ -18,8 +18,10 @@ of one token per sequence. Checked, with the target's graph steps between:
   the other runner's replay overwrote shows here);
 - every graph of both runners was captured into one pool.
 
-A vendor that refuses ``max_q_len > 1`` runs the one-token draft steps only;
-the padded steps are skipped with its reason."""
+A vendor taking fewer than ``k + 1`` tokens per sequence
+(``graphmode_conformance.sizes.accepted_q_len``) runs the padded steps up to
+its limit; one that refuses ``max_q_len > 1`` runs the one-token draft steps
+only, and the padded steps are skipped with its reason."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from graphmode.model.engine import ReferenceEngine
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import Harness
 from graphmode_conformance.pool import check_one_pool
-from graphmode_conformance.sizes import MIN_MAX_BATCHES
+from graphmode_conformance.sizes import MIN_MAX_BATCHES, accepted_q_len
 
 __all__ = ["DraftModelTests", "padded_decode"]
 
@@ -91,9 +93,12 @@ class DraftModelTests(ConformanceFixtures):
         target.check = "target step beside a draft model's graphs"
         config = dataclasses.replace(ModelConfig.tiny(small.dtype), num_hidden_layers=1)  # a smaller model, one vocabulary
         refusal = None
+        limit, origin = accepted_q_len(vendor, small.resolved(vendor), vendor_options)  # K + 1 where it takes it
         try:
-            drafter = DraftHarness.build(vendor, device, small, model_config=config, seed=7, max_q_len=K + 1,
-                                         share_pool_with=target.runner, **common)
+            if limit <= 1:
+                raise ConfigError(f"max_q_len={K + 1}: it takes at most {limit} token(s) per sequence ({origin})")
+            drafter = DraftHarness.build(vendor, device, small, model_config=config, seed=7,
+                                         max_q_len=min(K + 1, limit), share_pool_with=target.runner, **common)
         except ConfigError as error:
             refusal = f"vendor {vendor.name} refuses multi-token decode graphs: {error}"
             drafter = DraftHarness.build(vendor, device, small, model_config=config, seed=7,
@@ -125,8 +130,11 @@ class DraftModelTests(ConformanceFixtures):
         target, drafter, refusal = draft_pair
         if refusal is not None:
             pytest.skip(refusal)
+        top = drafter.runner.config.max_q_len  # K + 1, or the vendor's limit below it
         seqs = drafter.start(4)
-        for q_len, live in ((4, [1, 4, 2, 3]), (2, [2, 1, 1, 2]), (4, [4, 4, 4, 4]), (3, [1, 1, 1, 3]), (4, [2, 1, 3, 1])):
+        for asked, wanted in ((4, [1, 4, 2, 3]), (2, [2, 1, 1, 2]), (4, [4, 4, 4, 4]), (3, [1, 1, 1, 3]),
+                              (4, [2, 1, 3, 1])):
+            q_len, live = min(asked, top), [min(count, top) for count in wanted]
             if not drafter.room(seqs, q_len):
                 drafter.finish(seqs)
                 seqs = drafter.start(4)

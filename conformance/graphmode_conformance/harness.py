@@ -27,11 +27,13 @@ import torch
 import graphmode
 from graphmode.context import StepInputs
 from graphmode.errors import InputError
+from graphmode.families.piecewise.graphs import PiecewiseGraphs
 from graphmode.graphs import DeviceGraph
 from graphmode.model import ModelConfig, build_reference_model
 from graphmode.model.engine import ReferenceEngine
 from graphmode.staging import to_host
 from graphmode_conformance.compare import check_padding_finite, compare_outputs, tolerance
+from graphmode_conformance.launch_stream import launch_stream_cause
 from graphmode_conformance.persistent import in_persistent_tensors
 from graphmode_conformance.sizes import Sizes
 from graphmode_conformance.structure import (
@@ -43,7 +45,14 @@ from graphmode_conformance.structure import (
     step_tensors,
 )
 
-__all__ = ["ConformanceFailure", "Harness", "Sizes"]
+__all__ = ["ConformanceFailure", "Harness", "Sizes", "piecewise_of"]
+
+
+def piecewise_of(runner: Any) -> PiecewiseGraphs | None:
+    """The runner's piecewise graphs (execute modes "piecewise" and "full_and_piecewise"), or None."""
+    family = runner.family("piecewise")
+    assert family is None or isinstance(family, PiecewiseGraphs)
+    return family
 
 
 @dataclass
@@ -188,8 +197,11 @@ class Harness:
             except Exception as error:
                 cause = None
                 if graph_step and phase == "replay" and bucket is not None:
-                    from graphmode_conformance.unseen import pushed_length_cause  # unseen imports this module
-                    cause = pushed_length_cause(self, bucket)
+                    from graphmode_conformance.unseen import (  # unseen imports this module
+                        missing_update_cause,
+                        pushed_length_cause,
+                    )
+                    cause = missing_update_cause(self) or pushed_length_cause(self, self.graph_of(inputs, bucket), bucket)
                 described = self.describe_error(error) + (f". Likely cause: {cause}" if cause else "")
                 raise ConformanceFailure(f"[{self.check}] {where}: {described}") from error
             finally:
@@ -211,21 +223,46 @@ class Harness:
         try:
             self._check_outputs(where, graph, eager, seqs, phase, raw=raw)
         except ConformanceFailure as failure:
-            if meta is None or bucket is None or phase != "replay" or self.device.type != "cpu":
+            if meta is None or bucket is None or phase != "replay":
                 raise
-            from graphmode_conformance.unseen import length_bound_cause, pushed_values_cause  # it imports this module
+            if self.device.type != "cpu":  # the emulator refuses a replay on an unordered stream where it happens
+                captured = self.graph_of(inputs, bucket)
+                launched = launch_stream_cause(lambda: self._call_runner(inputs), self.device,
+                                               getattr(captured, "graph", None))
+                if launched is None:
+                    raise
+                raise ConformanceFailure(str(failure).split(" Likely cause: ")[0] + f" Likely cause: {launched}") \
+                    from None
+            from graphmode_conformance.unseen import (  # it imports this module
+                length_bound_cause,
+                missing_update_cause,
+                pushed_values_cause,
+            )
 
-            pushed = pushed_values_cause(self, batch, bucket, buffers_before) or length_bound_cause(self, batch, bucket)
+            pushed = missing_update_cause(self) \
+                or pushed_values_cause(self, self.graph_of(inputs, bucket), batch, bucket, buffers_before) \
+                or length_bound_cause(self, self.graph_of(inputs, bucket), batch)
             if pushed is None:
                 raise
             message = str(failure)
             raise ConformanceFailure(message.split(" Likely cause: ")[0] + f" Likely cause: {pushed}") from None
         if graph_step and bucket is not None and phase == "replay" and self.check != "reserved block":
-            captured = self.runner.graph(bucket, inputs.input_ids.shape[-1] // batch)
+            captured = self.graph_of(inputs, bucket)
             if captured is not None:
                 check_padding_finite(where, captured.meta, inputs.input_ids.shape[-1])
         self._check_cache(where, before, owners)
         return graph
+
+    def graph_of(self, inputs: StepInputs, bucket: int) -> Any:
+        """The full graph that serves the decode step ``inputs`` in ``bucket``:
+        of its query length and of its graph variant (the variant keywords
+        among its extras), or None. Graphs are keyed so; a cause found in
+        another graph of the bucket would be the wrong graph's."""
+        inputs = self.with_extras(inputs)
+        q_len = inputs.input_ids.shape[-1] // max(inputs.attn_metadata.batch_size, 1)
+        names = self.runner.config.graph_variants
+        variant = {name: inputs.extras[name] for name in names if name in inputs.extras}
+        return self.runner.graph(bucket, q_len, **variant)
 
     def check_buffers(
         self, where: str, meta: Any, inputs: StepInputs, batch: int, bucket: int, before: dict[str, torch.Tensor],

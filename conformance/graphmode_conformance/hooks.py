@@ -186,7 +186,7 @@ class HookContractTests(ConformanceFixtures):
         spec = harness.runner.spec
         where = f"[hook contract] vendor {vendor.name}{harness.variant}: graphmode_capture_sizes returned {sizes} at max_batches={maximum}"
         if sizes != sorted(set(sizes)):
-            raise ConformanceFailure(f"{where}: not ascending and unique. Fix the hook (or GraphSpec.capture_sizes)")
+            raise ConformanceFailure(f"{where}: not ascending and unique. Fix the hook (or GraphSpec.capture_policy)")
         if given is not None:
             if not set(sizes) <= set(given):
                 raise ConformanceFailure(f"{where}: it adds sizes to the user's {list(given)}; a plugin may only trim it")
@@ -198,13 +198,13 @@ class HookContractTests(ConformanceFixtures):
             raise ConformanceFailure(
                 f"{where}: it ends at {sizes[-1]}, and the vendor declares no largest graph, so batches "
                 f"{sizes[-1] + 1}..{maximum} would run eagerly unannounced. Fix: end the list at max_batches "
-                "(graphmode_capture_sizes, GraphSpec.capture_sizes), or, if the hardware captures no larger "
-                "graph, declare it in the GraphSpec: max_capture_size=N, or capture_sizes=FixedSizes((...)) "
+                "(graphmode_capture_sizes, GraphSpec.capture_policy), or, if the hardware captures no larger "
+                "graph, declare it in the GraphSpec: max_capture_size=N, or capture_policy=FixedSizes((...)) "
                 "for a fixed list"
             )
         raise ConformanceFailure(
             f"{where}: it ends at {sizes[-1]}, but the declarations (GraphSpec max_capture_size="
-            f"{spec.max_capture_size}, capture_sizes) promise graphs up to {largest}. Fix "
+            f"{spec.max_capture_size}, capture_policy) promise graphs up to {largest}. Fix "
             "graphmode_capture_sizes (spec.capture_list(config.max_batches, config.capture_batch_sizes) keeps "
             "to the declarations), or declare the largest graph it really captures"
         )
@@ -252,7 +252,7 @@ class HookContractTests(ConformanceFixtures):
                         f"[hook contract] vendor {vendor.name}: graphmode_compatible_size is {broken}, on "
                         f"{list(sizes)}. So the one right answer is the smallest capture size that holds the batch "
                         "(the default): a vendor whose batches round up differently declares that as its capture "
-                        "sizes (GraphSpec.capture_sizes, FixedSizes)"
+                        "sizes (GraphSpec.capture_policy, FixedSizes)"
                     )
                 previous = bucket
 

@@ -203,7 +203,7 @@ class LifecycleTests(ConformanceFixtures):
         harness.decode(seqs[:3])
         assert stats.captures + stats.piecewise_captures == warmed, f"warm-up left graphs to capture: {stats.summary()}"
         runner.reset()
-        assert runner.captured_graphs == [] and (runner.piecewise is None or runner.piecewise.captured_buckets == [])
+        assert runner.captured_graphs == [] and (runner.family("piecewise") is None or runner.family("piecewise").captured_buckets == [])
         harness.decode(seqs)
         harness.decode(seqs)
         assert stats.captures + stats.piecewise_captures == warmed + 1, stats.summary()

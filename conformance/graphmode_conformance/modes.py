@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from graphmode.context import StepInputs
-from graphmode_conformance.harness import Harness
+from graphmode_conformance.harness import Harness, piecewise_of
 from graphmode_conformance.piecewise import BATCH_SIZES, TOKEN_SIZES, _smaller
 from graphmode_conformance.sizes import Sizes
 
@@ -34,10 +34,10 @@ class ModeHarness(Harness):
             bucket: int | None = runner.bucket_of(len(seqs))
             kind = f"batch {len(seqs)}, bucket {bucket}"
             phase = "capture" if bucket is None or runner.graph(bucket, **variant) is None else "replay"
-        elif mode != "graph" and runner.piecewise is not None:
-            bucket = runner.piecewise.bucket_of(inputs.num_tokens)
+        elif mode != "graph" and (pieces := piecewise_of(runner)) is not None:
+            bucket = pieces.bucket_of(inputs.num_tokens)
             kind = f"{inputs.num_tokens} tokens of {len(seqs)} sequences, token bucket {bucket}"
-            captured = bucket is not None and runner.piecewise.graph(bucket, **variant) is not None
+            captured = bucket is not None and pieces.graph(bucket, **variant) is not None
             phase = "replay" if captured else "capture"
         else:
             kind, phase = f"{inputs.num_tokens} tokens of {len(seqs)} sequences", "eager"

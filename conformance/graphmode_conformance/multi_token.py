@@ -3,9 +3,13 @@ tokens per sequence (speculative verify, MTP) through graphs keyed by (batch
 bucket, q_len), with sequences joining and leaving, every step checked like a
 decode step (outputs, and the cache changed only at the live tokens' slots).
 
-A vendor that cannot take them refuses ``max_q_len > 1`` at configuration
-time (a ConfigError naming the reason); these checks are then skipped with
-that reason."""
+A vendor takes as many tokens per sequence as it accepts
+(``graphmode_conformance.sizes.accepted_q_len``: ``GraphSpec.max_q_len``, or
+its configuration checks): a vendor of ``max_q_len`` 2 runs q_len 1 and 2, one
+of 3 runs 1, 2 and 3, so graphs of several query lengths side by side are
+checked for every vendor that has them. A vendor that takes one token per
+sequence only refuses ``max_q_len > 1`` at configuration time (a ConfigError
+naming the reason); these checks are then skipped with that reason."""
 
 from __future__ import annotations
 
@@ -17,16 +21,20 @@ import torch
 from graphmode.errors import ConfigError
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.harness import ConformanceFailure, Harness
-from graphmode_conformance.sizes import MIN_MAX_BATCHES
+from graphmode_conformance.sizes import MIN_MAX_BATCHES, accepted_q_len
 
 __all__ = ["MultiTokenDecodeTests"]
 
-Q_LENS = (1, 2, 4)
+Q_LENS = (1, 2, 4)  # the query lengths asked for, where the vendor takes them
 BATCH_SIZES = [1, 4, 8, 12]  # the harness runs at max_batches 12
 
 
 class MultiTokenHarness(Harness):
-    """The harness with checked decode steps of ``q_len`` tokens per sequence."""
+    """The harness with checked decode steps of ``q_len`` tokens per sequence.
+    ``q_lens``: the query lengths its runner graphs (``Q_LENS`` up to the
+    vendor's limit, and the limit itself)."""
+
+    q_lens: tuple[int, ...] = Q_LENS
 
     def decode(self, seqs: list[int], q_len: int) -> None:
         inputs = self.engine.decode(seqs, q_len)
@@ -52,36 +60,43 @@ class MultiTokenDecodeTests(ConformanceFixtures):
     @pytest.fixture
     def multi_token_harness(self, vendor, device, sizes) -> MultiTokenHarness:
         small = dataclasses.replace(sizes, max_batches=MIN_MAX_BATCHES, capture_sizes=None)
+        limit, origin = accepted_q_len(vendor, small.resolved(vendor), None)
+        q_lens = tuple(sorted({q for q in Q_LENS if q <= limit} | {min(limit, max(Q_LENS))}))
         try:
+            if limit <= 1:
+                raise ConfigError(f"max_q_len={max(Q_LENS)}: it takes at most {limit} token(s) per sequence "
+                                  f"({origin})")
             harness = MultiTokenHarness.build(
-                vendor, device, small, max_q_len=max(Q_LENS), capture_batch_sizes=BATCH_SIZES,
+                vendor, device, small, max_q_len=max(q_lens), capture_batch_sizes=BATCH_SIZES,
             )
         except ConfigError as refusal:
             pytest.skip(f"vendor {vendor.name} refuses multi-token decode graphs: {refusal}")
         assert isinstance(harness, MultiTokenHarness)  # Harness.build makes the class it is called on
+        harness.q_lens = q_lens
         harness.check = "multi-token decode graph equals eager"
         return harness
 
-    def test_decode_steps_of_q_len_1_2_4_with_batch_churn(self, multi_token_harness):
+    def test_decode_steps_of_every_q_len_with_batch_churn(self, multi_token_harness):
         harness = multi_token_harness
         seqs = harness.start(8)
         for batch in (8, 3, 1, 4):
             seqs = seqs[:batch] if len(seqs) >= batch else seqs + harness.start(batch - len(seqs))
-            for q_len in Q_LENS:
+            for q_len in harness.q_lens:
                 if not harness.room(seqs, q_len):
                     harness.finish(seqs)
                     seqs = harness.start(batch)
                 harness.decode(seqs, q_len)
-        harness.decode(seqs, max(Q_LENS))  # a replay of a graph captured earlier
+        harness.decode(seqs, max(harness.q_lens))  # a replay of a graph captured earlier
         graphs = harness.runner.captured_graphs
-        assert {q_len for _, q_len in graphs} == set(Q_LENS), graphs
+        assert {q_len for _, q_len in graphs} == set(harness.q_lens), graphs
 
     def test_q_len_changes_between_consecutive_replays(self, multi_token_harness):
         """Graphs of several q_len share the buffers: every step must leave
         the per-sequence constants (q_start_loc, q_seqlens) right for its q_len."""
         harness = multi_token_harness
+        top = max(harness.q_lens)  # 4 where the vendor takes it
         seqs = harness.start(3)
-        for q_len in (2, 4, 2, 1, 4, 1, 2):
+        for q_len in (2, top, 2, 1, top, 1, 2):
             if not harness.room(seqs, q_len):
                 harness.finish(seqs)
                 seqs = harness.start(3)

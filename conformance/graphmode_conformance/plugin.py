@@ -73,7 +73,13 @@ def plugin_object(plugin: str) -> Any:
     """The object ``--plugin MODULE:OBJECT`` names; a module that does not
     import or an object it lacks is one VendorError saying where the module
     was looked for (the current directory, as ``python -m`` looks)."""
-    module_name, _, attribute = plugin.partition(":")
+    module_name, colon, attribute = plugin.partition(":")
+    if not colon or not module_name or not attribute:
+        raise graphmode.VendorError(
+            f"--plugin {plugin}: give MODULE:OBJECT, a module and the object in it holding the hooks, joined by "
+            f"a colon (--plugin {module_name or 'my_plugin'}:{attribute or 'plugin'}; `plugin = sys.modules[__name__]` "
+            "in the module makes the module itself the object)"
+        )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
@@ -96,7 +102,14 @@ def resolve_target(vendor: str | None, device: str | None, plugin: str | None = 
     """The vendor under test and its device, as the options ask."""
     if plugin:
         obj = plugin_object(plugin)
-        name = vendor or obj.graphmode_vendor_info().name
+        named = obj.graphmode_vendor_info().name
+        if vendor is not None and vendor != named:
+            # Else every result would be reported under a name the plugin does not have.
+            raise graphmode.VendorError(
+                f"--vendor {vendor} --plugin {plugin}: the plugin's graphmode_vendor_info names {named!r}; "
+                f"leave --vendor out (a plugin names itself) or pass --vendor {named}"
+            )
+        name = named
         chosen = load_vendor(name, plugin=obj)
         chosen.version = f"{plugin} ({chosen.version})"
         device = device or "cpu"

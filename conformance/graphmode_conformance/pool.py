@@ -27,7 +27,7 @@ import graphmode
 from graphmode.emulator import EmulatedPool
 from graphmode.graphs import DeviceGraph
 from graphmode_conformance.fixtures import ConformanceFixtures
-from graphmode_conformance.harness import ConformanceFailure
+from graphmode_conformance.harness import ConformanceFailure, piecewise_of
 from graphmode_conformance.modes import EXECUTE_MODES, build_in_mode
 from graphmode_conformance.sizes import MIN_MAX_BATCHES
 
@@ -45,9 +45,10 @@ def runner_graphs(runner: graphmode.GraphRunner) -> list[tuple[str, DeviceGraph]
         captured = runner.graph(bucket, q_len)
         assert captured is not None
         graphs.append((f"the decode graph of bucket {bucket} (q_len {q_len})", captured.graph))
-    if runner.piecewise is not None:
-        for bucket in runner.piecewise.captured_buckets:
-            piecewise = runner.piecewise.graph(bucket)
+    pieces = piecewise_of(runner)
+    if pieces is not None:
+        for bucket in pieces.captured_buckets:
+            piecewise = pieces.graph(bucket)
             assert piecewise is not None
             for index, segment in enumerate(piecewise.pieces.segments):
                 graphs.append((f"segment {index + 1} of the piecewise graph of token bucket {bucket}", segment))

@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
+from graphmode.config import RunnerConfig
 from graphmode.errors import ConfigError
+from graphmode.runner.setup import configure
 
-__all__ = ["DTYPES", "SIZE_OPTIONS", "Sizes", "bucket_with_smaller_batches", "parse_capture_sizes", "sizes_from_options", "vendor_capture_sizes"]
+__all__ = ["DTYPES", "PROBED_Q_LEN", "SIZE_OPTIONS", "Sizes", "accepted_q_len", "bucket_with_smaller_batches", "parse_capture_sizes", "sizes_from_options", "vendor_capture_sizes"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BLOCK_SIZE = 16
@@ -36,7 +38,7 @@ class Sizes:
         so widths vary from step to step.
     steps: decode steps per batch size in the every-batch-size test.
     capture_sizes: a user's capture list (the vendor may trim it); None
-        takes the vendor's policy (``GraphSpec.capture_sizes``).
+        takes the vendor's policy (``GraphSpec.capture_policy``).
     dtype: the reference model's dtype.
     """
 
@@ -161,3 +163,36 @@ def bucket_with_smaller_batches(capture_sizes: list[int], wanted: int) -> tuple[
         if bucket is not None:
             return bucket, list(range(bucket - 1, bucket - 1 - room, -1))
     raise ConfigError(f"the capture list {capture_sizes} is empty: no graph to replay")
+
+
+# The most tokens per sequence asked for where nothing declares a limit:
+# 32 draft tokens and the bonus token.
+PROBED_Q_LEN = 33
+
+
+def accepted_q_len(vendor: Any, sizes: Sizes, vendor_options: Any) -> tuple[int, str]:
+    """The most tokens per sequence a runner of ``vendor`` is accepted with,
+    and what sets it: ``GraphSpec.max_q_len``, or the configuration checks
+    (``graphmode_check_config``) refusing one more, or the probe's end."""
+    declared = vendor.spec.max_q_len
+    top = declared if declared is not None else PROBED_Q_LEN
+    for q_len in range(top, 0, -1):
+        config = RunnerConfig(sizes.max_batches, sizes.table_width, sizes.block, torch.device("cpu"),
+                              max_q_len=q_len, vendor_options=dict(vendor_options) if vendor_options else None)
+        try:
+            configure(vendor, config)
+        except ConfigError as refusal:
+            last_refusal = str(refusal)
+            continue
+        if q_len == top:
+            origin = (f"GraphSpec.max_q_len={declared}" if declared is not None
+                      else f"no limit declared up to {PROBED_Q_LEN} (GraphSpec.max_q_len None)")
+        else:
+            origin = f"graphmode_check_config refuses max_q_len={q_len + 1}: {_first_sentence(last_refusal)}"
+        return q_len, origin
+    return 0, "every max_q_len refused"
+
+
+def _first_sentence(text: str) -> str:
+    """The refusal's first sentence (up to its first ';' or '. ')."""
+    return text.split("; ")[0].split(". ")[0]

@@ -24,51 +24,15 @@ import dataclasses
 from typing import Any
 
 import pytest
-import torch
 
-from graphmode.config import RunnerConfig
-from graphmode.errors import ConfigError
-from graphmode.runner.setup import configure
 from graphmode_conformance.fixtures import ConformanceFixtures
 from graphmode_conformance.multi_token import MultiTokenHarness
-from graphmode_conformance.sizes import MIN_MAX_BATCHES, Sizes
+from graphmode_conformance.sizes import MIN_MAX_BATCHES, accepted_q_len
 from graphmode_conformance.structure import ConformanceFailure
 
-__all__ = ["PROBED_Q_LEN", "TokenLimitTests", "accepted_q_len"]
+__all__ = ["TokenLimitTests"]
 
-# The most tokens per sequence asked for where nothing declares a limit:
-# 32 draft tokens and the bonus token.
-PROBED_Q_LEN = 33
 _BUCKETS = (1, 4)
-
-
-def accepted_q_len(vendor: Any, sizes: Sizes, vendor_options: Any) -> tuple[int, str]:
-    """The most tokens per sequence a runner of ``vendor`` is accepted with,
-    and what sets it: ``GraphSpec.max_q_len``, or the configuration checks
-    (``graphmode_check_config``) refusing one more, or the probe's end."""
-    declared = vendor.spec.max_q_len
-    top = declared if declared is not None else PROBED_Q_LEN
-    for q_len in range(top, 0, -1):
-        config = RunnerConfig(sizes.max_batches, sizes.table_width, sizes.block, torch.device("cpu"),
-                              max_q_len=q_len, vendor_options=dict(vendor_options) if vendor_options else None)
-        try:
-            configure(vendor, config)
-        except ConfigError as refusal:
-            last_refusal = str(refusal)
-            continue
-        if q_len == top:
-            origin = (f"GraphSpec.max_q_len={declared}" if declared is not None
-                      else f"no limit declared up to {PROBED_Q_LEN} (GraphSpec.max_q_len None)")
-        else:
-            origin = f"graphmode_check_config refuses max_q_len={q_len + 1}: {_first_sentence(last_refusal)}"
-        return q_len, origin
-    return 0, "every max_q_len refused"
-
-
-def _first_sentence(text: str) -> str:
-    """The refusal's first sentence (up to its first ';' or '. ')."""
-    return text.split("; ")[0].split(". ")[0]
-
 
 class TokenLimitTests(ConformanceFixtures):
     def test_verify_steps_at_the_token_limit(self, vendor, device, sizes, vendor_options):

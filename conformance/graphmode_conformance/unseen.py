@@ -167,14 +167,15 @@ def short_list(harness: Harness, batch: int, bucket: int, op: Any, argument: str
     )
 
 
-def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[str, torch.Tensor]) -> str | None:
+def pushed_values_cause(harness: Harness, captured: Any, batch: int, bucket: int,
+                        before: dict[str, torch.Tensor]) -> str | None:
     """Why a replay's outputs are wrong when, on the emulator, a host list the
-    bucket's graph reads (what graphmode_update_graph_params pushed) holds in
-    its live rows no host buffer's live rows of this step; None otherwise.
-    ``before``: the buffers before this step's fill (the previous step's)."""
+    step's graph (``captured``: ``Harness.graph_of``) reads (what
+    graphmode_update_graph_params pushed) holds in its live rows no host
+    buffer's live rows of this step; None otherwise. ``before``: the buffers
+    before this step's fill (the previous step's)."""
     if not harness.vendor.implements("graphmode_update_graph_params"):
         return None
-    captured = harness.runner.graph(bucket)
     graph = _emulated(captured.graph) if captured is not None else None
     meta = harness.runner.graph_meta()
     host = [spec.name for spec in meta.spec.buffers
@@ -196,15 +197,32 @@ def pushed_values_cause(harness: Harness, batch: int, bucket: int, before: dict[
     return None
 
 
-def pushed_length_cause(harness: Harness, bucket: int) -> str | None:
-    """Why a replay of ``bucket``'s graph raised, when a host list its
+def missing_update_cause(harness: Harness) -> str | None:
+    """Why a replay failed or read stale lengths, when the vendor declares
+    kernels that take kv lengths as host values (the ``host_kv_lengths``
+    capability) and implements no ``graphmode_update_graph_params``: a graph
+    freezes host values at capture, so every replay runs with the capture's
+    lengths (a runtime that checks its launches refuses them instead). The
+    [parameter updates] check says so too, but a run stopped at its first
+    failure (``-x``) may never reach it. None otherwise."""
+    vendor = harness.vendor
+    if "host_kv_lengths" not in vendor.info.capabilities or vendor.implements("graphmode_update_graph_params"):
+        return None
+    return (f"vendor {vendor.name} declares host_kv_lengths (its kernels take kv lengths as host values, which a "
+            "graph freezes at capture) but implements no graphmode_update_graph_params, so every replay runs with "
+            "the lengths its graph was captured with. Hook: graphmode_update_graph_params must push the step's "
+            "host lengths, meta.input_buffers[name][:bucket] of the host buffer (padding rows included), into the "
+            "captured graph before each replay")
+
+
+def pushed_length_cause(harness: Harness, captured: Any, bucket: int) -> str | None:
+    """Why a replay of the step's graph (``captured``, of ``bucket``) raised, when a host list its
     kernels read (what graphmode_update_graph_params pushed) has other than
     ``bucket`` values: a list sized for another bucket (the whole buffer,
     ``[:max_batches]``) fails inside the kernel with a shape error that
     names no hook. None otherwise."""
     if not harness.vendor.implements("graphmode_update_graph_params"):
         return None
-    captured = harness.runner.graph(bucket)
     graph = _emulated(captured.graph) if captured is not None else None
     if graph is None:
         return None
@@ -220,14 +238,13 @@ def pushed_length_cause(harness: Harness, bucket: int) -> str | None:
     return None
 
 
-def length_bound_cause(harness: Harness, batch: int, bucket: int) -> str | None:
+def length_bound_cause(harness: Harness, captured: Any, batch: int) -> str | None:
     """Why a replay's outputs are wrong when, on the emulator, a host integer
-    a kernel of the bucket's graph reads as a length bound (an argument
+    a kernel of the step's graph (``captured``) reads as a length bound (an argument
     whose name holds "len": ``max_seqlen_k``) is below this step's longest
     kv length: a bound frozen at capture, or pushed stale or short by
     graphmode_update_graph_params. A kernel trusting it reads that many
     tokens only. None otherwise."""
-    captured = harness.runner.graph(bucket)
     graph = _emulated(captured.graph) if captured is not None else None
     meta = harness.runner.graph_meta()
     if graph is None or "kv_seqlens" not in meta.input_buffers:

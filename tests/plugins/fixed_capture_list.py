@@ -1,6 +1,6 @@
 """A vendor whose hardware captures only batch sizes 1, 2, 4, 8, 16 and 32,
 written the way docs/writing-a-plugin.md says to declare it: the CUDA
-default's buffers and kernels, with ``capture_sizes=FixedSizes(...)``. Its
+default's buffers and kernels, with ``capture_policy=FixedSizes(...)``. Its
 largest graph is 32; batches above it run eagerly. Its fill hook refuses
 any other bucket, as the hardware would refuse to capture one, so a runner
 asking for another size fails loudly rather than passing by luck.
@@ -18,7 +18,7 @@ from graphmode.buckets import FixedSizes
 from graphmode.spec import CUDA_SPEC, GraphSpec
 
 # --8<-- [start:fixed_sizes]
-FIXED_SPEC = CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2, 4, 8, 16, 32)))  # its largest graph: 32
+FIXED_SPEC = CUDA_SPEC.replace(capture_policy=FixedSizes((1, 2, 4, 8, 16, 32)))  # its largest graph: 32
 # --8<-- [end:fixed_sizes]
 FIXED = (1, 2, 4, 8, 16, 32)
 

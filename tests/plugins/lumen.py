@@ -82,7 +82,7 @@ LUMEN_SPEC = CUDA_SPEC.with_buffers(
                source="attn_metadata.kv_seqlens_cpu", host=True),
 ).replace(
     block_sizes=(16, 32),
-    capture_sizes=lumen_capture_sizes,
+    capture_policy=lumen_capture_sizes,
     max_kv_policy="capacity",
     options=LumenOptions,
     option_variants=({"update_mode": "all_calls"}, {"update_mode": "per_call"}),

@@ -191,7 +191,7 @@ NIMBUS_SPEC = CUDA_SPEC.with_buffers(
                source=lambda step: nimbus_table(step.attn_metadata.block_offsets)),
 ).replace(
     block_sizes=(16, 32),
-    capture_sizes=nimbus_capture_sizes,
+    capture_policy=nimbus_capture_sizes,
     max_q_policy="bound",
     max_kv_policy="dynamic",
     options=NimbusOptions,

@@ -226,7 +226,7 @@ VEXA_SPEC = CUDA_SPEC.with_buffers(
     ),
 ).replace(
     block_sizes=(16, 32, 64, 128),
-    capture_sizes=vexa_capture_sizes,
+    capture_policy=vexa_capture_sizes,
     max_capture_size=LARGEST_GRAPH,
     max_q_policy="bound",
     max_kv_policy="dynamic",

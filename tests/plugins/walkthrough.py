@@ -90,7 +90,7 @@ ACME_SPEC = CUDA_SPEC.with_buffers(
     BufferSpec("slot_pairs", torch.int32, shape=(TOKENS, 2), padding=-1, source=None),
 ).replace(
     block_sizes=(32, 64),
-    capture_sizes=acme_capture_sizes,
+    capture_policy=acme_capture_sizes,
     max_q_policy="bound",        # graphs pass max_q_seq_len=1 (decode)
     max_kv_policy="dynamic",     # graphs pass -1: the kernel reads kv_seqlens on the device
     options=AcmeOptions,

@@ -79,7 +79,7 @@ ASCEND_SPEC = GraphSpec(
         BufferSpec("kv_start_indices", torch.int32, shape=(TOKENS,), padding=-1),
         BufferSpec("x_active_mask", torch.bool, shape=(TOKENS,), padding=False, live=True),
     ),
-    capture_sizes=three_stage_sizes,
+    capture_policy=three_stage_sizes,
     max_q_len=None,  # FIA in TND layout on the graph_update path; check_config refuses task_group
     options=AscendOptions,
     # Both paths run in the field (torch_npu before and since the .default fix):

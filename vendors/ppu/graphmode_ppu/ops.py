@@ -53,8 +53,8 @@ def check_maxima(attn: AttnMetadata) -> None:
         # Under 255 characters: CUDA refuses a longer assertion message.
         torch._assert_async(
             (lengths <= bound).all(),
-            f"PPU: a length is above {name}={bound}; graph contexts must pass a bound valid at "
-            "every replay (kv: the block table's capacity), not the capture step's maximum",
+            f"PPU: a length is above {name}={bound}. An engine: pass the step's real maximum "
+            "(debug mode names the row). A graph context: a bound valid at every replay (kv: the table's capacity)",
         )
 
 
