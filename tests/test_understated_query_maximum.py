@@ -3,12 +3,11 @@ understates its real query lengths, its tokens equal to batch x the stated
 maximum (``q_seqlens`` [3, 1] under ``max_q_seq_len=2``), passes host facts
 as a uniform step of 2 tokens per sequence, and its full graph replays 2 for
 each: 0.04 to 0.37 off eager (issue 40). Refused from host values where the
-step is built on the host, and in debug mode. A device-built step's query
-lengths are device values, which the runner does not read outside debug
-mode (a synchronisation per step); it is refused where its host kv lengths
-prove it (a sequence whose kv_seqlens_cpu is below the stated maximum adds
-fewer tokens, so another adds more), and replays otherwise: docs/engines.md,
-"Bad step inputs". (More tokens than batch x the maximum is refused for every
+step is built on the host, and in debug mode. A device-built step is refused
+where its host kv lengths prove it (a sequence whose kv_seqlens_cpu is below
+the stated maximum adds fewer tokens, so another adds more), with no copy;
+else its query lengths are read to the host (one copy a verify step,
+counted) and checked: docs/engines.md, "Bad step inputs". (More tokens than batch x the maximum is refused for every
 step, by host facts: tests/test_bad_step_inputs.py.)"""
 
 from __future__ import annotations
@@ -90,12 +89,32 @@ def test_a_device_built_one_whose_host_kv_lengths_prove_it_is_refused_without_de
     assert setup.runner.stats.replays == replays
 
 
-@pytest.mark.parametrize("vendor", ["cuda", "ascend"])
-def test_a_device_built_one_the_host_cannot_tell_replays_its_graph(vendor):
-    """The documented limit (docs/engines.md, "Bad step inputs"): [3, 1]
-    under max_q_seq_len=2, every host kv length at least 2, has the host
-    facts of [2, 2]; outside debug mode its graph replays."""
-    setup, step, attn = _understated(vendor, "graph")
-    replays = setup.runner.stats.replays
-    _run(setup, step, attn)
-    assert setup.runner.stats.replays == replays + 1
+@pytest.mark.parametrize("mode", ["graph", "full_and_piecewise"])
+@pytest.mark.parametrize("vendor", VERIFY_VENDORS)
+def test_a_device_built_one_the_host_cannot_tell_is_refused_from_its_query_lengths_read(vendor, mode):
+    """[3, 1] under max_q_seq_len=2, every host kv length at least 2, has the
+    host facts of [2, 2]. Before, its graph replayed 2 tokens for each
+    sequence, silently; now its query lengths are read (one copy) and it is
+    refused naming the maximum."""
+    setup, step, attn = _understated(vendor, mode)
+    assert not is_host(attn.q_seqlens)
+    replays, reads = setup.runner.stats.replays, setup.runner.stats.verify_length_reads
+    with pytest.raises(InputError, match="^" + _NAMED):
+        _run(setup, step, attn)
+    assert setup.runner.stats.replays == replays
+    assert setup.runner.stats.verify_length_reads == reads + 1
+
+
+def test_a_device_built_uniform_verify_step_replays_counting_its_read_and_saying_so_once(caplog):
+    setup = tiny_setup("cuda", capture_batch_sizes=[1, 2, 4], max_q_len=4)
+    seqs = setup.prefill(2, [5, 9])
+    graph, eager = setup.decode(seqs, 2)  # the capture
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    for _ in range(2):
+        graph, eager = setup.decode(seqs, 2)
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    said = [r for r in caplog.records if "reads q_seqlens and q_start_loc to the host once per such step" in r.message]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
+    assert setup.runner.stats.replays_by_q_len[2] == 2
+    assert setup.runner.stats.verify_length_reads == 3  # the capture's step too
+    assert "3 verify steps' query lengths read to the host" in setup.runner.stats.summary()

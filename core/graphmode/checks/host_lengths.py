@@ -16,7 +16,7 @@ import torch
 from graphmode.context import AttnMetadata
 from graphmode.errors import InputError
 
-__all__ = ["check_host_kv_lengths", "check_kv_holds_q", "check_kv_max_holds_host", "check_piecewise_step", "check_query_lengths",
+__all__ = ["check_device_verify_step", "check_host_kv_lengths", "check_kv_holds_q", "check_kv_max_holds_host", "check_piecewise_step", "check_query_lengths",
            "check_uniform_step", "first_bad"]
 
 
@@ -80,6 +80,22 @@ def check_host_kv_lengths(attn: AttnMetadata, batch: int, tokens: int, kv_lens: 
         "max_q_seq_len (the largest q_seqlens): a step of unequal query lengths then runs eagerly (piecewise in "
         "execute_mode='full_and_piecewise')"
     )
+
+
+def check_device_verify_step(attn: AttnMetadata, batch: int, tokens: int) -> None:
+    """:func:`check_uniform_step` for a device-built verify step that its
+    host facts cannot prove uniform (tokens equal to batch x
+    ``max_q_seq_len``, and no host kv length below it): its ``q_seqlens``
+    and ``q_start_loc`` read to the host in one device-to-host copy, a
+    synchronisation. [3, 1] and [2, 2] under ``max_q_seq_len=2`` look the
+    same from the host, and the graph of 2 tokens per sequence replayed the
+    first silently (0.04 to 0.37 off eager, issue 40); one read per verify
+    step is the price of never replaying it (``FullGraphs.run`` counts it in
+    ``runner.stats.verify_length_reads``: a step built on the host costs
+    none)."""
+    q_lens, q_starts = attn.q_seqlens, attn.q_start_loc
+    both = torch.cat((q_lens.long(), q_starts.long())).cpu()
+    check_uniform_step(attn, batch, tokens, both[:batch], both[batch:])
 
 
 def check_query_lengths(attn: AttnMetadata, tokens: int, q_lens: torch.Tensor, q_starts: torch.Tensor,

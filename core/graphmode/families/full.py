@@ -9,13 +9,17 @@ forward; every later step of that key fills the buffers and replays.
 
 It never reads device values on the host (no synchronisation per step; on
 the emulator, and on CUDA when asked, a hook that does is refused: see
-``graphmode.checks.host_reads``) and never copies the output: a replay
-result is a view of the graph's output, valid until the next step.
+``graphmode.checks.host_reads``), but for the query lengths of a verify
+step built on the device that its host facts cannot prove uniform
+(``graphmode.checks.host_lengths.check_device_verify_step``), and never
+copies the output: a replay result is a view of the graph's output, valid
+until the next step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +29,7 @@ import torch
 from graphmode import default
 from graphmode.buffers import plan_key
 from graphmode.checks.cache_checks import CacheMemory, cache_flattener, check_same_objects
-from graphmode.checks.host_lengths import check_host_kv_lengths, check_uniform_step
+from graphmode.checks.host_lengths import check_device_verify_step, check_host_kv_lengths, check_uniform_step
 from graphmode.checks.host_reads import replay_guard
 from graphmode.checks.model_state import ModelState
 from graphmode.checks.validate import check_cache_layout
@@ -159,13 +163,31 @@ class FullGraphs:
             attn = given.attn_metadata
             if on_host:
                 check_uniform_step(attn, batch, inputs.num_tokens, attn.q_seqlens, attn.q_start_loc)
-            elif attn.kv_seqlens_cpu is not None:  # device query lengths: what the host kv lengths prove
-                check_host_kv_lengths(attn, batch, inputs.num_tokens, attn.kv_seqlens_cpu)
+            else:
+                if attn.kv_seqlens_cpu is not None:  # what the host kv lengths prove, read first: no copy
+                    check_host_kv_lengths(attn, batch, inputs.num_tokens, attn.kv_seqlens_cpu)
+                self._read_verify_lengths(attn, batch, inputs.num_tokens)
         captured = self._current().get(decision.key)
         if captured is None:
             return self._capture(inputs, batch, bucket)
         # The native step repeats steps whose tensors the engine gave as the fill read them (not moved).
         return self._replay(captured, inputs, batch, learn=inputs is given)
+
+    def _read_verify_lengths(self, attn: Any, batch: int, tokens: int) -> None:
+        """A device-built verify step's query lengths, read to the host and
+        checked (``check_device_verify_step``): counted, and logged once."""
+        stats = self.shared.stats
+        stats.verify_length_reads += 1
+        if stats.verify_length_reads == 1:
+            # Logged, not warned: a cost, not a mistake (an engine may build its verify steps on the device).
+            logging.getLogger("graphmode").warning(
+                "graphmode: a verify step (several new tokens per sequence) came with its query lengths on the "
+                "device: graphmode reads q_seqlens and q_start_loc to the host once per such step (one "
+                "synchronisation, counted in runner.stats.verify_length_reads) to prove every sequence carries "
+                "the graph's tokens, which max_q_seq_len alone cannot. Build verify steps on the host (host "
+                "tensors; graphmode copies them in) to skip the read"
+            )
+        check_device_verify_step(attn, batch, tokens)
 
     def todo(self, q_lens: Sequence[int]) -> list[tuple[int, int]]:
         return self._todo(q_lens)

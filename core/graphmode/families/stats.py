@@ -72,6 +72,11 @@ class RunnerStats:
         vendor reads but the engine omitted, so that graphmode copied its
         device field to the host (one device-to-host copy each: pass the
         field to save it; ``graphmode.families.host_fields``).
+    verify_length_reads: device-built verify steps (several new tokens per
+        sequence in a full graph) whose query lengths graphmode read to the
+        host to prove them uniform, which their host facts could not (one
+        device-to-host copy each: build verify steps on the host to save it;
+        ``graphmode.checks.host_lengths.check_device_verify_step``).
     compile_seconds: with compile=True, host seconds spent in the compiled
         forward's warm-up calls before captures: Dynamo tracing, Inductor
         compilation and autotuning (on the first call of each shape it
@@ -87,6 +92,7 @@ class RunnerStats:
     eager_steps: Counter = field(default_factory=Counter)
     compile_seconds: float = 0.0
     derived_host_copies: int = 0
+    verify_length_reads: int = 0
     sleeps: int = 0
     wakes: int = 0
     recaptures: int = 0
@@ -141,7 +147,8 @@ class RunnerStats:
         return (
             f"{self.captures} captures ({self.warmup_captures} in warm-up), {replays}, eager steps: {eager}; "
             f"padding {self.padded_tokens}/{self.real_tokens + self.padded_tokens} tokens "
-            f"({self.padding_fraction:.1%}){compiled}{self._by_variant()}{self._derived()}{self._slept()}"
+            f"({self.padding_fraction:.1%}){compiled}{self._by_variant()}{self._derived()}{self._verify_reads()}"
+            f"{self._slept()}"
         )
 
     def _slept(self) -> str:
@@ -155,6 +162,12 @@ class RunnerStats:
         if not self.derived_host_copies:
             return ""
         return f"; {self.derived_host_copies} host copies derived (kv_seqlens_cpu not passed)"
+
+    def _verify_reads(self) -> str:
+        """"; 5 verify steps' query lengths read to the host", when any were."""
+        if not self.verify_length_reads:
+            return ""
+        return f"; {self.verify_length_reads} verify steps' query lengths read to the host"
 
     def _by_variant(self) -> str:
         """"; graph replays by variant: 3 plain, 2 lora=True", when any is not plain."""
