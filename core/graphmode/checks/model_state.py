@@ -43,7 +43,7 @@ from graphmode.errors import CaptureError, ReplayError
 if TYPE_CHECKING:
     from graphmode.runner import GraphRunner
 
-__all__ = ["EagerRebinds", "ModelState", "watched_rebinds"]
+__all__ = ["EagerRebinds", "KeptBuffers", "ModelState", "watched_rebinds"]
 
 _SHOWN = 4
 _EMPTY_CONTAINER_TYPES = frozenset((list, dict, collections.OrderedDict, set, collections.deque))  # by identity
@@ -167,6 +167,52 @@ class ModelState:
             f"build_graph_runner(..., host_bookkeeping={tuple(changed[:_SHOWN])!r}{more and ' ...'}), names as "
             "above or fnmatch patterns ('layers.*.calls')"
         )
+
+
+class KeptBuffers:
+    """The model's buffers as they were before a warm-up (``runner.warmup()``,
+    ``plan_memory()``, ``wake()``), given back after it where the warm-up's
+    steps changed them as a step does: state the forward changes in place at
+    every call (``self.steps.add_(1)``, a running statistic, an expert-load
+    count), which graphs replay and the docs tell a model to keep so, must
+    not count warm-up steps, which serve no tokens. Before, each bucket's
+    warm-up forward advanced it, and every later step, graph or eager, was
+    off the model's own run.
+
+    Told apart from lazy initialisation (a table filled in place the first
+    time the forward runs, which must stay) by when it changes: a buffer
+    changed (its version counter moved: no synchronisation) after the
+    warm-up's first forward, by a capture or a later forward, is per-step
+    state and gets its value from before the warm-up back; one changed by
+    the first forward only keeps what it holds. :meth:`forward_ran` is
+    called after each warm-up forward (``RunnerContext.warm_up``). The values
+    are kept on the host (one copy of every buffer, at the warm-up's start),
+    so that the warm-up's graph memory is measured without them. Inference
+    tensors carry no version counter and are not kept."""
+
+    def __init__(self, model: Any) -> None:
+        named = getattr(model, "named_buffers", None)
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.baseline: list[int] | None = None
+        for _, buffer in named() if callable(named) else ():
+            if isinstance(buffer, torch.Tensor) and not buffer.is_inference():
+                self.buffers.append((buffer, buffer.detach().to("cpu", copy=True)))
+        self.versions = [buffer._version for buffer, _ in self.buffers]
+
+    def forward_ran(self) -> None:
+        """After a warm-up forward: the first one's changes are lazy
+        initialisation, kept; later changes are measured from here."""
+        if self.baseline is None:
+            self.baseline = [buffer._version for buffer, _ in self.buffers]
+
+    def restore(self) -> None:
+        """Give back the value from before the warm-up to every buffer
+        changed after its first forward (or, with none, at all)."""
+        baseline = self.baseline if self.baseline is not None else self.versions
+        for (buffer, saved), version in zip(self.buffers, baseline):
+            if buffer._version != version:
+                with torch.inference_mode(False), torch.no_grad():
+                    buffer.copy_(saved)
 
 
 class EagerRebinds:

@@ -42,7 +42,7 @@ from graphmode.variants import PLAIN, GraphVariants
 
 if TYPE_CHECKING:
     from graphmode.checks.cache_checks import CacheMemory
-    from graphmode.checks.model_state import ModelState
+    from graphmode.checks.model_state import KeptBuffers, ModelState
     from graphmode.distributed import RankSync
     from graphmode.families.decision import StepDecision
     from graphmode.families.sleep import Asleep, SleptGraph
@@ -280,6 +280,9 @@ class RunnerContext:
         #: (``ModelState(before=...)``): the next warm-up capture without a warm-up forward starts from it.
         #: Set by warm-up captures, cleared by every warm-up forward and at the start and end of warm-up.
         self.last_state: ModelState | None = None
+        #: During a warm-up (``runner.warmup()``, ``plan_memory()``, ``wake()``): the model's buffers as they
+        #: were before it, given back after it where its steps changed them (``KeptBuffers``); else None.
+        self.kept_buffers: KeptBuffers | None = None
         #: While the runner sleeps (``runner.sleep()``): the graphs its wake captures again; None when awake.
         self.asleep: Asleep | None = None
 
@@ -380,6 +383,8 @@ class RunnerContext:
         self.last_state = None  # the forward may change the model's state (lazily, once)
         started = time.perf_counter()
         output = run()
+        if self.kept_buffers is not None:
+            self.kept_buffers.forward_ran()
         if self.compiled:
             self.stats.compile_seconds += time.perf_counter() - started
         if shape is not None:

@@ -23,7 +23,7 @@ import torch
 
 from graphmode.buckets import bucket_table
 from graphmode.checks.cache_checks import check_warmup_cache
-from graphmode.checks.model_state import watched_rebinds
+from graphmode.checks.model_state import KeptBuffers, watched_rebinds
 from graphmode.checks.step_checks import StepChecks
 from graphmode.checks.validate import check_model, uniform_q_len
 from graphmode.config import RunnerConfig
@@ -302,7 +302,7 @@ class GraphRunner:
         for _, key in variants:
             shared.use_variant(key)
             count += sum(len(sample.pick(family.todo(wanted)) if sample else family.todo(wanted)) for family in order)
-        with _frozen_gc(), torch.inference_mode(), _fresh_state(shared), \
+        with _frozen_gc(), torch.inference_mode(), _fresh_state(shared), _kept_buffers(shared), \
                 CaptureProgress(count, self.config.device, bar=progress) as report, \
                 WarmupMemory(self.config.device, self._measures_memory()) as memory:
             for variant_extras, key in variants:
@@ -440,7 +440,7 @@ class GraphRunner:
         self._shared.asleep = None
         # Every graph is captured afresh from the model's tensors now: replacements seen before sleep are healed.
         self._rebinds = watched_rebinds(self)
-        with _frozen_gc(), torch.inference_mode(), _fresh_state(self._shared), \
+        with _frozen_gc(), torch.inference_mode(), _fresh_state(self._shared), _kept_buffers(self._shared), \
                 CaptureProgress(asleep.count, self.config.device, bar=progress) as report:
             recapture(self._shared, asleep, past_key_values, report)
         self.stats.wakes += 1
@@ -514,6 +514,18 @@ def _fresh_state(shared: RunnerContext) -> Iterator[None]:
         yield
     finally:
         shared.last_state = None
+
+
+@contextlib.contextmanager
+def _kept_buffers(shared: RunnerContext) -> Iterator[None]:
+    """Warm-up steps leave the model's in-place state (its buffers) as they
+    found it (``graphmode.checks.model_state.KeptBuffers``)."""
+    kept = shared.kept_buffers = KeptBuffers(shared.model)
+    try:
+        yield
+    finally:
+        shared.kept_buffers = None
+        kept.restore()
 
 
 _frozen = [0]  # _frozen_gc blocks entered and not left, process-wide (the collector is)
