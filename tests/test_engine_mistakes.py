@@ -274,7 +274,7 @@ def _half(setup):
 
 @pytest.mark.parametrize("vendor", VENDORS)
 @pytest.mark.parametrize("make, message", [
-    (_fewer_layers, r"past_key_values has 1 layers, but the model has 2: the missing layers would be skipped"),
+    (_fewer_layers, r"past_key_values has 1 layers, but the model's make_kv_cache gives 2: the missing layers would be skipped"),
     (_other_head_dim, r"KV-cache tensor 0 has shape \(.*\), but the model's make_kv_cache gives \(.*\) "
      r"\(blocks aside: dimension \d is the block count, \d the block size\).*Make the cache with model.make_kv_cache"),
     (_half, r"KV-cache tensor 0 has dtype torch.float16, but the model's make_kv_cache gives torch.float32.*"

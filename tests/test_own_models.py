@@ -168,6 +168,31 @@ def test_warmup_leaves_state_changed_in_place_as_it_found_it_and_keeps_lazy_init
     assert graph_model.table.tolist() == torch.linspace(1.0, 2.0, 4).tolist()
 
 
+class LayersIsACount(Wrapped):
+    """Keeps its layer count as ``self.layers``, an int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = 2
+
+
+class SharesKVAcrossLayers(Wrapped):
+    """Four decoder layers (``self.layers``) over its own cache of two
+    (cross-layer KV sharing, as in models that reuse one layer's KV)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Identity() for _ in range(4))
+
+
+@pytest.mark.parametrize("cls", [LayersIsACount, SharesKVAcrossLayers])
+def test_a_cache_is_checked_against_the_models_own_cache_not_its_layers_attribute(cls):
+    # Before: an int `layers` failed every step with a bare TypeError (len() of an int), and the
+    # sharing model's own cache was refused as having "2 layers, but the model has 4".
+    for graph, eager in _run(cls, "graph"):
+        torch.testing.assert_close(graph, eager)
+
+
 class AppendsToHistory(Wrapped):
     """Keeps every step's token count in a Python list (as a scheduler-side
     statistic kept on the model)."""

@@ -260,6 +260,7 @@ class CacheFit:
         self.model, self.block_size = model, block_size
         self.geometry = cache_geometry(model)
         self._expected: list[torch.Tensor] | None = None
+        self._expected_layers: int | None = None  # the top-level entries of the model's own cache, a list
         self._last: Any = _UNSEEN
         self._last_leaves: list[Any] = []
 
@@ -299,11 +300,13 @@ class CacheFit:
         expected = self._reference()
         if expected is None:
             return
-        layers = len(getattr(self.model, "layers", ()))
-        if layers and isinstance(past_key_values, (list, tuple)) and len(past_key_values) != layers:
+        # The layers of the model's own cache, not len(model.layers): a model sharing KV across layers makes
+        # fewer than it has, and `layers` may be anything (a count).
+        layers = self._expected_layers
+        if layers is not None and isinstance(past_key_values, (list, tuple)) and len(past_key_values) != layers:
             raise InputError(
-                f"past_key_values has {len(past_key_values)} layers, but the model has {layers}: the missing "
-                "layers would be skipped (or the extra ones ignored) silently. Make the cache with "
+                f"past_key_values has {len(past_key_values)} layers, but the model's make_kv_cache gives {layers}: "
+                "the missing layers would be skipped (or the extra ones ignored) silently. Make the cache with "
                 "model.make_kv_cache(num_cache_blocks, block_size)"
             )
         if len(leaves) != len(expected):
@@ -345,7 +348,9 @@ class CacheFit:
             if make is None or self.geometry is None:
                 return None
             where = {"device": "meta"} if _takes_device(make) else {}
-            self._expected = tree_flatten(make(2, self.block_size, **where))[0]
+            made = make(2, self.block_size, **where)
+            self._expected = tree_flatten(made)[0]
+            self._expected_layers = len(made) if isinstance(made, (list, tuple)) else None
         return self._expected
 
 
