@@ -91,6 +91,10 @@ class SamplesInside(Wrapped):
         return logits, logits[0].argmax(-1)
 
 
+def _cloned(leaf):
+    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
+
+
 def _run(
     cls: type[Wrapped], mode: str, steps: int = 4, graph_model: Wrapped | None = None, warmup: bool = False,
     **options
@@ -112,7 +116,7 @@ def _run(
     for index in range(steps + 1):
         step = engine.prefill(seqs, [5, 9, 3]) if index == 0 else engine.decode(seqs[: 3 - index % 2])
         with torch.inference_mode():
-            graph = tree_map(torch.clone, runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata))
+            graph = tree_map(_cloned, runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata))
             eager = eager_model(step.input_ids, step.position_ids, eager_cache, step.attn_metadata)
         results.append((graph, eager))
     return results
@@ -191,6 +195,48 @@ def test_a_cache_is_checked_against_the_models_own_cache_not_its_layers_attribut
     # sharing model's own cache was refused as having "2 layers, but the model has 4".
     for graph, eager in _run(cls, "graph"):
         torch.testing.assert_close(graph, eager)
+
+
+class ReturnsPythonValues(Wrapped):
+    """Returns the step's token count and KV maximum beside its logits."""
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        return {"logits": logits, "tokens": input_ids.shape[1], "max_kv": attn_metadata.max_kv_seq_len}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_python_value_in_the_result_is_refused_at_capture(mode):
+    # Before: every graph step returned the capture's values (tokens=4, max_kv=-1 for a step of 3 and 5).
+    with pytest.raises(CaptureError, match=r"the model's result\['(tokens|max_kv)'\] is int -?\d+, a Python value: a graph "
+                                           r"replays the forward's tensor operations only"):
+        _run(ReturnsPythonValues, mode)
+
+
+class LastTokenPerSequence(Wrapped):
+    """Returns each sequence's first token's largest logit, (batch,), beside the logits."""
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata):
+        logits = super().forward(input_ids, position_ids, past_key_values, attn_metadata)
+        return logits, logits[0, attn_metadata.q_start_loc.long()].amax(-1)
+
+
+def test_a_per_sequence_result_of_a_verify_graph_is_refused_at_capture():
+    # Before: 3 sequences of 2 tokens in bucket 4 came back as 4 values, the padding row's last.
+    model = LastTokenPerSequence()
+    engine = ReferenceEngine(65, 16, "cpu", vocab_size=ModelConfig.tiny().vocab_size, table_width=4, seed=3)
+    cache = model.make_kv_cache(65, 16)
+    runner = graphmode.build_graph_runner(model, max_batches=4, max_blocks_per_seq=4, block_size=16, device="cpu",
+                                          capture_batch_sizes=[1, 2, 4], max_q_len=2)
+    seqs = [engine.add() for _ in range(3)]
+    with torch.inference_mode():
+        step = engine.prefill(seqs, [5, 9, 3])
+        runner(step.input_ids, step.position_ids, cache, step.attn_metadata)
+        step = engine.decode(seqs, 2)
+        with pytest.raises(CaptureError, match=r"the model's result\[1\] has shape \(4,\), one value per sequence "
+                                               r"of the graph being captured \(4 sequences, padding rows included, of "
+                                               r"2 tokens each\)"):
+            runner(step.input_ids, step.position_ids, cache, step.attn_metadata)
 
 
 class AppendsToHistory(Wrapped):
@@ -410,7 +456,7 @@ def test_an_eager_step_that_replaces_a_tensor_the_graphs_hold_refuses_graph_step
 
     def both(step):
         with torch.inference_mode():
-            graph = tree_map(torch.clone, runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata))
+            graph = tree_map(_cloned, runner(step.input_ids, step.position_ids, graph_cache, step.attn_metadata))
             eager = eager_model(step.input_ids, step.position_ids, eager_cache, step.attn_metadata)
         torch.testing.assert_close(graph, eager)
 

@@ -426,7 +426,7 @@ class FullGraphs:
                 if unpadded is not None and hasattr(error, "add_note"):
                     error.add_note(unpadded)
                 raise
-            self._outputs.prepare(warm_output, tokens)
+            self._outputs.prepare(warm_output, tokens, bucket)
         graph = hook.graphmode_make_graph(meta=meta)
         self._check_new_graph(graph, name)
         if shared.debug is not None:
@@ -440,7 +440,7 @@ class FullGraphs:
             with graph.capture(pool=shared.pool):
                 output = forward(**fresh_context(seen).as_kwargs())
                 if not warmed:
-                    check_token_dimension(output, tokens)  # prepare()'s check, which no warm-up result met
+                    check_token_dimension(output, tokens, bucket)  # prepare()'s check, which no warm-up result met
                 meta.output_buffers["output"] = self._outputs.publish(output, tokens)
             try:
                 state.check(f"the decode graph of {name}")

@@ -36,7 +36,7 @@ from graphmode.errors import CaptureError
 __all__ = ["SharedOutputs", "check_token_dimension"]
 
 
-def check_token_dimension(output: Any, tokens: int) -> None:
+def check_token_dimension(output: Any, tokens: int, sequences: int | None = None) -> None:
     """Refuse, before a capture, a result tensor of two or more dimensions
     whose second dimension is not the graph's ``tokens`` (padding included).
 
@@ -47,10 +47,34 @@ def check_token_dimension(output: Any, tokens: int) -> None:
     and one row per sequence (each sequence's last token) keeps padding rows
     in a verify step. A 1-D tensor of ``tokens`` values (token ids sampled
     inside the forward, one log-probability per token) is refused too: it
-    would come back uncut, padding rows included. Scalars and other 1-D
-    tensors are returned whole."""
+    would come back uncut, padding rows included; so is one of
+    ``sequences`` values (the graph's rows, padding included, where a
+    full graph takes several tokens per sequence: one value per sequence of
+    a verify step). Scalars and other 1-D tensors are returned whole.
+
+    Python values in the result (a number, a string: anything but tensors
+    and None) are refused: a graph returns them as the capture's forward
+    computed them, at every replay (a token count, a step's maximum came
+    back frozen, silently)."""
     for path, leaf in tree_flatten_with_path(output)[0]:
         where = f"the model's result{keystr(path)}"
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
+            raise CaptureError(
+                f"{where} is {type(leaf).__name__} {leaf!r}, a Python value: a graph replays the forward's tensor "
+                "operations only, so every graph step would return the value this capture computed, whatever "
+                "the step. Return it as a tensor the forward computes (torch.tensor(value) is frozen too: derive "
+                "it from the inputs' tensors), or compute it outside the forward from the step's inputs"
+            )
+        if sequences is not None and sequences != tokens and isinstance(leaf, torch.Tensor) and leaf.dim() == 1 \
+                and leaf.shape[0] == sequences:
+            raise CaptureError(
+                f"{where} has shape ({sequences},), one value per sequence of the graph being captured "
+                f"({sequences} sequences, padding rows included, of {tokens // sequences} tokens each): graph "
+                "results are cut to the live tokens along dimension 1, the model contract's (1, T, ...), and a "
+                "1-D result is returned whole, so it would come back with the padding rows' values after the "
+                "live ones. Return per-token values as (1, T) and pick each sequence's after the call "
+                "(q_start_loc + q_seqlens - 1)"
+            )
         if isinstance(leaf, torch.Tensor) and leaf.dim() == 1 and leaf.shape[0] == tokens:
             raise CaptureError(
                 f"{where} has shape ({tokens},), one value per token of the graph being captured ({tokens} "
@@ -82,12 +106,12 @@ class SharedOutputs:
         self.adopt = adopt
         self.buffers: list[torch.Tensor | None] | None = None
 
-    def prepare(self, example: Any, tokens: int) -> None:
+    def prepare(self, example: Any, tokens: int, sequences: int | None = None) -> None:
         """Allocate the buffers from a result computed outside any graph,
         unless the graph about to be captured is the largest and its result
         is to be adopted (:meth:`publish`). Refuses a result that is not per
         token (:func:`check_token_dimension`)."""
-        check_token_dimension(example, tokens)
+        check_token_dimension(example, tokens, sequences)
         if self.buffers is not None or (self.adopt and tokens == self.max_tokens):
             return
         self.buffers = [
