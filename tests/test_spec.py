@@ -372,6 +372,11 @@ def test_an_engine_step_input_is_its_keyword_copied_whole(fields):
         (lambda: CUDA_SPEC.replace(max_capture_size=0), r"max_capture_size=0: use an int >= 1, or None for no limit"),
         (lambda: CUDA_SPEC.replace(capture_policy=FixedSizes((1, 2, 4)), max_capture_size=8),
          r"max_capture_size=8: the fixed capture list \[1, 2, 4\] \(capture_policy\) ends at 4"),
+        # Accepted before (a red-team plugin, 2026-12-06): MoE dispatch takes a bool mask, and every check
+        # compared values, which an int8 0/1 mask passes.
+        (lambda: CUDA_SPEC.with_buffers(BufferSpec("x_active_mask", torch.int8, shape=(TOKENS,), padding=0, live=1)),
+         r"buffer 'x_active_mask' backs attn_metadata.x_active_mask with dtype torch.int8, but the step context "
+         r"defines it as torch.bool"),
         (lambda: CUDA_SPEC.replace(capture_sizes=FixedSizes((1, 2))),
          r"GraphSpec capture_sizes=FixedSizes\(\(1, 2\)\): the field is capture_policy now"),
         # Accepted before (an outsider's plugin, 2026-12-04), then refused at the first two-token step with

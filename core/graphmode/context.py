@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeAlias
 
 import torch
 
-__all__ = ["BLOCKS", "HOST_COPIES", "REQUIRED_TENSORS", "SEQUENCES", "STEP_PATHS", "STEP_TENSORS", "TOKENS", "AttnMetadata",
+__all__ = ["BLOCKS", "CONTEXT_DTYPES", "HOST_COPIES", "REQUIRED_TENSORS", "SEQUENCES", "STEP_PATHS", "STEP_TENSORS", "TOKENS", "AttnMetadata",
            "KVCache", "StepInputs", "StepModel"]
 
 # Symbolic dimensions of a step tensor's (and a buffer's) shape (``graphmode.spec`` re-exports them).
@@ -79,7 +79,7 @@ class AttnMetadata:
     max_q_seq_len: int
     max_kv_seq_len: int
     kv_seqlens_cpu: torch.Tensor | None = field(default=None, metadata={**_shape(SEQUENCES), "host_copy_of": "kv_seqlens"})
-    x_active_mask: torch.Tensor | None = field(default=None, metadata=_shape(TOKENS))
+    x_active_mask: torch.Tensor | None = field(default=None, metadata={**_shape(TOKENS), "dtype": torch.bool})
     vendor_fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -100,6 +100,12 @@ STEP_TENSORS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
 REQUIRED_TENSORS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(AttnMetadata) if "shape" in f.metadata and f.default is dataclasses.MISSING
 )
+
+#: The step-context fields of one dtype by contract, which a buffer backing one must have
+#: (MoE dispatch takes x_active_mask as a bool mask: an int8 0/1 mask passed every comparison of its values).
+CONTEXT_DTYPES: dict[str, torch.dtype] = {
+    f.name: f.metadata["dtype"] for f in dataclasses.fields(AttnMetadata) if "dtype" in f.metadata
+}
 
 #: The host fields of the step context, each the host copy of a device field:
 #: host memory by contract (an engine need not mark them on the emulator), and

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from graphmode.buckets import capture_list, declared_max_capture_size, graded_sizes, largest_graph
-from graphmode.context import BLOCKS, REQUIRED_TENSORS, SEQUENCES, STEP_TENSORS, TOKENS
+from graphmode.context import BLOCKS, CONTEXT_DTYPES, REQUIRED_TENSORS, SEQUENCES, STEP_TENSORS, TOKENS
 from graphmode.errors import ConfigError
 
 __all__ = [
@@ -326,6 +326,15 @@ class GraphSpec:
             raise ConfigError(f"GraphSpec: no buffer backs the context fields {missing}; every graph context needs them")
         if "block_offsets" in names and self.buffer("block_offsets").shape != (SEQUENCES, BLOCKS):
             raise ConfigError("GraphSpec: block_offsets must have shape (SEQUENCES, BLOCKS)")
+        for spec in self.buffers:
+            for path in spec.contexts:
+                wanted = CONTEXT_DTYPES.get(path.removeprefix("attn_metadata."))
+                if path.startswith("attn_metadata.") and wanted is not None and spec.dtype != wanted:
+                    raise ConfigError(
+                        f"GraphSpec: buffer {spec.name!r} backs {path} with dtype {spec.dtype}, but the step context "
+                        f"defines it as {wanted} (graphmode.context.AttnMetadata): kernels reading it take that "
+                        f"dtype. Declare BufferSpec({spec.name!r}, {wanted}, ...)"
+                    )
         if self.max_q_policy not in ("bound", "dynamic"):
             raise ConfigError(f"GraphSpec max_q_policy={self.max_q_policy!r}: use 'bound' or 'dynamic'")
         if self.max_kv_policy not in ("dynamic", "capacity"):
