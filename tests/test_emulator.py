@@ -252,3 +252,22 @@ def test_a_custom_operator_with_a_host_list_is_one_updatable_call():
     graph.replay()
     assert out.tolist() == [9.0, 9.0]
     # --8<-- [end:host_list_use]
+
+
+def test_host_memory_stays_host_for_as_long_as_any_view_of_it_lives():
+    """A slice of a host buffer kept past the tensor that owns it (a plugin
+    caching a slice of a dropped runner's buffer) is host memory, as a CPU
+    tensor is on a device; before, the mark died with the owner and the
+    emulator refused the slice's read on the host as a device read, a read a
+    device accepts. Once the memory is freed, its address is not host memory."""
+    from graphmode.emulator import is_host
+
+    owner = mark_host(torch.arange(64))
+    view = torch.empty(0, dtype=owner.dtype).set_(owner.untyped_storage(), 0, (8,), (1,))  # no _base holding it
+    del owner
+    assert is_host(view)
+    address = view.untyped_storage().data_ptr()
+    del view
+    reused = [torch.empty(64, dtype=torch.int64) for _ in range(8)]  # the allocator may hand the address out again
+    assert not any(is_host(tensor) for tensor in reused if tensor.untyped_storage().data_ptr() == address)
+    assert not any(is_host(tensor) for tensor in reused)

@@ -18,34 +18,35 @@ a device, where it runs on the host and returns CPU tensors
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["is_host", "is_pinned_host", "mark_derived", "mark_host", "pageable_move"]
 
 #: Calls that move a tensor to the device (``x.cuda()``; ``x.to(device)`` is told by its arguments).
 _MOVES = frozenset({"cuda", "npu", "mlu", "xpu", "musa"})
 
-# storage address -> (the tensor owning the mark, whether the memory is pinned)
-_host_storages: dict[int, tuple[weakref.ref, bool]] = {}
+# storage address -> (a weak reference to the marked storage, whether the memory is pinned). The mark lives
+# as long as the memory does: a view kept past its owner (a slice of a dropped runner's host buffer) is still
+# host memory, as a CPU tensor is on a device; once the storage is freed its address may be device memory.
+_host_storages: dict[int, tuple[StorageWeakRef, bool]] = {}
+_swept_at = [64]  # _host_storages' size at which freed storages' marks are dropped next
 
 
 def mark_host(tensor: torch.Tensor, *, pinned: bool | None = None) -> torch.Tensor:
     """Mark ``tensor``'s memory as host memory, pageable or ``pinned``
     (page-locked), and return the tensor; ``pinned=None`` leaves marked memory
-    as it is and marks unmarked memory pageable. Keep the tensor alive as long
-    as its memory is used: the mark goes with it (a view of marked memory
-    leaves the mark with the tensor that owns it)."""
+    as it is and marks unmarked memory pageable. The mark is the memory's
+    (its storage's), for every view of it, for as long as the memory lives."""
     if not is_host(tensor) or (pinned is not None and pinned != is_pinned_host(tensor)):
-        key = tensor.untyped_storage().data_ptr()
-
-        def forget(ref: weakref.ref) -> None:  # the owner is gone: its address may be reused by device memory
-            if _host_storages.get(key, (None,))[0] is ref:
+        storage = tensor.untyped_storage()
+        _host_storages[storage.data_ptr()] = (StorageWeakRef(storage), bool(pinned))
+        if len(_host_storages) >= _swept_at[0]:
+            for key in [key for key, (ref, _) in _host_storages.items() if ref.expired()]:
                 del _host_storages[key]
-
-        _host_storages[key] = (weakref.ref(tensor, forget), bool(pinned))
+            _swept_at[0] = max(64, 2 * len(_host_storages))
     return tensor
 
 
@@ -71,12 +72,13 @@ def mark_derived(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
             mark_host(tensor, pinned=True if name == "pin_memory" else None)
 
 
-def _mark(tensor: torch.Tensor) -> tuple[weakref.ref, bool] | None:
-    entry = _host_storages.get(tensor.untyped_storage().data_ptr())
+def _mark(tensor: torch.Tensor) -> tuple[StorageWeakRef, bool] | None:
+    key = tensor.untyped_storage().data_ptr()
+    entry = _host_storages.get(key)
     if entry is None:
         return None
-    owner = entry[0]()
-    if owner is None or owner.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+    if entry[0].expired():  # the marked memory was freed: this is other memory at its address
+        del _host_storages[key]
         return None
     return entry
 
