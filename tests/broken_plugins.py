@@ -114,6 +114,17 @@ def _capture_at_batch_size(meta, inputs, batch_size, bucket):
     return cuda.graphmode_update_context(meta, inputs, batch_size, batch_size)
 
 
+# 7b. A context field narrowed at capture (a red-team slip, 2026-12-06): the block table cut to the
+#     capture step's width ("the kernel reads only the columns in use"), which the graph then replays for
+#     every later step, whose longer sequences' further blocks it never reads.
+@hookimpl(wrapper=True)
+def _table_narrowed_at_capture(meta, inputs, batch_size, bucket):
+    static = yield
+    width = inputs.attn_metadata.block_offsets.shape[-1]
+    static.attn_metadata.block_offsets = static.attn_metadata.block_offsets[:, :width]
+    return static
+
+
 # 8. Outputs not cut to the live batch.
 @hookimpl
 def _unsliced_outputs(meta, batch_size, num_tokens):
@@ -454,6 +465,68 @@ class _UniformOffsetOps(ReferenceAttentionOps):
 @hookimpl
 def _uniform_offset_ops():
     return _UniformOffsetOps()
+
+
+class _LaunchesOf32Ops(ReferenceAttentionOps):
+    """Decode attention in launches of 32 sequences ("the kernel takes at
+    most 32 per launch"), each later launch given the first rows' lengths:
+    right up to 32 sequences, wrong above (a red-team slip, 2026-12-06; the
+    kernel test decoded 5 sequences before)."""
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        batch = query.shape[0]
+        if batch <= 32 or batch != attn.block_offsets.shape[0]:
+            return super().paged_decode_attention(query, k_cache, v_cache, attn, scale)
+        parts = []
+        for start in range(0, batch, 32):
+            n = min(32, batch - start)
+            part = attn.replace(block_offsets=attn.block_offsets[start:start + n], kv_seqlens=attn.kv_seqlens[:n])
+            parts.append(super().paged_decode_attention(query[start:start + n], k_cache, v_cache, part, scale))
+        return torch.cat(parts)
+
+
+# 31b. A decode kernel path taken above 32 sequences only.
+@hookimpl
+def _launches_of_32_ops():
+    return _LaunchesOf32Ops()
+
+
+class _ConsecutiveSlotsOps(ReferenceAttentionOps):
+    """A cache write whose bulk path (steps of more than 512 tokens) writes
+    each sequence's tokens at consecutive slots from its first one: right
+    while a sequence's blocks are consecutive, wrong where they are not
+    (a red-team slip, 2026-12-06; no kernel-test step had 512 tokens)."""
+
+    def fill_kv_cache(self, key, value, k_cache, v_cache, attn):
+        slots = attn.kv_start_indices.reshape(-1).long()
+        if slots.shape[0] > 512:
+            starts = attn.q_start_loc.long()
+            token = torch.arange(slots.shape[0], device=slots.device)
+            row = torch.searchsorted(starts, token, right=True) - 1
+            slots = slots[starts][row] + token - starts[row]
+        super().fill_kv_cache(key, value, k_cache, v_cache, attn.replace(kv_start_indices=slots))
+
+
+# 31c. A cache-write path taken above 512 tokens only.
+@hookimpl
+def _consecutive_slots_ops():
+    return _ConsecutiveSlotsOps()
+
+
+class _OwnScaleOps(ReferenceAttentionOps):
+    """Decode attention that takes head_dim**-0.5 for the scale it is given
+    (a vendor kernel's softmax_scale default): right for the reference
+    model, which always passes it, wrong for any model with its own scale
+    (a red-team slip, 2026-12-06)."""
+
+    def paged_decode_attention(self, query, k_cache, v_cache, attn, scale):
+        return super().paged_decode_attention(query, k_cache, v_cache, attn, query.shape[-1] ** -0.5)
+
+
+# 31d. The scale a kernel is given, ignored.
+@hookimpl
+def _own_scale_ops():
+    return _OwnScaleOps()
 
 
 # 32. x_active_mask declared per sequence ("one flag per request"): in a
@@ -837,6 +910,8 @@ BROKEN = {
     "no_update_hook": variant(ascend, "no_update_hook", graphmode_update_graph_params=None),
     "bucket_below_batch": variant(cuda, "bucket_below_batch", graphmode_compatible_size=_bucket_below_batch),
     "captured_at_batch_size": variant(cuda, "captured_at_batch_size", graphmode_update_context=_capture_at_batch_size),
+    "table_narrowed_at_capture": variant(maca, "table_narrowed_at_capture",
+                                         graphmode_update_context=_table_narrowed_at_capture),
     "unsliced_outputs": variant(cuda, "unsliced_outputs", graphmode_get_outputs=_unsliced_outputs),
     "minus_one_max_len": variant(ppu, "minus_one_max_len", graphmode_update_context=_minus_one_max_len),
     "stale_after_larger_bucket": variant(camb, "stale_after_larger_bucket", graphmode_fill_buffers=_reset_own_rows_only),
@@ -864,6 +939,10 @@ BROKEN = {
     # The probe of 2026-11-26.
     "long_context_path": variant(cuda, "long_context_path", graphmode_attention_ops=_split_merge_ops),
     "one_offset_for_a_mixed_step": variant(cuda, "one_offset_for_a_mixed_step", graphmode_attention_ops=_uniform_offset_ops),
+    "decode_in_launches_of_32": variant(cuda, "decode_in_launches_of_32", graphmode_attention_ops=_launches_of_32_ops),
+    "bulk_write_at_consecutive_slots": variant(cuda, "bulk_write_at_consecutive_slots",
+                                               graphmode_attention_ops=_consecutive_slots_ops),
+    "scale_ignored": variant(cuda, "scale_ignored", graphmode_attention_ops=_own_scale_ops),
     "active_mask_per_sequence": variant(ascend, "active_mask_per_sequence", graphmode_graph_spec=_mask_per_sequence_spec),
     "outputs_as_half": variant(cuda, "outputs_as_half", graphmode_get_outputs=_outputs_as_half),
     "padding_slot_clamped_to_zero": variant(maca, "padding_slot_clamped_to_zero", graphmode_attention_ops=_clamped_slot_ops),

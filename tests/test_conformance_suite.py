@@ -76,6 +76,11 @@ DIAGNOSES = {
         "input_ids has 9 rows for a batch of 9 in bucket 10; graphs must be captured at their bucket's size",
         "Hook: graphmode_update_context",
     ),
+    "table_narrowed_at_capture": (
+        "attn_metadata.block_offsets has shape (",
+        "a graph context's field is the buffer's first",
+        "Hook: graphmode_update_context",
+    ),
     "unsliced_outputs": ("Likely cause: outputs not cut to the live tokens (graphmode_get_outputs",),
     "outputs_from_wrong_rows": (
         "max |graph - eager|",
@@ -159,6 +164,18 @@ DIAGNOSES = {
         "[kernels] vendor cuda: on the mixed (4 decodes, a chunk of 9) step",
         "graphmode_attention_ops",
         "a causal offset (kv length - query length) taken for the whole batch rather than per sequence",
+    ),
+    "decode_in_launches_of_32": (
+        "[kernels] vendor cuda: on the decode of 40 sequences step",
+        "Likely cause: graphmode_attention_ops's paged_decode_attention",
+    ),
+    "bulk_write_at_consecutive_slots": (
+        "[kernels] vendor cuda: on the prefill of 640 tokens over 3 sequences step",
+        "Likely cause: graphmode_attention_ops's fill_kv_cache",
+    ),
+    "scale_ignored": (
+        "[kernels] vendor cuda: paged_decode_attention with scale",
+        "Likely cause: the kernel ignores the scale it is given",
     ),
     "active_mask_per_sequence": (
         "[x_active_mask] vendor ascend: in a graph of q_len 2, batch 3 in bucket 4 (6 live tokens of 8 token rows)",

@@ -58,6 +58,17 @@ class KernelTests(ConformanceFixtures):
                        "new token must see its sequence's cache up to its own position, causal among the new "
                        "tokens (FlashAttention's causal=True, whose default is False; FIA's sparse_mode 3)")
                       for q_len in sorted({2, top})]
+        # Sizes a kernel may split its work at (launches of 32 sequences, a path above 512 tokens): a
+        # decode of 40 sequences, and a prefill of 640 tokens over three sequences.
+        wide = [engine.add() for _ in range(35)]
+        steps += [("prefill of 35 sequences", engine.prefill(wide, [3] * 35), ""),
+                  ("decode of 40 sequences", engine.decode([*seqs, *wide]),
+                   "; in a decode of 40 sequences: a path taken above some batch (launches of so many "
+                   "sequences, each given the lengths and tables of its own rows)")]
+        many = [engine.add() for _ in range(3)]
+        steps += [("prefill of 640 tokens over 3 sequences", engine.prefill(many, [200, 240, 200]),
+                   "; in a prefill of 640 tokens: a path taken above some token count (each sequence's "
+                   "tokens at their own slots, not one run of consecutive slots)")]
         # A context past LONG tokens, prefilled in chunks, then decoded beside the short sequences.
         # Chunks of four sizes: shapes that repeat with other lengths are the planning-state test's.
         long = engine.add()
@@ -134,6 +145,45 @@ class KernelTests(ConformanceFixtures):
             f"{name} step (eager) gives logits differing from graphmode's reference kernels by {difference:.3g} "
             f"(tolerance {tolerance:g} relative to the largest logit); {how}"
         )
+
+    def test_the_kernels_use_the_scale_they_are_given(self, harness, vendor):
+        """The reference model always passes ``head_dim**-0.5``; models pass
+        their own (Gemma's query_pre_attn_scalar, MLA's softmax scale, a
+        scaled rotary's mscale). Each kernel, on the same keys and values
+        written by each side's own ``fill_kv_cache``, with another scale,
+        must compute what the reference kernel computes with it."""
+        model, engine, sizes = harness.model, harness.engine, harness.sizes
+        config = model.config
+        reference = build_reference_model(config, ops=ReferenceAttentionOps(), device=harness.device)
+        ours_cache = model.make_kv_cache(sizes.cache_blocks, sizes.block)[0]
+        theirs_cache = reference.make_kv_cache(sizes.cache_blocks, sizes.block)[0]
+        generator = torch.Generator(device="cpu").manual_seed(1)
+        scale = 0.6 * config.head_dim**-0.5
+        tolerance = _TOLERANCE.get(config.dtype, 5e-2)
+
+        def random(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=generator).to(config.dtype).to(harness.device)
+
+        seqs = [engine.add() for _ in range(3)]
+        with torch.inference_mode():
+            for name, step in (("prefill_attention", engine.prefill(seqs, [7, 16, 23])),
+                               ("paged_decode_attention", engine.decode(seqs))):
+                tokens = step.num_tokens
+                key, value = (random(tokens, config.num_key_value_heads, config.head_dim) for _ in range(2))
+                model.ops.fill_kv_cache(key, value, *ours_cache, step.attn_metadata)
+                reference.ops.fill_kv_cache(key, value, *theirs_cache, step.attn_metadata)
+                query = random(tokens, config.num_attention_heads, config.head_dim)
+                ours = getattr(model.ops, name)(query, *ours_cache, step.attn_metadata, scale).float()
+                theirs = getattr(reference.ops, name)(query, *theirs_cache, step.attn_metadata, scale).float()
+                difference = (ours - theirs).abs().max().item()
+                if not difference <= tolerance * max(1.0, theirs.abs().max().item()):
+                    raise ConformanceFailure(
+                        f"[kernels] vendor {vendor.name}: {name} with scale {scale:.4g} (0.6 x head_dim**-0.5) "
+                        f"differs from graphmode's reference kernel with the same scale by {difference:.3g} "
+                        f"(tolerance {tolerance:g}). Likely cause: the kernel ignores the scale it is given "
+                        "(head_dim**-0.5 computed inside, the default of a vendor kernel's softmax_scale), which "
+                        "only the reference model's own scale hides. Hook: graphmode_attention_ops"
+                    )
 
     def test_a_kernel_taking_out_writes_what_it_returns_without_it(self, harness, vendor):
         """``prefill_attention`` and ``paged_decode_attention`` may take

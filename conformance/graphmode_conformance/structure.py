@@ -452,6 +452,17 @@ def check_context(
                     f"[step context] {where}: {path} has {got} rows for a batch of {batch} in bucket {bucket}; "
                     f"graphs must be captured at their bucket's size ({rows} rows). Hook: graphmode_update_context"
                 )
+            # Its other dimensions are the buffer's whole: a block table narrowed to the capture step's width
+            # replays that width for every later step, whose longer sequences' blocks the graph never reads.
+            others = [d for d in range(buffer.dim()) if d != buffer_spec.row_dim]
+            if value.dim() != buffer.dim() or any(value.shape[d] != buffer.shape[d] for d in others):
+                raise ConformanceFailure(
+                    f"[step context] {where}: {path} has shape {tuple(value.shape)}, but its buffer "
+                    f"{buffer_spec.name} has {tuple(buffer.shape)}: a graph context's field is the buffer's first "
+                    f"{rows} rows whole (graphmode.buffers.graph_context), or the graph keeps the capture step's "
+                    "narrower view (a block table cut to the capture step's width never reads a later step's "
+                    "further blocks). Hook: graphmode_update_context"
+                )
 
 
 def query_bound_problem(context: StepInputs | None, q_len: int) -> str | None:
