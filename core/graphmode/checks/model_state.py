@@ -180,39 +180,50 @@ class KeptBuffers:
     off the model's own run.
 
     Told apart from lazy initialisation (a table filled in place the first
-    time the forward runs, which must stay) by when it changes: a buffer
-    changed (its version counter moved: no synchronisation) after the
-    warm-up's first forward, by a capture or a later forward, is per-step
-    state and gets its value from before the warm-up back; one changed by
-    the first forward only keeps what it holds. :meth:`forward_ran` is
-    called after each warm-up forward (``RunnerContext.warm_up``). The values
-    are kept on the host (one copy of every buffer, at the warm-up's start),
-    so that the warm-up's graph memory is measured without them. Inference
-    tensors carry no version counter and are not kept."""
+    time the forward meets a shape, which must stay) by who changes it (its
+    version counter: no synchronisation): a capture's forward runs right
+    after a warm-up forward on the same inputs, so a buffer it changes
+    changes at every step, and gets its value from before the warm-up back;
+    changes made by warm-up forwards only are kept. The values are kept on
+    the host (one copy of every buffer, at the warm-up's start). Inference
+    tensors carry no version counter, and buffers on the meta device no
+    data: neither is kept (docs/architecture.md says so)."""
 
     def __init__(self, model: Any) -> None:
         named = getattr(model, "named_buffers", None)
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.baseline: list[int] | None = None
         for _, buffer in named() if callable(named) else ():
-            if isinstance(buffer, torch.Tensor) and not buffer.is_inference():
-                self.buffers.append((buffer, buffer.detach().to("cpu", copy=True)))
-        self.versions = [buffer._version for buffer, _ in self.buffers]
+            if isinstance(buffer, torch.Tensor) and not buffer.is_inference() and not buffer.is_meta:
+                try:
+                    self.buffers.append((buffer, buffer.detach().to("cpu", copy=True)))
+                except (RuntimeError, NotImplementedError):  # no storage to copy (a subclass, a fake tensor)
+                    continue
+        self.after = [buffer._version for buffer, _ in self.buffers]  # after the last warm-up forward
+        self.per_step: set[int] = set()
+
+    def _moved_since_forward(self) -> None:
+        for index, (buffer, _) in enumerate(self.buffers):
+            if buffer._version != self.after[index]:
+                self.per_step.add(index)
+
+    def forward_starts(self) -> None:
+        """Before a warm-up forward: a buffer changed since the last one was
+        changed by a capture (the capture's forward), so at every step."""
+        self._moved_since_forward()
 
     def forward_ran(self) -> None:
-        """After a warm-up forward: the first one's changes are lazy
-        initialisation, kept; later changes are measured from here."""
-        if self.baseline is None:
-            self.baseline = [buffer._version for buffer, _ in self.buffers]
+        """After a warm-up forward: its changes (lazy initialisation for a
+        new shape) are kept."""
+        self.after = [buffer._version for buffer, _ in self.buffers]
 
     def restore(self) -> None:
-        """Give back the value from before the warm-up to every buffer
-        changed after its first forward (or, with none, at all)."""
-        baseline = self.baseline if self.baseline is not None else self.versions
-        for (buffer, saved), version in zip(self.buffers, baseline):
-            if buffer._version != version:
-                with torch.inference_mode(False), torch.no_grad():
-                    buffer.copy_(saved)
+        """Give back the value from before the warm-up to every buffer a
+        capture's forward changed."""
+        self._moved_since_forward()
+        for index in self.per_step:
+            buffer, saved = self.buffers[index]
+            with torch.inference_mode(False), torch.no_grad():
+                buffer.copy_(saved)
 
 
 class EagerRebinds:

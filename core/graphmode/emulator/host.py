@@ -44,8 +44,8 @@ def mark_host(tensor: torch.Tensor, *, pinned: bool | None = None) -> torch.Tens
         storage = tensor.untyped_storage()
         _host_storages[storage.data_ptr()] = (StorageWeakRef(storage), bool(pinned))
         if len(_host_storages) >= _swept_at[0]:
-            for key in [key for key, (ref, _) in _host_storages.items() if ref.expired()]:
-                del _host_storages[key]
+            for key in [key for key, (ref, _) in list(_host_storages.items()) if ref.expired()]:
+                _host_storages.pop(key, None)
             _swept_at[0] = max(64, 2 * len(_host_storages))
     return tensor
 
@@ -77,8 +77,11 @@ def _mark(tensor: torch.Tensor) -> tuple[StorageWeakRef, bool] | None:
     entry = _host_storages.get(key)
     if entry is None:
         return None
-    if entry[0].expired():  # the marked memory was freed: this is other memory at its address
-        del _host_storages[key]
+    ref = entry[0]
+    if ref.expired():  # the marked memory was freed: this is other memory at its address
+        _host_storages.pop(key, None)
+        return None
+    if ref.cdata != tensor.untyped_storage()._cdata:  # the marked storage moved (resized): other memory here
         return None
     return entry
 

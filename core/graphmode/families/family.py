@@ -382,6 +382,8 @@ class RunnerContext:
         (:meth:`forward_shape`): the forward then counts as having run at it."""
         self.last_state = None  # the forward may change the model's state (lazily, once)
         started = time.perf_counter()
+        if self.kept_buffers is not None:
+            self.kept_buffers.forward_starts()
         output = run()
         if self.kept_buffers is not None:
             self.kept_buffers.forward_ran()
